@@ -1,0 +1,412 @@
+//! The `converged` command line: `mount` (which starts the daemon and returns
+//! once the mount answers), `umount`, and the daemon itself.
+
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use converged_metadata::{MetaUri, Namespace};
+
+use crate::core::{Core, CoreConfig};
+use crate::fuse::FuseAdapter;
+
+/// Printed by a background daemon on its stdout once the mount answers.
+const READY: &str = "converged: mount ready";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "converged",
+    version,
+    about = "converged: the local NVMe SSDs of GPU nodes as one shared POSIX namespace",
+    long_about = "converged mounts a POSIX filesystem whose file data lives in chunks on local SSDs \
+                  and whose namespace lives in a transactional key-value store (embedded redb by default)."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Mount a volume; returns once the mount answers (the daemon keeps running in the background).
+    Mount(MountArgs),
+    /// Unmount a converged mount and wait for its daemon to exit.
+    Umount {
+        /// The mount point to unmount.
+        mountpoint: PathBuf,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct MountArgs {
+    /// Directory to mount on. Must exist, be a directory, and not already be a mount of converged.
+    pub mountpoint: PathBuf,
+
+    /// Directory on the local SSD that holds chunk backing files (and, by default, the metadata).
+    /// Must already exist and be writable; nothing is created when it is missing.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: PathBuf,
+
+    /// Metadata store URI: `redb:///abs/path/meta.redb` (embedded, the default is
+    /// `redb://<data-dir>/meta.redb`) or `memory:` (nothing persists; for tests).
+    #[arg(long, value_name = "URI")]
+    pub meta: Option<String>,
+
+    /// Stay in the foreground and log to stderr instead of starting a background daemon.
+    #[arg(long)]
+    pub foreground: bool,
+
+    /// Serve every read through the daemon so every block is checked against its crc32c.
+    /// Turns kernel passthrough off (reads become slower).
+    #[arg(long)]
+    pub verify_reads: bool,
+
+    /// Number of threads serving FUSE requests.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+
+    /// Seconds the kernel may cache names and attributes. On a single node every change goes
+    /// through this kernel, which keeps its cache coherent, so a long timeout is safe.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub attr_timeout: f64,
+
+    /// Log file of the background daemon [default: <data-dir>/converged.log].
+    #[arg(long, value_name = "FILE")]
+    pub log_file: Option<PathBuf>,
+
+    /// This node's id, recorded as the holder of the chunks it writes [default: the host name].
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<String>,
+
+    /// Source name shown by mount(8) and df.
+    #[arg(long, hide = true)]
+    pub source: Option<String>,
+
+    /// Internal: run as the background daemon, reporting readiness on stdout.
+    #[arg(long, hide = true)]
+    pub daemonized: bool,
+}
+
+/// Everything `mount` needs, checked before anything is created or started.
+struct Checked {
+    mountpoint: PathBuf,
+    data_dir: PathBuf,
+    meta: MetaUri,
+    meta_str: String,
+}
+
+fn check(args: &MountArgs) -> anyhow::Result<Checked> {
+    let dd = &args.data_dir;
+    match std::fs::metadata(dd) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!("data dir {} does not exist", dd.display()),
+        Err(e) => bail!("data dir {}: {e}", dd.display()),
+        Ok(m) if !m.is_dir() => bail!("data dir {} is not a directory", dd.display()),
+        Ok(_) => {}
+    }
+    if !access_writable(dd) {
+        bail!("data dir {} is not writable", dd.display());
+    }
+    let data_dir = dd.canonicalize().with_context(|| format!("data dir {}", dd.display()))?;
+    let mp = &args.mountpoint;
+    match std::fs::metadata(mp) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!("mount point {} does not exist", mp.display()),
+        Err(e) => bail!("mount point {}: {e}", mp.display()),
+        Ok(m) if !m.is_dir() => bail!("mount point {} is not a directory", mp.display()),
+        Ok(_) => {}
+    }
+    let mountpoint = mp.canonicalize().with_context(|| format!("mount point {}", mp.display()))?;
+    if let Some(src) = mount_source(&mountpoint) {
+        bail!("mount point {} is already mounted (by {src})", mountpoint.display());
+    }
+    if data_dir.starts_with(&mountpoint) {
+        bail!("data dir {} lies inside the mount point {}", data_dir.display(), mountpoint.display());
+    }
+    let meta_str = match &args.meta {
+        Some(m) => m.clone(),
+        None => format!("redb://{}", data_dir.join("meta.redb").display()),
+    };
+    let meta: MetaUri = meta_str.parse()?;
+    if !(args.attr_timeout.is_finite() && (0.0..=3600.0).contains(&args.attr_timeout)) {
+        bail!("--attr-timeout must be between 0 and 3600 seconds, got {}", args.attr_timeout);
+    }
+    Ok(Checked { mountpoint, data_dir, meta, meta_str })
+}
+
+fn access_writable(p: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: access(2) with a valid C string.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) == 0 }
+}
+
+/// Undo mountinfo's octal escapes (`\040` for a space).
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() + 0 && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The source of the mount at exactly `path`, if one is there.
+pub fn mount_source(path: &Path) -> Option<String> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mut found = None;
+    for line in info.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else { continue };
+        if fields.len() < sep + 3 || fields.len() < 5 {
+            continue;
+        }
+        if Path::new(&unescape_mountinfo(fields[4])) == path {
+            // The last matching line is the mount on top.
+            found = Some(format!("{} {}", fields[sep + 1], unescape_mountinfo(fields[sep + 2])));
+        }
+    }
+    found
+}
+
+fn lock_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("converged.lock")
+}
+
+/// Hold an exclusive lock on the data dir for the daemon's life, so two
+/// daemons never share one. Waits a while for a daemon that is exiting.
+fn lock_data_dir(data_dir: &Path, wait: Duration) -> anyhow::Result<File> {
+    let path = lock_path(data_dir);
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    let deadline = Instant::now() + wait;
+    loop {
+        // SAFETY: flock on our own fd.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let mut pid = String::new();
+            let _ = f.read_to_string(&mut pid);
+            bail!("data dir {} is in use by another converged daemon (pid {})", data_dir.display(), pid.trim());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f.set_len(0)?;
+    write!(f, "{}", std::process::id())?;
+    Ok(f)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "local".into())
+}
+
+fn init_tracing(log_file: Option<&Path>) -> anyhow::Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("CONVERGED_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match log_file {
+        Some(path) => {
+            let file = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("open log file {}", path.display()))?;
+            builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).init();
+        }
+        None => builder.with_writer(std::io::stderr).init(),
+    }
+    Ok(())
+}
+
+/// Run the daemon in this process until the filesystem is unmounted.
+fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
+    let log_file = if args.daemonized {
+        Some(args.log_file.clone().unwrap_or_else(|| c.data_dir.join("converged.log")))
+    } else {
+        None
+    };
+    init_tracing(log_file.as_deref())?;
+    let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
+    let engine = converged_metadata::open_engine(&c.meta).with_context(|| format!("open metadata {}", c.meta_str))?;
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let ns = Namespace::open(engine, uid, gid).context("open namespace")?;
+    let core = Arc::new(Core::start(
+        ns,
+        CoreConfig {
+            data_dir: c.data_dir.clone(),
+            node_id: args.node_id.clone().unwrap_or_else(hostname),
+            verify_reads: args.verify_reads,
+        },
+    )?);
+    let adapter = FuseAdapter::new(core, Duration::from_secs_f64(args.attr_timeout), !args.verify_reads);
+    let mut config = fuser::Config::default();
+    let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
+    config.mount_options = vec![
+        fuser::MountOption::FSName(source),
+        fuser::MountOption::Subtype("converged".into()),
+        fuser::MountOption::DefaultPermissions,
+        fuser::MountOption::RW,
+        fuser::MountOption::Dev,
+        fuser::MountOption::Suid,
+    ];
+    config.acl = fuser::SessionACL::All;
+    config.n_threads = Some(args.threads as usize);
+    config.clone_fd = true;
+    let mut session = fuser::Session::new(adapter, &c.mountpoint, &config)
+        .with_context(|| format!("mount {}", c.mountpoint.display()))?;
+    tracing::info!(mountpoint = %c.mountpoint.display(), data_dir = %c.data_dir.display(), meta = %c.meta_str, "mounted");
+
+    let mut unmounter = session.unmount_callable();
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])?;
+    let mp = c.mountpoint.clone();
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            tracing::info!(signal = sig, mountpoint = %mp.display(), "unmounting on signal");
+            if let Err(e) = unmounter.unmount() {
+                tracing::error!(error = %e, "unmount on signal failed");
+            }
+        }
+    })?;
+
+    if args.daemonized {
+        println!("{READY}");
+        std::io::stdout().flush()?;
+        detach_stdio();
+    }
+    session.run().context("FUSE session")?;
+    tracing::info!(mountpoint = %c.mountpoint.display(), "unmounted");
+    Ok(())
+}
+
+/// Point stdin/stdout/stderr at /dev/null so the parent sees end-of-file.
+fn detach_stdio() {
+    if let Ok(null) = OpenOptions::new().read(true).write(true).open("/dev/null") {
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors.
+            unsafe { libc::dup2(null.as_raw_fd(), fd) };
+        }
+    }
+}
+
+/// Start the daemon in the background and wait until the mount answers.
+fn spawn_daemon(args: &MountArgs, c: &Checked, exe_prefix: &[OsString]) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("find own executable")?;
+    let (mut reader, writer) = std::io::pipe().context("pipe")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(exe_prefix)
+        .arg("mount")
+        .arg(&c.mountpoint)
+        .arg("--data-dir")
+        .arg(&c.data_dir)
+        .arg("--meta")
+        .arg(&c.meta_str)
+        .arg("--threads")
+        .arg(args.threads.to_string())
+        .arg("--attr-timeout")
+        .arg(args.attr_timeout.to_string())
+        .arg("--daemonized");
+    if args.verify_reads {
+        cmd.arg("--verify-reads");
+    }
+    if let Some(l) = &args.log_file {
+        cmd.arg("--log-file").arg(l);
+    }
+    if let Some(n) = &args.node_id {
+        cmd.arg("--node-id").arg(n);
+    }
+    if let Some(s) = &args.source {
+        cmd.arg("--source").arg(s);
+    }
+    cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
+    // SAFETY: setsid is async-signal-safe; the daemon leaves our session so a
+    // closing terminal does not take it down.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("start daemon")?;
+    drop(cmd);
+    let mut out = String::new();
+    reader.read_to_string(&mut out).context("read daemon output")?;
+    if out.lines().any(|l| l == READY) {
+        for l in out.lines().filter(|l| *l != READY) {
+            eprintln!("{l}");
+        }
+        return Ok(());
+    }
+    let status = child.wait()?;
+    let msg = out.trim();
+    bail!("daemon exited ({status}) before the mount was ready{}{msg}", if msg.is_empty() { "" } else { ": " })
+}
+
+fn umount(mountpoint: &Path) -> anyhow::Result<()> {
+    let mp = mountpoint.canonicalize().with_context(|| format!("mount point {}", mountpoint.display()))?;
+    let Some(src) = mount_source(&mp) else {
+        bail!("{} is not mounted", mp.display());
+    };
+    let data_dir = src
+        .split_once(' ')
+        .map(|(_, s)| s)
+        .and_then(|s| s.strip_prefix("converged:"))
+        .map(PathBuf::from);
+    let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
+    // SAFETY: umount2 with a valid path.
+    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EBUSY) {
+            bail!("{} is busy (files are open or a process has its cwd there)", mp.display());
+        }
+        bail!("umount {}: {e}", mp.display());
+    }
+    // Wait for the daemon to finish its final metadata sync and release the data dir.
+    if let Some(dd) = data_dir {
+        if dd.exists() {
+            let _ = lock_data_dir(&dd, Duration::from_secs(30))?;
+        }
+    }
+    Ok(())
+}
+
+/// Entry point of the `converged` binary; `exe_prefix` is what the daemon
+/// must be started with before `mount` (the mount helper passes its own).
+pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsString]) -> ExitCode {
+    let cli = Cli::parse_from(args);
+    let result = match cli.command {
+        Cmd::Mount(args) => match check(&args) {
+            Err(e) => Err(e),
+            Ok(c) if args.foreground || args.daemonized => run_daemon(&args, c),
+            Ok(c) => spawn_daemon(&args, &c, exe_prefix),
+        },
+        Cmd::Umount { mountpoint } => umount(&mountpoint),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("converged: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

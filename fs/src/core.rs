@@ -1,0 +1,634 @@
+//! The filesystem core: namespace operations plus file data, with no FUSE
+//! types in sight. The FUSE adapter (`fuse.rs`) calls one method here per
+//! request; tests can drive it directly.
+//!
+//! Data lives in the local [`ChunkStore`]. Reads served by the daemon are
+//! checked against per-block crc32c; a file open for writing is *unsealed*
+//! and gets fresh checksums when its last writer closes (or, after a crash,
+//! at the next mount).
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use converged_metadata::types::*;
+use converged_metadata::{ChunkRecord, Durability, MetaError, Namespace, Seal, Unlinked};
+use dashmap::DashMap;
+use parking_lot::Mutex;
+
+use crate::chunkstore::{block_crcs, read_exact_at, ChunkStore};
+use crate::error::{FsError, FsResult};
+
+pub struct CoreConfig {
+    pub data_dir: PathBuf,
+    /// This node's id, recorded as the replica of every chunk it seals.
+    pub node_id: String,
+    /// Serve every read through the daemon so every byte is checksum-verified.
+    pub verify_reads: bool,
+}
+
+/// Attributes as the caller sees them: the namespace record, with size and
+/// mtime taken from the backing file while the file is being written here.
+pub type Attr = Inode;
+
+/// What an open hands back: the handle, and the backing file when reads and
+/// writes may go straight to it (kernel passthrough).
+pub struct Opened {
+    pub fh: u64,
+    pub backing: Option<Arc<File>>,
+}
+
+struct Handle {
+    ino: Ino,
+    writable: bool,
+}
+
+/// Which chunks of an unsealed file need new checksums.
+#[derive(Default)]
+enum Dirty {
+    #[default]
+    None,
+    Chunks(BTreeSet<u32>),
+    /// Writes went around the daemon (passthrough): every chunk.
+    All,
+}
+
+impl Dirty {
+    fn add(&mut self, chunks: std::ops::RangeInclusive<u32>) {
+        match self {
+            Dirty::All => {}
+            Dirty::None => *self = Dirty::Chunks(chunks.collect()),
+            Dirty::Chunks(set) => set.extend(chunks),
+        }
+    }
+}
+
+/// Per-inode state while at least one handle is open on this node.
+struct OpenInode {
+    file: Arc<File>,
+    state: Mutex<OpenState>,
+}
+
+#[derive(Default)]
+struct OpenState {
+    opens: u32,
+    writers: u32,
+    unsealed: bool,
+    dirty: Dirty,
+    orphaned: bool,
+    /// Block checksums of a sealed file, loaded on the first verified read.
+    crcs: Option<Arc<Vec<Option<ChunkRecord>>>>,
+}
+
+pub struct Core {
+    ns: Namespace,
+    store: ChunkStore,
+    cfg: CoreConfig,
+    open: DashMap<Ino, Arc<OpenInode>>,
+    handles: DashMap<u64, Handle>,
+    dirs: DashMap<u64, Arc<Vec<(Vec<u8>, Dentry)>>>,
+    next_fh: AtomicU64,
+    passthrough: AtomicBool,
+}
+
+fn chunk_range(offset: u64, len: u64, chunk_size: u32) -> std::ops::RangeInclusive<u32> {
+    let cs = chunk_size.max(1) as u64;
+    let first = (offset / cs) as u32;
+    let last = ((offset + len.max(1) - 1) / cs) as u32;
+    first..=last
+}
+
+fn ts_from(sec: i64, nsec: i64) -> Timespec {
+    Timespec { sec, nsec: nsec as u32 }
+}
+
+impl Core {
+    /// Open the core and bring metadata and chunks back into agreement:
+    /// purge orphans, re-seal files that were open for writing, drop backing
+    /// files whose inode is gone.
+    pub fn start(ns: Namespace, cfg: CoreConfig) -> FsResult<Self> {
+        let store = ChunkStore::open(&cfg.data_dir)?;
+        let core = Core {
+            ns,
+            store,
+            cfg,
+            open: DashMap::new(),
+            handles: DashMap::new(),
+            dirs: DashMap::new(),
+            next_fh: AtomicU64::new(1),
+            passthrough: AtomicBool::new(false),
+        };
+        core.recover()?;
+        Ok(core)
+    }
+
+    fn recover(&self) -> FsResult<()> {
+        let orphans = self.ns.orphans()?;
+        for ino in &orphans {
+            self.ns.purge(*ino)?;
+            self.store.remove(*ino)?;
+        }
+        let unsealed = self.ns.unsealed()?;
+        for ino in &unsealed {
+            match self.ns.getattr(*ino) {
+                Ok(inode) => {
+                    let file = self.store.open_backing(*ino)?;
+                    self.seal_file(&inode, &file, &Dirty::All, false, Durability::Buffered)?;
+                }
+                Err(MetaError::NotFound) => {
+                    self.ns.purge(*ino)?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let mut strays = 0;
+        for ino in self.store.list()? {
+            if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
+                self.store.remove(ino)?;
+                strays += 1;
+            }
+        }
+        self.ns.sync()?;
+        if !orphans.is_empty() || !unsealed.is_empty() || strays > 0 {
+            tracing::info!(
+                orphans = orphans.len(),
+                resealed = unsealed.len(),
+                stray_backing_files = strays,
+                "recovered after an unclean stop"
+            );
+        }
+        Ok(())
+    }
+
+    pub fn namespace(&self) -> &Namespace {
+        &self.ns
+    }
+
+    /// Called by the adapter once the kernel has agreed to passthrough.
+    pub fn set_passthrough(&self, on: bool) {
+        self.passthrough.store(on && !self.cfg.verify_reads, Ordering::Relaxed);
+    }
+
+    pub fn passthrough(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
+    }
+
+    fn new_fh(&self) -> u64 {
+        self.next_fh.fetch_add(1, Ordering::Relaxed)
+    }
+
+    // ---- attributes ----
+
+    /// Overlay what the backing file knows while writes may bypass the daemon.
+    fn overlay(&self, mut inode: Inode) -> FsResult<Attr> {
+        if inode.kind != FileKind::Regular {
+            return Ok(inode);
+        }
+        if let Some(oi) = self.open.get(&inode.ino).map(|e| e.clone()) {
+            if oi.state.lock().unsealed {
+                let md = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
+                inode.size = md.len();
+                let mtime = ts_from(md.mtime(), md.mtime_nsec());
+                inode.mtime = mtime;
+                inode.ctime = inode.ctime.max(mtime);
+            }
+        }
+        Ok(inode)
+    }
+
+    pub fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        self.overlay(self.ns.lookup(parent, name)?)
+    }
+
+    pub fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        self.overlay(self.ns.getattr(ino)?)
+    }
+
+    pub fn setattr(&self, ino: Ino, attr: &SetAttr) -> FsResult<Attr> {
+        let oi = self.open.get(&ino).map(|e| e.clone());
+        let before = self.getattr(ino)?;
+        if let Some(size) = attr.size {
+            if before.kind == FileKind::Directory {
+                return Err(MetaError::IsDir.into());
+            }
+            let file = match &oi {
+                Some(oi) => oi.file.clone(),
+                None => Arc::new(self.store.open_backing(ino)?),
+            };
+            file.set_len(size).map_err(|e| FsError::io("truncate backing file", e))?;
+        }
+        let mut inode = self.ns.setattr(ino, attr)?;
+        if let Some(oi) = &oi {
+            if attr.atime.is_some() || attr.mtime.is_some() {
+                // Keep the backing file's times in step: they are the source of
+                // mtime while the file is unsealed.
+                set_file_times(&oi.file, &inode)?;
+            }
+        }
+        if let Some(size) = attr.size {
+            let boundary = chunk_range(before.size.min(size), 0, inode.chunk_size);
+            let writing = oi.as_ref().is_some_and(|oi| {
+                let mut st = oi.state.lock();
+                st.crcs = None;
+                if st.unsealed {
+                    st.dirty.add(boundary.clone());
+                }
+                st.unsealed
+            });
+            if !writing {
+                let file = match &oi {
+                    Some(oi) => oi.file.clone(),
+                    None => Arc::new(self.store.open_backing(ino)?),
+                };
+                inode = self.seal_file(&inode, &file, &Dirty::Chunks(boundary.collect()), false, Durability::Buffered)?;
+            }
+        }
+        self.overlay(inode)
+    }
+
+    // ---- namespace ----
+
+    pub fn mknod(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> FsResult<Attr> {
+        Ok(self.ns.mknod(parent, name, node)?)
+    }
+
+    pub fn link(&self, ino: Ino, newparent: Ino, newname: &[u8]) -> FsResult<Attr> {
+        self.overlay(self.ns.link(ino, newparent, newname)?)
+    }
+
+    pub fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        Ok(self.ns.readlink(ino)?)
+    }
+
+    pub fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let gone = self.ns.unlink(parent, name)?;
+        self.forget_orphan(gone)
+    }
+
+    pub fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        Ok(self.ns.rmdir(parent, name)?)
+    }
+
+    pub fn rename(&self, parent: Ino, name: &[u8], newparent: Ino, newname: &[u8], mode: RenameMode) -> FsResult<()> {
+        if let Some(victim) = self.ns.rename(parent, name, newparent, newname, mode)? {
+            self.forget_orphan(victim)?;
+        }
+        Ok(())
+    }
+
+    /// An inode lost its last name: drop it now, or at last close if open here.
+    fn forget_orphan(&self, gone: Unlinked) -> FsResult<()> {
+        if !gone.orphaned {
+            return Ok(());
+        }
+        if let Some(oi) = self.open.get(&gone.ino) {
+            oi.state.lock().orphaned = true;
+            return Ok(());
+        }
+        self.ns.purge(gone.ino)?;
+        self.store.remove(gone.ino)
+    }
+
+    // ---- xattrs ----
+
+    pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
+        Ok(self.ns.setxattr(ino, name, value, mode)?)
+    }
+    pub fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        Ok(self.ns.getxattr(ino, name)?)
+    }
+    pub fn listxattr(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        Ok(self.ns.listxattr(ino)?)
+    }
+    pub fn removexattr(&self, ino: Ino, name: &[u8]) -> FsResult<()> {
+        Ok(self.ns.removexattr(ino, name)?)
+    }
+
+    // ---- directories ----
+
+    /// Directory handles hold a snapshot of the entries, so offsets stay
+    /// stable while the directory changes underneath a reader.
+    pub fn opendir(&self, ino: Ino) -> FsResult<u64> {
+        self.ns.getattr(ino)?;
+        let fh = self.new_fh();
+        Ok(fh)
+    }
+
+    /// Entries from `offset` on; offset 0 (re)takes the snapshot. Returns
+    /// (entry offset, name, dentry); `.` and `..` are offsets 1 and 2.
+    pub fn readdir(&self, ino: Ino, fh: u64, offset: u64) -> FsResult<Arc<Vec<(Vec<u8>, Dentry)>>> {
+        if offset == 0 || !self.dirs.contains_key(&fh) {
+            let dir = self.ns.getattr(ino)?;
+            let mut entries = vec![
+                (b".".to_vec(), Dentry { ino, kind: FileKind::Directory }),
+                (b"..".to_vec(), Dentry { ino: dir.parent, kind: FileKind::Directory }),
+            ];
+            entries.extend(self.ns.readdir(ino)?);
+            self.dirs.insert(fh, Arc::new(entries));
+        }
+        Ok(self.dirs.get(&fh).map(|e| e.clone()).unwrap_or_default())
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.dirs.remove(&fh);
+    }
+
+    pub fn fsyncdir(&self) -> FsResult<()> {
+        Ok(self.ns.sync()?)
+    }
+
+    // ---- files ----
+
+    /// Open `ino`; `writable` for O_WRONLY / O_RDWR.
+    pub fn open(&self, ino: Ino, writable: bool) -> FsResult<Opened> {
+        let inode = self.ns.getattr(ino)?;
+        match inode.kind {
+            FileKind::Regular => {}
+            FileKind::Directory => return Err(MetaError::IsDir.into()),
+            _ => return Err(FsError::Invalid("open of a special file through the daemon")),
+        }
+        let oi = {
+            let entry = self.open.entry(ino).or_try_insert_with(|| {
+                let file = self.store.open_backing(ino)?;
+                FsResult::Ok(Arc::new(OpenInode { file: Arc::new(file), state: Mutex::default() }))
+            })?;
+            let oi = entry.clone();
+            oi.state.lock().opens += 1;
+            oi
+        };
+        let fh = self.new_fh();
+        self.handles.insert(fh, Handle { ino, writable });
+        if writable {
+            let first_writer = {
+                let mut st = oi.state.lock();
+                st.writers += 1;
+                !st.unsealed
+            };
+            if first_writer {
+                if let Err(e) = self.ns.mark_unsealed(ino) {
+                    let _ = self.release(fh);
+                    return Err(e.into());
+                }
+                let mut st = oi.state.lock();
+                st.unsealed = true;
+                st.crcs = None;
+            }
+        }
+        let passthrough = self.passthrough();
+        if passthrough && writable {
+            oi.state.lock().dirty = Dirty::All;
+        }
+        Ok(Opened { fh, backing: passthrough.then(|| oi.file.clone()) })
+    }
+
+    /// The adapter could not set up passthrough for this handle: from now on
+    /// its writes come through the daemon, so normal dirty tracking applies.
+    pub fn passthrough_refused(&self) {
+        if self.passthrough.swap(false, Ordering::Relaxed) {
+            tracing::warn!("kernel refused a passthrough backing file; serving all I/O through the daemon");
+        }
+    }
+
+    fn handle(&self, fh: u64) -> FsResult<(Ino, bool, Arc<OpenInode>)> {
+        let h = self.handles.get(&fh).ok_or(FsError::BadHandle(fh))?;
+        let oi = self.open.get(&h.ino).map(|e| e.clone()).ok_or(FsError::BadHandle(fh))?;
+        Ok((h.ino, h.writable, oi))
+    }
+
+    /// Read through the daemon, verifying each block of a sealed file.
+    pub fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let (ino, _, oi) = self.handle(fh)?;
+        let file_size = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
+        if offset >= file_size || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = (offset + size as u64).min(file_size);
+        let crcs = {
+            let st = oi.state.lock();
+            if st.unsealed { None } else { st.crcs.clone() }
+        };
+        let crcs = match crcs {
+            Some(c) => Some(c),
+            None if !oi.state.lock().unsealed => Some(self.load_crcs(ino, &oi)?),
+            None => None,
+        };
+        let Some(crcs) = crcs else {
+            // Unsealed: being written here, checksums not yet computed.
+            let mut buf = vec![0u8; (end - offset) as usize];
+            read_exact_at(&oi.file, &mut buf, offset).map_err(|e| FsError::io("read backing file", e))?;
+            return Ok(buf);
+        };
+        let bs = BLOCK_SIZE as u64;
+        let start = offset / bs * bs;
+        let stop = end.div_ceil(bs) * bs;
+        let stop_in_file = stop.min(file_size);
+        let mut buf = vec![0u8; (stop_in_file - start) as usize];
+        read_exact_at(&oi.file, &mut buf, start).map_err(|e| FsError::io("read backing file", e))?;
+        let inode_chunk = self.ns.chunk_size().max(1) as u64;
+        for (i, block) in buf.chunks(bs as usize).enumerate() {
+            let block_off = start + i as u64 * bs;
+            let chunk = (block_off / inode_chunk) as usize;
+            let idx = ((block_off % inode_chunk) / bs) as usize;
+            let expected = crcs.get(chunk).and_then(|c| c.as_ref()).and_then(|c| c.block_crcs.get(idx).copied());
+            let ok = match expected {
+                Some(crc) => crc32c::crc32c(block) == crc,
+                // No record: a hole, which must read as zeros.
+                None => block.iter().all(|b| *b == 0),
+            };
+            if !ok {
+                tracing::error!(ino, offset = block_off, "checksum mismatch reading local chunk; returning EIO");
+                return Err(FsError::Corrupt { ino, offset: block_off });
+            }
+        }
+        let from = (offset - start) as usize;
+        let to = (end - start) as usize;
+        buf.truncate(to);
+        buf.drain(..from);
+        Ok(buf)
+    }
+
+    fn load_crcs(&self, ino: Ino, oi: &OpenInode) -> FsResult<Arc<Vec<Option<ChunkRecord>>>> {
+        let mut table: Vec<Option<ChunkRecord>> = Vec::new();
+        for (index, record) in self.ns.chunks(ino)? {
+            let index = index as usize;
+            if table.len() <= index {
+                table.resize(index + 1, None);
+            }
+            table[index] = Some(record);
+        }
+        let table = Arc::new(table);
+        oi.state.lock().crcs = Some(table.clone());
+        Ok(table)
+    }
+
+    pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+        let (_, writable, oi) = self.handle(fh)?;
+        if !writable {
+            return Err(FsError::io("write", std::io::Error::from_raw_os_error(libc::EBADF)));
+        }
+        oi.file.write_all_at(data, offset).map_err(|e| FsError::io("write backing file", e))?;
+        let chunk_size = self.ns.chunk_size();
+        oi.state.lock().dirty.add(chunk_range(offset, data.len() as u64, chunk_size));
+        Ok(data.len() as u32)
+    }
+
+    pub fn fallocate(&self, fh: u64, offset: u64, length: u64, mode: i32) -> FsResult<()> {
+        let (_, writable, oi) = self.handle(fh)?;
+        if !writable {
+            return Err(FsError::io("fallocate", std::io::Error::from_raw_os_error(libc::EBADF)));
+        }
+        let allowed = libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
+        if mode & !allowed != 0 {
+            return Err(FsError::NotSupported("fallocate mode"));
+        }
+        // SAFETY: plain syscall on an fd we own.
+        let rc = unsafe { libc::fallocate(oi.file.as_raw_fd(), mode, offset as i64, length as i64) };
+        if rc != 0 {
+            return Err(FsError::io("fallocate backing file", std::io::Error::last_os_error()));
+        }
+        oi.state.lock().dirty.add(chunk_range(offset, length, self.ns.chunk_size()));
+        Ok(())
+    }
+
+    pub fn lseek(&self, fh: u64, offset: i64, whence: i32) -> FsResult<i64> {
+        let (_, _, oi) = self.handle(fh)?;
+        // SAFETY: lseek on our own fd; the backing file's offset is never used for I/O.
+        let rc = unsafe { libc::lseek(oi.file.as_raw_fd(), offset, whence) };
+        if rc < 0 {
+            return Err(FsError::io("lseek backing file", std::io::Error::last_os_error()));
+        }
+        Ok(rc)
+    }
+
+    /// fsync / fdatasync: data on stable storage, then size and mtime (and
+    /// every earlier namespace change) in a durable metadata commit.
+    pub fn fsync(&self, fh: u64, datasync: bool) -> FsResult<()> {
+        let (ino, _, oi) = self.handle(fh)?;
+        let r = if datasync { oi.file.sync_data() } else { oi.file.sync_all() };
+        r.map_err(|e| FsError::io("fsync backing file", e))?;
+        let unsealed = oi.state.lock().unsealed;
+        if unsealed {
+            let md = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
+            let seal = Seal {
+                size: md.len(),
+                mtime: ts_from(md.mtime(), md.mtime_nsec()),
+                chunks: Vec::new(),
+                keep_unsealed: true,
+            };
+            self.ns.seal(ino, &seal, Durability::Durable)?;
+        } else {
+            self.ns.sync()?;
+        }
+        Ok(())
+    }
+
+    pub fn release(&self, fh: u64) -> FsResult<()> {
+        let Some((_, h)) = self.handles.remove(&fh) else {
+            return Err(FsError::BadHandle(fh));
+        };
+        let Some(oi) = self.open.get(&h.ino).map(|e| e.clone()) else {
+            return Ok(());
+        };
+        let mut result = Ok(());
+        if h.writable {
+            let (last_writer, dirty) = {
+                let mut st = oi.state.lock();
+                st.writers -= 1;
+                let last = st.writers == 0 && st.unsealed && !st.orphaned;
+                (last, if last { std::mem::take(&mut st.dirty) } else { Dirty::None })
+            };
+            if last_writer {
+                result = self.ns.getattr(h.ino).map_err(FsError::from).and_then(|inode| {
+                    self.seal_file(&inode, &oi.file, &dirty, false, Durability::Buffered).map(|_| ())
+                });
+                let mut st = oi.state.lock();
+                if st.writers == 0 {
+                    st.unsealed = false;
+                    st.crcs = None;
+                }
+            }
+        }
+        let mut purge = false;
+        self.open.remove_if(&h.ino, |_, oi| {
+            let mut st = oi.state.lock();
+            st.opens -= 1;
+            purge = st.opens == 0 && st.orphaned;
+            st.opens == 0
+        });
+        if purge {
+            self.ns.purge(h.ino)?;
+            self.store.remove(h.ino)?;
+        }
+        result
+    }
+
+    /// Compute checksums for the dirty chunks of `inode` from `file` and
+    /// record them with the size and mtime the backing file has.
+    fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, keep_unsealed: bool, d: Durability) -> FsResult<Inode> {
+        let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
+        let size = md.len();
+        let cs = inode.chunk_size.max(1) as u64;
+        let nchunks = size.div_ceil(cs) as u32;
+        let which: Vec<u32> = match dirty {
+            Dirty::All => (0..nchunks).collect(),
+            Dirty::Chunks(set) => set.iter().copied().filter(|c| *c < nchunks).collect(),
+            Dirty::None => Vec::new(),
+        };
+        let old: std::collections::HashMap<u32, u64> = if which.is_empty() {
+            Default::default()
+        } else {
+            self.ns.chunks(inode.ino)?.into_iter().map(|(i, r)| (i, r.version)).collect()
+        };
+        let mut chunks = Vec::with_capacity(which.len());
+        for index in which {
+            let start = index as u64 * cs;
+            let len = (size - start).min(cs);
+            let block_crcs = block_crcs(file, start, len).map_err(|e| FsError::io("checksum backing file", e))?;
+            chunks.push((
+                index,
+                ChunkRecord {
+                    version: old.get(&index).map_or(1, |v| v + 1),
+                    len: len as u32,
+                    replicas: vec![self.cfg.node_id.clone()],
+                    block_crcs,
+                },
+            ));
+        }
+        let seal = Seal { size, mtime: ts_from(md.mtime(), md.mtime_nsec()), chunks, keep_unsealed };
+        Ok(self.ns.seal(inode.ino, &seal, d)?)
+    }
+
+    pub fn statfs(&self) -> FsResult<libc::statvfs> {
+        let path = std::ffi::CString::new(self.cfg.data_dir.as_os_str().as_encoded_bytes())
+            .map_err(|_| FsError::Invalid("data dir path has a NUL byte"))?;
+        // SAFETY: statvfs fills the struct we pass.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+            return Err(FsError::io("statvfs data dir", std::io::Error::last_os_error()));
+        }
+        Ok(st)
+    }
+
+    /// Flush the namespace to stable storage (unmount).
+    pub fn shutdown(&self) {
+        if let Err(e) = self.ns.sync() {
+            tracing::error!(error = %e, "final metadata sync failed");
+        }
+    }
+}
+
+fn set_file_times(file: &File, inode: &Inode) -> FsResult<()> {
+    let times = [
+        libc::timespec { tv_sec: inode.atime.sec, tv_nsec: inode.atime.nsec as i64 },
+        libc::timespec { tv_sec: inode.mtime.sec, tv_nsec: inode.mtime.nsec as i64 },
+    ];
+    // SAFETY: futimens on our own fd with a two-element array.
+    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } != 0 {
+        return Err(FsError::io("set backing file times", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}

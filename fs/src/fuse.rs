@@ -1,0 +1,593 @@
+//! The FUSE adapter: the only module that knows fuser. Each callback opens a
+//! span, makes one call into [`Core`], and replies or reports the error once.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use converged_metadata::types::{FileKind, Ino, Inode, NewNode, RenameMode, SetAttr, TimeSet, Timespec, XattrMode};
+use fuser::{
+    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+use parking_lot::Mutex;
+use tracing::debug_span;
+
+use crate::core::{Core, Opened};
+use crate::error::FsError;
+
+pub struct FuseAdapter {
+    core: Arc<Core>,
+    ttl: Duration,
+    want_passthrough: bool,
+    backing: Mutex<BackingIds>,
+}
+
+/// Backing ids registered with the kernel: one per inode, shared by every
+/// handle open on it, closed when the last handle is released.
+#[derive(Default)]
+struct BackingIds {
+    by_fh: HashMap<u64, Arc<BackingId>>,
+    by_ino: HashMap<Ino, Weak<BackingId>>,
+}
+
+impl FuseAdapter {
+    pub fn new(core: Arc<Core>, ttl: Duration, want_passthrough: bool) -> Self {
+        Self { core, ttl, want_passthrough, backing: Mutex::default() }
+    }
+}
+
+/// Log once, at the error's own level, and turn it into an errno.
+fn errno(op: &'static str, e: FsError) -> Errno {
+    if e.is_fault() {
+        tracing::warn!(op, error = %e, "request failed");
+    } else {
+        tracing::debug!(op, error = %e, "request failed");
+    }
+    Errno::from_i32(e.errno())
+}
+
+fn to_system_time(t: Timespec) -> SystemTime {
+    if t.sec >= 0 {
+        UNIX_EPOCH + Duration::new(t.sec as u64, t.nsec)
+    } else {
+        UNIX_EPOCH - Duration::new(t.sec.unsigned_abs(), 0) + Duration::new(0, t.nsec)
+    }
+}
+
+fn from_time(t: TimeOrNow) -> TimeSet {
+    match t {
+        TimeOrNow::Now => TimeSet::Now,
+        TimeOrNow::SpecificTime(st) => TimeSet::At(from_system_time(st)),
+    }
+}
+
+fn from_system_time(st: SystemTime) -> Timespec {
+    match st.duration_since(UNIX_EPOCH) {
+        Ok(d) => Timespec { sec: d.as_secs() as i64, nsec: d.subsec_nanos() },
+        Err(e) => {
+            let d = e.duration();
+            let mut sec = -(d.as_secs() as i64);
+            let mut nsec = d.subsec_nanos();
+            if nsec > 0 {
+                sec -= 1;
+                nsec = 1_000_000_000 - nsec;
+            }
+            Timespec { sec, nsec }
+        }
+    }
+}
+
+fn file_type(kind: FileKind) -> FileType {
+    match kind {
+        FileKind::Regular => FileType::RegularFile,
+        FileKind::Directory => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::Socket => FileType::Socket,
+        FileKind::CharDevice => FileType::CharDevice,
+        FileKind::BlockDevice => FileType::BlockDevice,
+    }
+}
+
+fn attr(i: &Inode) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(i.ino),
+        size: i.size,
+        blocks: i.size.div_ceil(512),
+        atime: to_system_time(i.atime),
+        mtime: to_system_time(i.mtime),
+        ctime: to_system_time(i.ctime),
+        crtime: to_system_time(i.ctime),
+        kind: file_type(i.kind),
+        perm: i.perm,
+        nlink: i.nlink,
+        uid: i.uid,
+        gid: i.gid,
+        rdev: i.rdev,
+        blksize: 1 << 20,
+        flags: 0,
+    }
+}
+
+fn is_writable(flags: OpenFlags) -> bool {
+    flags.acc_mode() != OpenAccMode::O_RDONLY
+}
+
+impl FuseAdapter {
+    /// Register the backing file with the kernel for passthrough, sharing one
+    /// backing id per inode. `None` means serve this handle through the daemon.
+    fn backing_id(
+        &self,
+        ino: Ino,
+        opened: &Opened,
+        open_backing: impl Fn(&std::fs::File) -> std::io::Result<BackingId>,
+    ) -> Option<Arc<BackingId>> {
+        let file = opened.backing.as_ref()?;
+        let mut ids = self.backing.lock();
+        let id = match ids.by_ino.get(&ino).and_then(Weak::upgrade) {
+            Some(id) => id,
+            None => match open_backing(file) {
+                Ok(id) => {
+                    let id = Arc::new(id);
+                    ids.by_ino.insert(ino, Arc::downgrade(&id));
+                    id
+                }
+                Err(e) => {
+                    tracing::warn!(ino, error = %e, "passthrough refused by the kernel; falling back to daemon I/O");
+                    self.core.passthrough_refused();
+                    return None;
+                }
+            },
+        };
+        ids.by_fh.insert(opened.fh, id.clone());
+        Some(id)
+    }
+
+    fn new_node(&self, req: &Request, parent: INodeNo, name: &OsStr, node: NewNode<'_>, reply: ReplyEntry) {
+        match self.core.mknod(parent.0, name.as_bytes(), &node) {
+            Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
+            Err(e) => reply.error(errno("mknod", e)),
+        }
+        let _ = req;
+    }
+}
+
+impl Filesystem for FuseAdapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        let _ = config.set_max_background(64);
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        let mut passthrough = false;
+        if self.want_passthrough {
+            match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
+                Ok(()) => match config.set_max_stack_depth(1) {
+                    Ok(_) => passthrough = true,
+                    Err(e) => tracing::warn!(max = e, "kernel refused passthrough stack depth; daemon I/O only"),
+                },
+                Err(_) => tracing::warn!("kernel does not offer FUSE passthrough; reads and writes go through the daemon"),
+            }
+        }
+        self.core.set_passthrough(passthrough);
+        tracing::info!(passthrough = self.core.passthrough(), "FUSE session initialised");
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        self.core.shutdown();
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _s = debug_span!("lookup", parent = parent.0, name = ?name).entered();
+        match self.core.lookup(parent.0, name.as_bytes()) {
+            Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
+            Err(e) => reply.error(errno("lookup", e)),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _s = debug_span!("getattr", ino = ino.0).entered();
+        match self.core.getattr(ino.0) {
+            Ok(i) => reply.attr(&self.ttl, &attr(&i)),
+            Err(e) => reply.error(errno("getattr", e)),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let _s = debug_span!("setattr", ino = ino.0, ?mode, ?uid, ?gid, ?size).entered();
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: atime.map(from_time),
+            mtime: mtime.map(from_time),
+            ctime: ctime.map(from_system_time),
+        };
+        match self.core.setattr(ino.0, &set) {
+            Ok(i) => reply.attr(&self.ttl, &attr(&i)),
+            Err(e) => reply.error(errno("setattr", e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _s = debug_span!("readlink", ino = ino.0).entered();
+        match self.core.readlink(ino.0) {
+            Ok(t) => reply.data(&t),
+            Err(e) => reply.error(errno("readlink", e)),
+        }
+    }
+
+    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, rdev: u32, reply: ReplyEntry) {
+        let _s = debug_span!("mknod", parent = parent.0, name = ?name, mode).entered();
+        let Some(kind) = FileKind::from_mode(mode) else {
+            return reply.error(Errno::EINVAL);
+        };
+        let node = NewNode { kind, perm: (mode & 0o7777) as u16, uid: req.uid(), gid: req.gid(), rdev, target: None };
+        self.new_node(req, parent, name, node, reply);
+    }
+
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
+        let _s = debug_span!("mkdir", parent = parent.0, name = ?name, mode).entered();
+        let node = NewNode {
+            kind: FileKind::Directory,
+            perm: (mode & 0o7777) as u16,
+            uid: req.uid(),
+            gid: req.gid(),
+            rdev: 0,
+            target: None,
+        };
+        self.new_node(req, parent, name, node, reply);
+    }
+
+    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        let _s = debug_span!("symlink", parent = parent.0, name = ?link_name).entered();
+        let node = NewNode {
+            kind: FileKind::Symlink,
+            perm: 0o777,
+            uid: req.uid(),
+            gid: req.gid(),
+            rdev: 0,
+            target: Some(target.as_os_str().as_bytes()),
+        };
+        self.new_node(req, parent, link_name, node, reply);
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _s = debug_span!("unlink", parent = parent.0, name = ?name).entered();
+        match self.core.unlink(parent.0, name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("unlink", e)),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _s = debug_span!("rmdir", parent = parent.0, name = ?name).entered();
+        match self.core.rmdir(parent.0, name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("rmdir", e)),
+        }
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let _s = debug_span!("rename", parent = parent.0, name = ?name, newparent = newparent.0, newname = ?newname)
+            .entered();
+        let mode = if flags.contains(RenameFlags::RENAME_EXCHANGE) {
+            RenameMode::Exchange
+        } else if flags.contains(RenameFlags::RENAME_NOREPLACE) {
+            RenameMode::NoReplace
+        } else if flags.is_empty() {
+            RenameMode::Replace
+        } else {
+            return reply.error(Errno::EINVAL);
+        };
+        match self.core.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), mode) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("rename", e)),
+        }
+    }
+
+    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        let _s = debug_span!("link", ino = ino.0, newparent = newparent.0, newname = ?newname).entered();
+        match self.core.link(ino.0, newparent.0, newname.as_bytes()) {
+            Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
+            Err(e) => reply.error(errno("link", e)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let _s = debug_span!("open", ino = ino.0, flags = flags.0).entered();
+        match self.core.open(ino.0, is_writable(flags)) {
+            Ok(opened) => match self.backing_id(ino.0, &opened, |f| reply.open_backing(f)) {
+                Some(id) => reply.opened_passthrough(FileHandle(opened.fh), FopenFlags::empty(), &id),
+                None => reply.opened(FileHandle(opened.fh), FopenFlags::empty()),
+            },
+            Err(e) => reply.error(errno("open", e)),
+        }
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let _s = debug_span!("create", parent = parent.0, name = ?name, mode, flags).entered();
+        let node = NewNode {
+            kind: FileKind::Regular,
+            perm: (mode & 0o7777) as u16,
+            uid: req.uid(),
+            gid: req.gid(),
+            rdev: 0,
+            target: None,
+        };
+        let inode = match self.core.mknod(parent.0, name.as_bytes(), &node) {
+            Ok(i) => i,
+            Err(e) => return reply.error(errno("create", e)),
+        };
+        let opened = match self.core.open(inode.ino, is_writable(OpenFlags(flags))) {
+            Ok(o) => o,
+            Err(e) => return reply.error(errno("create", e)),
+        };
+        let a = attr(&inode);
+        match self.backing_id(inode.ino, &opened, |f| reply.open_backing(f)) {
+            Some(id) => {
+                reply.created_passthrough(&self.ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
+            }
+            None => reply.created(&self.ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty()),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let _s = debug_span!("read", ino = ino.0, offset, size).entered();
+        match self.core.read(fh.0, offset, size) {
+            Ok(data) => reply.data(&data),
+            Err(e) => reply.error(errno("read", e)),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let _s = debug_span!("write", ino = ino.0, offset, len = data.len()).entered();
+        match self.core.write(fh.0, offset, data) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno("write", e)),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let _s = debug_span!("release", ino = ino.0, fh = fh.0).entered();
+        {
+            let mut ids = self.backing.lock();
+            if ids.by_fh.remove(&fh.0).is_some() && ids.by_ino.get(&ino.0).is_some_and(|w| w.strong_count() == 0) {
+                ids.by_ino.remove(&ino.0);
+            }
+        }
+        match self.core.release(fh.0) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("release", e)),
+        }
+    }
+
+    fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+        let _s = debug_span!("fsync", ino = ino.0, datasync).entered();
+        match self.core.fsync(fh.0, datasync) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fsync", e)),
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.core.opendir(ino.0) {
+            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            Err(e) => reply.error(errno("opendir", e)),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let _s = debug_span!("readdir", ino = ino.0, offset).entered();
+        match self.core.readdir(ino.0, fh.0, offset) {
+            Ok(entries) => {
+                for (i, (name, d)) in entries.iter().enumerate().skip(offset as usize) {
+                    if reply.add(INodeNo(d.ino), (i + 1) as u64, file_type(d.kind), OsStr::from_bytes(name)) {
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(errno("readdir", e)),
+        }
+    }
+
+    fn readdirplus(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
+        let _s = debug_span!("readdirplus", ino = ino.0, offset).entered();
+        match self.core.readdir(ino.0, fh.0, offset) {
+            Ok(entries) => {
+                for (i, (name, d)) in entries.iter().enumerate().skip(offset as usize) {
+                    let Ok(inode) = self.core.getattr(d.ino) else { continue };
+                    if reply.add(INodeNo(d.ino), (i + 1) as u64, OsStr::from_bytes(name), &self.ttl, &attr(&inode), Generation(0)) {
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(errno("readdirplus", e)),
+        }
+    }
+
+    fn releasedir(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
+        self.core.releasedir(fh.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.core.fsyncdir() {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fsyncdir", e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        match self.core.statfs() {
+            Ok(st) => reply.statfs(
+                st.f_blocks,
+                st.f_bfree,
+                st.f_bavail,
+                st.f_files,
+                st.f_ffree,
+                st.f_bsize as u32,
+                converged_metadata::types::NAME_MAX as u32,
+                st.f_frsize as u32,
+            ),
+            Err(e) => reply.error(errno("statfs", e)),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let _s = debug_span!("setxattr", ino = ino.0, name = ?name).entered();
+        let mode = match flags {
+            0 => XattrMode::Any,
+            libc::XATTR_CREATE => XattrMode::Create,
+            libc::XATTR_REPLACE => XattrMode::Replace,
+            _ => return reply.error(Errno::EINVAL),
+        };
+        match self.core.setxattr(ino.0, name.as_bytes(), value, mode) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("setxattr", e)),
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let _s = debug_span!("getxattr", ino = ino.0, name = ?name).entered();
+        match self.core.getxattr(ino.0, name.as_bytes()) {
+            Ok(v) => reply_sized(reply, &v, size),
+            Err(e) => reply.error(errno("getxattr", e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let _s = debug_span!("listxattr", ino = ino.0).entered();
+        match self.core.listxattr(ino.0) {
+            Ok(v) => reply_sized(reply, &v, size),
+            Err(e) => reply.error(errno("listxattr", e)),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _s = debug_span!("removexattr", ino = ino.0, name = ?name).entered();
+        match self.core.removexattr(ino.0, name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("removexattr", e)),
+        }
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        // Permission checks are the kernel's (mounted with default_permissions).
+        reply.ok();
+    }
+
+    fn fallocate(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+        let _s = debug_span!("fallocate", ino = ino.0, offset, length, mode).entered();
+        match self.core.fallocate(fh.0, offset, length, mode) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fallocate", e)),
+        }
+    }
+
+    fn lseek(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
+        let _s = debug_span!("lseek", ino = ino.0, offset, whence).entered();
+        match self.core.lseek(fh.0, offset, whence) {
+            Ok(o) => reply.offset(o),
+            Err(e) => reply.error(errno("lseek", e)),
+        }
+    }
+}
+
+/// getxattr/listxattr: size 0 asks for the length; too small a buffer is ERANGE.
+fn reply_sized(reply: ReplyXattr, value: &[u8], size: u32) {
+    if size == 0 {
+        reply.size(value.len() as u32);
+    } else if value.len() > size as usize {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(value);
+    }
+}

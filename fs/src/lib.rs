@@ -1,0 +1,8 @@
+//! converged node daemon: the FUSE adapter, the filesystem core, the local
+//! chunk store and the command line.
+
+pub mod chunkstore;
+pub mod cli;
+pub mod core;
+pub mod error;
+mod fuse;

@@ -1,0 +1,67 @@
+//! The namespace's error type and its one mapping to errno.
+
+use thiserror::Error;
+
+use crate::kv::KvError;
+
+#[derive(Debug, Error)]
+pub enum MetaError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file exists")]
+    Exists,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("name longer than 255 bytes")]
+    NameTooLong,
+    #[error("invalid argument: {0}")]
+    Invalid(&'static str),
+    #[error("operation not permitted: {0}")]
+    NotPermitted(&'static str),
+    #[error("no such extended attribute")]
+    NoAttr,
+    #[error("extended attribute name or value too large")]
+    XattrTooBig,
+    #[error("too many links")]
+    TooManyLinks,
+    #[error("corrupt metadata record {key}: {msg}")]
+    Corrupt { key: String, msg: String },
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+impl MetaError {
+    /// The errno a POSIX caller sees. Exhaustive on purpose: a new variant
+    /// must decide its errno here.
+    pub fn errno(&self) -> i32 {
+        match self {
+            MetaError::NotFound => libc::ENOENT,
+            MetaError::Exists => libc::EEXIST,
+            MetaError::NotDir => libc::ENOTDIR,
+            MetaError::IsDir => libc::EISDIR,
+            MetaError::NotEmpty => libc::ENOTEMPTY,
+            MetaError::NameTooLong => libc::ENAMETOOLONG,
+            MetaError::Invalid(_) => libc::EINVAL,
+            MetaError::NotPermitted(_) => libc::EPERM,
+            MetaError::NoAttr => libc::ENODATA,
+            MetaError::XattrTooBig => libc::E2BIG,
+            MetaError::TooManyLinks => libc::EMLINK,
+            MetaError::Corrupt { .. } => libc::EIO,
+            MetaError::Kv(KvError::Conflict) => libc::EAGAIN,
+            MetaError::Kv(KvError::NoSpace) => libc::ENOSPC,
+            MetaError::Kv(KvError::Backend { .. }) => libc::EIO,
+        }
+    }
+
+    /// Whether this is an expected answer (ENOENT on lookup) rather than a fault
+    /// worth logging loudly.
+    pub fn is_fault(&self) -> bool {
+        matches!(self, MetaError::Corrupt { .. } | MetaError::Kv(_))
+    }
+}
+
+pub type MetaResult<T> = Result<T, MetaError>;

@@ -1,0 +1,79 @@
+//! The transactional key-value contract every metadata engine implements.
+//!
+//! This module knows no backend: engines live in their own modules (`MemKv`,
+//! `RedbKv`, later `EtcdKv`) and are picked by [`crate::open_engine`] from a URI.
+
+use thiserror::Error;
+
+/// Errors an engine reports. `retryable` tells the namespace layer whether
+/// running the same transaction again can help.
+#[derive(Debug, Error)]
+pub enum KvError {
+    /// Another transaction changed what this one read; run it again.
+    #[error("transaction conflict")]
+    Conflict,
+    /// The engine's storage is full.
+    #[error("metadata store is out of space")]
+    NoSpace,
+    /// Anything else the backend reports.
+    #[error("metadata engine error: {msg}")]
+    Backend { msg: String, retryable: bool },
+}
+
+impl KvError {
+    pub fn backend(e: impl std::fmt::Display) -> Self {
+        let msg = e.to_string();
+        // redb and the OS report a full disk through io::Error; keep it recognisable.
+        if msg.contains("No space left") || msg.contains("os error 28") {
+            return KvError::NoSpace;
+        }
+        KvError::Backend { msg, retryable: false }
+    }
+
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            KvError::Conflict => true,
+            KvError::NoSpace => false,
+            KvError::Backend { retryable, .. } => *retryable,
+        }
+    }
+}
+
+pub type KvResult<T> = Result<T, KvError>;
+
+/// How durable a commit must be before it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Atomic and ordered, but may be lost in a power failure until the next
+    /// durable commit or [`KvEngine::sync`] (the page-cache contract of a local fs).
+    Buffered,
+    /// On stable storage when `commit` returns (what fsync needs).
+    Durable,
+}
+
+/// A consistent read view.
+pub trait KvRead {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>>;
+    /// Keys in `[start, end)`, in order, at most `limit` of them.
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>>;
+}
+
+/// A read-write transaction. Writes are invisible to others until `commit`;
+/// dropping it without commit aborts.
+pub trait KvWrite: KvRead {
+    fn put(&mut self, key: &[u8], value: &[u8]);
+    fn delete(&mut self, key: &[u8]);
+    fn commit(self: Box<Self>, durability: Durability) -> KvResult<()>;
+}
+
+/// A metadata engine. Implementations must give serializable transactions:
+/// either by running writers one at a time (redb) or by failing a commit
+/// whose reads went stale with [`KvError::Conflict`] (etcd).
+pub trait KvEngine: Send + Sync + 'static {
+    /// The engine's name, for logs and `status`.
+    fn name(&self) -> &'static str;
+    fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>>;
+    fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>>;
+    /// Make every commit so far durable.
+    fn sync(&self) -> KvResult<()>;
+}

@@ -1,0 +1,169 @@
+//! `RedbKv`: the embedded engine (one file, no server), the single-node default.
+//!
+//! redb runs one write transaction at a time, so transactions never conflict.
+//! Buffered commits use `Durability::None`; a durable commit (or `sync`) makes
+//! every earlier commit durable too, which is how fsync is honoured cheaply.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
+
+const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("converged");
+
+pub struct RedbKv {
+    db: Database,
+}
+
+impl RedbKv {
+    /// Open (or create) the database file. Another daemon holding it is
+    /// waited for up to `wait`, so a remount right after an unmount works.
+    pub fn open(path: &Path, wait: Duration) -> KvResult<Self> {
+        let deadline = Instant::now() + wait;
+        let db = loop {
+            match Database::create(path) {
+                Ok(db) => break db,
+                Err(redb::DatabaseError::DatabaseAlreadyOpen) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+                    return Err(KvError::backend(format!(
+                        "{} is in use by another converged daemon",
+                        path.display()
+                    )))
+                }
+                Err(e) => return Err(KvError::backend(format!("{}: {e}", path.display()))),
+            }
+        };
+        let txn = db.begin_write().map_err(KvError::backend)?;
+        txn.open_table(TABLE).map_err(KvError::backend)?;
+        txn.commit().map_err(KvError::backend)?;
+        Ok(Self { db })
+    }
+}
+
+struct RedbRead {
+    table: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
+}
+
+fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
+    table: &T,
+    start: &[u8],
+    end: &[u8],
+    limit: usize,
+) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+    let mut out = Vec::new();
+    let range = table
+        .range::<&[u8]>((Bound::Included(start), Bound::Excluded(end)))
+        .map_err(KvError::backend)?;
+    for item in range.take(limit) {
+        let (k, v) = item.map_err(KvError::backend)?;
+        out.push((k.value().to_vec(), v.value().to_vec()));
+    }
+    Ok(out)
+}
+
+impl KvRead for RedbRead {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        Ok(self
+            .table
+            .get(key)
+            .map_err(KvError::backend)?
+            .map(|v| v.value().to_vec()))
+    }
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        collect_range(&self.table, start, end, limit)
+    }
+}
+
+/// Writes are buffered and applied at commit, because a redb `Table` borrows
+/// its transaction and cannot live beside it in one struct.
+struct RedbWrite {
+    txn: redb::WriteTransaction,
+    pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+}
+
+impl KvRead for RedbWrite {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        if let Some(v) = self.pending.get(key) {
+            return Ok(v.clone());
+        }
+        let table = self.txn.open_table(TABLE).map_err(KvError::backend)?;
+        let v = table.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec());
+        Ok(v)
+    }
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        let table = self.txn.open_table(TABLE).map_err(KvError::backend)?;
+        let overlay: Vec<_> = self
+            .pending
+            .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)))
+            .collect();
+        let extra = overlay.iter().filter(|(_, v)| v.is_none()).count();
+        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
+            collect_range(&table, start, end, limit.saturating_add(extra))?
+                .into_iter()
+                .collect();
+        for (k, v) in overlay {
+            match v {
+                Some(v) => merged.insert(k.clone(), v.clone()),
+                None => merged.remove(k),
+            };
+        }
+        Ok(merged.into_iter().take(limit).collect())
+    }
+}
+
+impl KvWrite for RedbWrite {
+    fn put(&mut self, key: &[u8], value: &[u8]) {
+        self.pending.insert(key.to_vec(), Some(value.to_vec()));
+    }
+    fn delete(&mut self, key: &[u8]) {
+        self.pending.insert(key.to_vec(), None);
+    }
+    fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
+        let RedbWrite { mut txn, pending } = *self;
+        let level = match durability {
+            Durability::Buffered => redb::Durability::None,
+            Durability::Durable => redb::Durability::Immediate,
+        };
+        txn.set_durability(level).map_err(KvError::backend)?;
+        {
+            let mut table = txn.open_table(TABLE).map_err(KvError::backend)?;
+            for (k, v) in &pending {
+                match v {
+                    Some(v) => {
+                        table.insert(k.as_slice(), v.as_slice()).map_err(KvError::backend)?;
+                    }
+                    None => {
+                        table.remove(k.as_slice()).map_err(KvError::backend)?;
+                    }
+                }
+            }
+        }
+        txn.commit().map_err(KvError::backend)
+    }
+}
+
+impl KvEngine for RedbKv {
+    fn name(&self) -> &'static str {
+        "redb"
+    }
+    fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        let txn = self.db.begin_read().map_err(KvError::backend)?;
+        let table = txn.open_table(TABLE).map_err(KvError::backend)?;
+        Ok(Box::new(RedbRead { table }))
+    }
+    fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+        let txn = self.db.begin_write().map_err(KvError::backend)?;
+        Ok(Box::new(RedbWrite { txn, pending: BTreeMap::new() }))
+    }
+    fn sync(&self) -> KvResult<()> {
+        let mut txn = self.db.begin_write().map_err(KvError::backend)?;
+        txn.set_durability(redb::Durability::Immediate).map_err(KvError::backend)?;
+        txn.commit().map_err(KvError::backend)
+    }
+}

@@ -1,0 +1,75 @@
+//! converged metadata: the namespace (inodes, dentries, symlinks, hard links,
+//! xattrs, file layouts) over a transactional key-value engine.
+//!
+//! The engine is chosen by URI ([`open_engine`]): `redb:///path` (embedded, the
+//! default) or `memory:` (tests). Every namespace operation is one transaction.
+
+pub mod error;
+pub mod kv;
+pub mod kv_mem;
+pub mod kv_redb;
+mod namespace;
+pub mod ops;
+pub mod schema;
+pub mod types;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use error::{MetaError, MetaResult};
+pub use kv::{Durability, KvEngine, KvError};
+pub use kv_mem::MemKv;
+pub use kv_redb::RedbKv;
+pub use namespace::{Namespace, LINK_MAX};
+pub use ops::layout::Seal;
+pub use types::ChunkRecord;
+pub use ops::Unlinked;
+pub use ops::xattr::{XATTR_NAME_MAX, XATTR_SIZE_MAX};
+
+/// A metadata URI, parsed but not yet opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetaUri {
+    /// `redb:///absolute/path/meta.redb`
+    Redb(PathBuf),
+    /// `memory:` — nothing persists; for tests.
+    Memory,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UriError {
+    #[error("metadata URI {0:?} has no scheme; expected redb:///path or memory:")]
+    NoScheme(String),
+    #[error("metadata URI {uri:?}: unknown scheme {scheme:?}; supported: redb, memory (etcd comes with the cluster mode)")]
+    UnknownScheme { uri: String, scheme: String },
+    #[error("metadata URI {0:?}: redb needs an absolute path, as in redb:///nvme/converged/meta.redb")]
+    RedbPath(String),
+}
+
+impl std::str::FromStr for MetaUri {
+    type Err = UriError;
+    fn from_str(uri: &str) -> Result<Self, UriError> {
+        let Some((scheme, rest)) = uri.split_once(':') else {
+            return Err(UriError::NoScheme(uri.into()));
+        };
+        match scheme {
+            "redb" => {
+                let path = rest.strip_prefix("//").unwrap_or(rest);
+                if !path.starts_with('/') || path.len() < 2 || path.ends_with('/') {
+                    return Err(UriError::RedbPath(uri.into()));
+                }
+                Ok(MetaUri::Redb(PathBuf::from(path)))
+            }
+            "memory" if rest.is_empty() || rest == "//" => Ok(MetaUri::Memory),
+            _ => Err(UriError::UnknownScheme { uri: uri.into(), scheme: scheme.into() }),
+        }
+    }
+}
+
+/// Open the engine a URI names.
+pub fn open_engine(uri: &MetaUri) -> Result<Arc<dyn KvEngine>, KvError> {
+    Ok(match uri {
+        MetaUri::Redb(path) => Arc::new(RedbKv::open(path, Duration::from_secs(10))?),
+        MetaUri::Memory => Arc::new(MemKv::new()),
+    })
+}

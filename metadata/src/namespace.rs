@@ -1,0 +1,215 @@
+//! `Namespace`: the filesystem's metadata over a [`KvEngine`].
+//!
+//! Each namespace operation (in `ops/`) is one transaction run through
+//! [`Namespace::write`], which retries on conflict. This layer knows nothing
+//! of FUSE or of file data: callers pass plain values and get [`Inode`]s back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::error::{MetaError, MetaResult};
+use crate::kv::{Durability, KvEngine, KvRead, KvWrite};
+use crate::schema;
+use crate::types::*;
+
+/// How many inode numbers one allocation reserves; fewer round trips to the
+/// engine, and with etcd fewer conflicts on the counter between nodes.
+const INO_BATCH: u64 = 1024;
+const MAX_ATTEMPTS: u32 = 64;
+pub const LINK_MAX: u32 = 65_000;
+
+pub struct Namespace {
+    kv: Arc<dyn KvEngine>,
+    next_ino: Mutex<(Ino, Ino)>,
+    chunk_size: u32,
+}
+
+pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    postcard::to_allocvec(v).expect("metadata records always serialize")
+}
+
+pub(crate) fn decode<T: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> MetaResult<T> {
+    postcard::from_bytes(bytes).map_err(|e| MetaError::Corrupt {
+        key: String::from_utf8_lossy(key).into_owned(),
+        msg: e.to_string(),
+    })
+}
+
+pub(crate) fn check_name(name: &[u8]) -> MetaResult<()> {
+    if name.len() > NAME_MAX {
+        return Err(MetaError::NameTooLong);
+    }
+    if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
+        return Err(MetaError::Invalid("not a valid file name"));
+    }
+    Ok(())
+}
+
+/// Reads shared by read-only and read-write transactions.
+pub(crate) fn get_inode(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Inode> {
+    let key = schema::inode(ino);
+    match txn.get(&key)? {
+        Some(v) => decode(&key, &v),
+        None => Err(MetaError::NotFound),
+    }
+}
+
+pub(crate) fn get_dentry(txn: &mut (impl KvRead + ?Sized), parent: Ino, name: &[u8]) -> MetaResult<Option<Dentry>> {
+    let key = schema::dentry(parent, name);
+    match txn.get(&key)? {
+        Some(v) => Ok(Some(decode(&key, &v)?)),
+        None => Ok(None),
+    }
+}
+
+pub(crate) fn put_inode(txn: &mut (impl KvWrite + ?Sized), inode: &Inode) {
+    txn.put(&schema::inode(inode.ino), &encode(inode));
+}
+
+pub(crate) fn put_dentry(txn: &mut (impl KvWrite + ?Sized), parent: Ino, name: &[u8], d: &Dentry) {
+    txn.put(&schema::dentry(parent, name), &encode(d));
+}
+
+/// A directory inode, or ENOTDIR.
+pub(crate) fn get_dir(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Inode> {
+    let inode = get_inode(txn, ino)?;
+    if !inode.is_dir() {
+        return Err(MetaError::NotDir);
+    }
+    Ok(inode)
+}
+
+pub(crate) fn dir_is_empty(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<bool> {
+    let (s, e) = schema::prefix_range(&schema::dentries_of(ino));
+    Ok(txn.scan(&s, &e, 1)?.is_empty())
+}
+
+/// Every key under `prefix`, fetched in pages so no single read is huge.
+pub(crate) fn scan_all(txn: &mut (impl KvRead + ?Sized), prefix: &[u8]) -> MetaResult<Vec<(Vec<u8>, Vec<u8>)>> {
+    const PAGE: usize = 1024;
+    let (mut start, end) = schema::prefix_range(prefix);
+    let mut out = Vec::new();
+    loop {
+        let page = txn.scan(&start, &end, PAGE)?;
+        let full = page.len() == PAGE;
+        if let Some((last, _)) = page.last() {
+            start = last.clone();
+            start.push(0);
+        }
+        out.extend(page);
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+impl Namespace {
+    /// Open the namespace, creating the volume and its root directory on first use.
+    pub fn open(kv: Arc<dyn KvEngine>, root_uid: u32, root_gid: u32) -> MetaResult<Self> {
+        let mut ns = Namespace { kv, next_ino: Mutex::new((0, 0)), chunk_size: DEFAULT_CHUNK_SIZE };
+        let volume = ns.write(Durability::Durable, |txn| {
+            if let Some(v) = txn.get(schema::VOLUME)? {
+                return decode::<VolumeRecord>(schema::VOLUME, &v);
+            }
+            let now = Timespec::now();
+            let volume = VolumeRecord { format_version: FORMAT_VERSION, chunk_size: DEFAULT_CHUNK_SIZE, created: now };
+            txn.put(schema::VOLUME, &encode(&volume));
+            txn.put(schema::NEXT_INO, &(ROOT_INO + 1).to_be_bytes());
+            let root = Inode {
+                ino: ROOT_INO,
+                kind: FileKind::Directory,
+                perm: 0o755,
+                uid: root_uid,
+                gid: root_gid,
+                nlink: 2,
+                size: 0,
+                atime: now,
+                mtime: now,
+                ctime: now,
+                rdev: 0,
+                parent: ROOT_INO,
+                chunk_size: 0,
+                target: None,
+            };
+            put_inode(txn, &root);
+            Ok(volume)
+        })?;
+        if volume.format_version != FORMAT_VERSION {
+            return Err(MetaError::Corrupt {
+                key: "V".into(),
+                msg: format!("volume format {} is not supported (want {FORMAT_VERSION})", volume.format_version),
+            });
+        }
+        ns.chunk_size = volume.chunk_size;
+        Ok(ns)
+    }
+
+    pub fn engine(&self) -> &dyn KvEngine {
+        self.kv.as_ref()
+    }
+
+    pub fn chunk_size(&self) -> u32 {
+        self.chunk_size
+    }
+
+    /// Run `f` as one read-write transaction, retrying on conflict.
+    pub(crate) fn write<T>(
+        &self,
+        durability: Durability,
+        mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
+    ) -> MetaResult<T> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut txn = self.kv.write_txn()?;
+            let result = match f(txn.as_mut()) {
+                Ok(v) => txn.commit(durability).map(|()| v).map_err(MetaError::from),
+                Err(e) => Err(e),
+            };
+            match result {
+                Err(MetaError::Kv(e)) if e.is_retryable() && attempt < MAX_ATTEMPTS => {
+                    tracing::debug!(attempt, "metadata transaction conflict, retrying");
+                    std::thread::sleep(Duration::from_micros(100 << attempt.min(10)));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Run `f` against a consistent read view.
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
+        let mut txn = self.kv.read_txn()?;
+        f(txn.as_mut())
+    }
+
+    /// A fresh inode number. Numbers are never reused, so generation stays 0.
+    pub(crate) fn alloc_ino(&self) -> MetaResult<Ino> {
+        let mut range = self.next_ino.lock();
+        if range.0 == range.1 {
+            let start = self.write(Durability::Durable, |txn| {
+                let cur = match txn.get(schema::NEXT_INO)? {
+                    Some(v) => u64::from_be_bytes(v.as_slice().try_into().map_err(|_| MetaError::Corrupt {
+                        key: "N".into(),
+                        msg: "next inode is not 8 bytes".into(),
+                    })?),
+                    None => ROOT_INO + 1,
+                };
+                txn.put(schema::NEXT_INO, &(cur + INO_BATCH).to_be_bytes());
+                Ok(cur)
+            })?;
+            *range = (start, start + INO_BATCH);
+        }
+        let ino = range.0;
+        range.0 += 1;
+        Ok(ino)
+    }
+
+    /// Make every namespace change so far durable (fsync, fsyncdir, unmount).
+    pub fn sync(&self) -> MetaResult<()> {
+        Ok(self.kv.sync()?)
+    }
+}

@@ -1,0 +1,68 @@
+//! mknod, mkdir, create and symlink: a new inode and its dentry, one transaction.
+
+use crate::error::{MetaError, MetaResult};
+use crate::kv::Durability;
+use crate::namespace::{check_name, get_dentry, get_dir, put_dentry, put_inode, Namespace};
+use crate::types::{Dentry, FileKind, Ino, Inode, NewNode, Timespec, SYMLINK_MAX};
+
+impl Namespace {
+    pub fn mknod(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> MetaResult<Inode> {
+        check_name(name)?;
+        if let Some(t) = node.target {
+            if t.is_empty() {
+                return Err(MetaError::NotFound);
+            }
+            if t.len() > SYMLINK_MAX {
+                return Err(MetaError::NameTooLong);
+            }
+        }
+        let ino = self.alloc_ino()?;
+        let chunk_size = self.chunk_size();
+        self.write(Durability::Buffered, |txn| {
+            let mut dir = get_dir(txn, parent)?;
+            if dir.nlink == 0 {
+                // The directory was removed while a caller still held it.
+                return Err(MetaError::NotFound);
+            }
+            if get_dentry(txn, parent, name)?.is_some() {
+                return Err(MetaError::Exists);
+            }
+            let now = Timespec::now();
+            let is_dir = node.kind == FileKind::Directory;
+            let mut perm = node.perm & 0o7777;
+            let mut gid = node.gid;
+            // BSD group semantics under a setgid directory, as ext4 does.
+            if dir.perm & libc::S_ISGID as u16 != 0 {
+                gid = dir.gid;
+                if is_dir {
+                    perm |= libc::S_ISGID as u16;
+                }
+            }
+            let inode = Inode {
+                ino,
+                kind: node.kind,
+                perm,
+                uid: node.uid,
+                gid,
+                nlink: if is_dir { 2 } else { 1 },
+                size: node.target.map_or(0, |t| t.len() as u64),
+                atime: now,
+                mtime: now,
+                ctime: now,
+                rdev: node.rdev,
+                parent: if is_dir { parent } else { 0 },
+                chunk_size: if node.kind == FileKind::Regular { chunk_size } else { 0 },
+                target: node.target.map(|t| t.to_vec()),
+            };
+            put_inode(txn, &inode);
+            put_dentry(txn, parent, name, &Dentry { ino, kind: node.kind });
+            if is_dir {
+                dir.nlink += 1;
+            }
+            dir.mtime = now;
+            dir.ctime = now;
+            put_inode(txn, &dir);
+            Ok(inode)
+        })
+    }
+}

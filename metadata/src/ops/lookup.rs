@@ -1,0 +1,53 @@
+//! Read-only operations: lookup, getattr, readlink, readdir.
+
+use crate::error::{MetaError, MetaResult};
+use crate::namespace::{check_name, decode, get_dentry, get_dir, get_inode, scan_all, Namespace};
+use crate::schema;
+use crate::types::{Dentry, Ino, Inode, NAME_MAX};
+
+impl Namespace {
+    pub fn lookup(&self, parent: Ino, name: &[u8]) -> MetaResult<Inode> {
+        if name.len() > NAME_MAX {
+            return Err(MetaError::NameTooLong);
+        }
+        self.read(|txn| {
+            let dir = get_dir(txn, parent)?;
+            if name == b"." {
+                return Ok(dir);
+            }
+            if name == b".." {
+                return get_inode(txn, dir.parent);
+            }
+            check_name(name)?;
+            match get_dentry(txn, parent, name)? {
+                Some(d) => get_inode(txn, d.ino),
+                None => Err(MetaError::NotFound),
+            }
+        })
+    }
+
+    pub fn getattr(&self, ino: Ino) -> MetaResult<Inode> {
+        self.read(|txn| get_inode(txn, ino))
+    }
+
+    pub fn readlink(&self, ino: Ino) -> MetaResult<Vec<u8>> {
+        let inode = self.getattr(ino)?;
+        inode.target.ok_or(MetaError::Invalid("not a symlink"))
+    }
+
+    /// Every entry of a directory, ordered by name (without `.` and `..`).
+    pub fn readdir(&self, ino: Ino) -> MetaResult<Vec<(Vec<u8>, Dentry)>> {
+        self.read(|txn| {
+            get_dir(txn, ino)?;
+            scan_all(txn, &schema::dentries_of(ino))?
+                .into_iter()
+                .map(|(k, v)| Ok((schema::dentry_name(&k).to_vec(), decode(&k, &v)?)))
+                .collect()
+        })
+    }
+
+    /// Number of inodes in use, for statfs.
+    pub fn dir_entry_count(&self, ino: Ino) -> MetaResult<usize> {
+        Ok(self.readdir(ino)?.len())
+    }
+}

@@ -1,0 +1,13 @@
+//! One module per namespace operation; each is a single transaction.
+
+mod create;
+pub mod layout;
+
+mod link;
+mod lookup;
+mod remove;
+mod rename;
+mod setattr;
+pub mod xattr;
+
+pub use remove::Unlinked;

@@ -1,0 +1,120 @@
+//! unlink, rmdir and purge (dropping an inode whose last name and last open are gone).
+
+use crate::error::{MetaError, MetaResult};
+use crate::kv::{Durability, KvWrite};
+use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_inode, scan_all, Namespace};
+use crate::schema;
+use crate::types::{Ino, Inode, Timespec};
+
+/// What an unlink left behind: the inode, and whether its last name is gone.
+/// An inode with no names is an orphan until [`Namespace::purge`] drops it
+/// (at once, or at last close when it is still open).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unlinked {
+    pub ino: Ino,
+    pub orphaned: bool,
+}
+
+/// Drop one name of `inode` (already removed from its directory by the caller).
+pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now: Timespec) -> Unlinked {
+    if inode.is_dir() {
+        // A directory has exactly one name; it goes with it.
+        txn.delete(&schema::inode(inode.ino));
+        txn.delete(&schema::orphan(inode.ino));
+        return Unlinked { ino: inode.ino, orphaned: false };
+    }
+    inode.nlink = inode.nlink.saturating_sub(1);
+    inode.ctime = now;
+    let orphaned = inode.nlink == 0;
+    if orphaned {
+        txn.put(&schema::orphan(inode.ino), b"");
+    }
+    put_inode(txn, &inode);
+    Unlinked { ino: inode.ino, orphaned }
+}
+
+impl Namespace {
+    pub fn unlink(&self, parent: Ino, name: &[u8]) -> MetaResult<Unlinked> {
+        check_name(name)?;
+        self.write(Durability::Buffered, |txn| {
+            let mut dir = get_dir(txn, parent)?;
+            let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
+            let inode = get_inode(txn, d.ino)?;
+            if inode.is_dir() {
+                return Err(MetaError::IsDir);
+            }
+            let now = Timespec::now();
+            txn.delete(&schema::dentry(parent, name));
+            dir.mtime = now;
+            dir.ctime = now;
+            put_inode(txn, &dir);
+            Ok(drop_link(txn, inode, now))
+        })
+    }
+
+    pub fn rmdir(&self, parent: Ino, name: &[u8]) -> MetaResult<()> {
+        if name == b"." {
+            return Err(MetaError::Invalid("rmdir of ."));
+        }
+        if name == b".." {
+            return Err(MetaError::NotEmpty);
+        }
+        check_name(name)?;
+        self.write(Durability::Buffered, |txn| {
+            let mut dir = get_dir(txn, parent)?;
+            let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
+            let inode = get_inode(txn, d.ino)?;
+            if !inode.is_dir() {
+                return Err(MetaError::NotDir);
+            }
+            if !dir_is_empty(txn, inode.ino)? {
+                return Err(MetaError::NotEmpty);
+            }
+            let now = Timespec::now();
+            txn.delete(&schema::dentry(parent, name));
+            for (k, _) in scan_all(txn, &schema::xattrs_of(inode.ino))? {
+                txn.delete(&k);
+            }
+            drop_link(txn, inode, now);
+            dir.nlink -= 1;
+            dir.mtime = now;
+            dir.ctime = now;
+            put_inode(txn, &dir);
+            Ok(())
+        })
+    }
+
+    /// Remove an orphan's records (inode, layout, xattrs). Returns false and
+    /// does nothing when the inode got a name back or is already gone.
+    pub fn purge(&self, ino: Ino) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| {
+            let inode = match get_inode(txn, ino) {
+                Ok(i) => i,
+                Err(MetaError::NotFound) => {
+                    txn.delete(&schema::orphan(ino));
+                    txn.delete(&schema::unsealed(ino));
+                    return Ok(false);
+                }
+                Err(e) => return Err(e),
+            };
+            if inode.nlink > 0 {
+                txn.delete(&schema::orphan(ino));
+                return Ok(false);
+            }
+            for prefix in [schema::chunks_of(ino), schema::xattrs_of(ino)] {
+                for (k, _) in scan_all(txn, &prefix)? {
+                    txn.delete(&k);
+                }
+            }
+            txn.delete(&schema::inode(ino));
+            txn.delete(&schema::orphan(ino));
+            txn.delete(&schema::unsealed(ino));
+            Ok(true)
+        })
+    }
+
+    /// Inodes left with no name (a crash while they were open).
+    pub fn orphans(&self) -> MetaResult<Vec<Ino>> {
+        self.read(|txn| Ok(scan_all(txn, &schema::orphans())?.iter().map(|(k, _)| schema::key_ino(k)).collect()))
+    }
+}

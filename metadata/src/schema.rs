@@ -1,0 +1,137 @@
+//! The key schema: every key prefix the namespace writes, in one place.
+//!
+//! Keys are one prefix byte followed by big-endian integers, so a range scan
+//! over a prefix returns entries in inode / chunk order.
+//!
+//! | key                        | value                | meaning                                      |
+//! |----------------------------|----------------------|----------------------------------------------|
+//! | `V`                        | [`VolumeRecord`]     | format version and volume-wide settings      |
+//! | `N`                        | u64 (BE)             | next unallocated inode number                |
+//! | `I` ino                    | [`Inode`]            | attributes of one inode                      |
+//! | `D` parent name            | [`Dentry`]           | a name in a directory                        |
+//! | `X` ino name               | raw bytes            | one extended attribute                       |
+//! | `C` ino chunk-index(u32)   | [`ChunkRecord`]      | one chunk of a file's layout                 |
+//! | `O` ino                    | empty                | orphan: unlinked while open, purge at close  |
+//! | `U` ino                    | empty                | unsealed: open for writing; checksums stale  |
+//!
+//! A crash leaves `O` and `U` keys behind; the next mount purges orphans and
+//! re-seals unsealed files from their backing files.
+//!
+//! [`VolumeRecord`]: crate::types::VolumeRecord
+//! [`Inode`]: crate::types::Inode
+//! [`Dentry`]: crate::types::Dentry
+//! [`ChunkRecord`]: crate::types::ChunkRecord
+
+use crate::types::Ino;
+
+pub const VOLUME: &[u8] = b"V";
+pub const NEXT_INO: &[u8] = b"N";
+const INODE: u8 = b'I';
+const DENTRY: u8 = b'D';
+const XATTR: u8 = b'X';
+const CHUNK: u8 = b'C';
+const ORPHAN: u8 = b'O';
+const UNSEALED: u8 = b'U';
+
+fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(prefix);
+    k.extend_from_slice(&ino.to_be_bytes());
+    k
+}
+
+fn with_ino_name(prefix: u8, ino: Ino, name: &[u8]) -> Vec<u8> {
+    let mut k = with_ino(prefix, ino);
+    k.extend_from_slice(name);
+    k
+}
+
+/// `[start, end)` covering every key that begins with `prefix`.
+pub fn prefix_range(prefix: &[u8]) -> (Vec<u8>, Vec<u8>) {
+    let start = prefix.to_vec();
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return (start, end);
+        }
+    }
+    (start, vec![0xff; 16])
+}
+
+pub fn inode(ino: Ino) -> Vec<u8> {
+    with_ino(INODE, ino)
+}
+
+pub fn dentry(parent: Ino, name: &[u8]) -> Vec<u8> {
+    with_ino_name(DENTRY, parent, name)
+}
+
+pub fn dentries_of(parent: Ino) -> Vec<u8> {
+    with_ino(DENTRY, parent)
+}
+
+/// The name part of a dentry key.
+pub fn dentry_name(key: &[u8]) -> &[u8] {
+    &key[9..]
+}
+
+pub fn xattr(ino: Ino, name: &[u8]) -> Vec<u8> {
+    with_ino_name(XATTR, ino, name)
+}
+
+pub fn xattrs_of(ino: Ino) -> Vec<u8> {
+    with_ino(XATTR, ino)
+}
+
+pub fn xattr_name(key: &[u8]) -> &[u8] {
+    &key[9..]
+}
+
+pub fn chunk(ino: Ino, index: u32) -> Vec<u8> {
+    let mut k = with_ino(CHUNK, ino);
+    k.extend_from_slice(&index.to_be_bytes());
+    k
+}
+
+pub fn chunks_of(ino: Ino) -> Vec<u8> {
+    with_ino(CHUNK, ino)
+}
+
+pub fn chunk_index(key: &[u8]) -> u32 {
+    u32::from_be_bytes(key[9..13].try_into().expect("chunk key is 13 bytes"))
+}
+
+pub fn orphan(ino: Ino) -> Vec<u8> {
+    with_ino(ORPHAN, ino)
+}
+
+pub fn orphans() -> Vec<u8> {
+    vec![ORPHAN]
+}
+
+pub fn unsealed(ino: Ino) -> Vec<u8> {
+    with_ino(UNSEALED, ino)
+}
+
+pub fn unsealed_all() -> Vec<u8> {
+    vec![UNSEALED]
+}
+
+/// The inode number in an `I`, `O` or `U` key.
+pub fn key_ino(key: &[u8]) -> Ino {
+    u64::from_be_bytes(key[1..9].try_into().expect("inode key is 9 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_range_covers_prefix_only() {
+        let (s, e) = prefix_range(&dentries_of(7));
+        assert!(dentry(7, b"a").as_slice() >= s.as_slice());
+        assert!(dentry(7, &[0xff; 300]).as_slice() < e.as_slice());
+        assert!(dentry(8, b"").as_slice() >= e.as_slice());
+    }
+}

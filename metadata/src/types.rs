@@ -1,0 +1,158 @@
+//! Records stored under the keys of [`crate::schema`].
+
+use serde::{Deserialize, Serialize};
+
+pub type Ino = u64;
+pub const ROOT_INO: Ino = 1;
+/// Longest name in a directory, as on ext4.
+pub const NAME_MAX: usize = 255;
+/// Longest symlink target.
+pub const SYMLINK_MAX: usize = 4095;
+/// Default chunk size; a file is split into chunks of this many bytes.
+pub const DEFAULT_CHUNK_SIZE: u32 = 64 << 20;
+/// Checksum granularity inside a chunk.
+pub const BLOCK_SIZE: u32 = 64 << 10;
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileKind {
+    Regular,
+    Directory,
+    Symlink,
+    Fifo,
+    Socket,
+    CharDevice,
+    BlockDevice,
+}
+
+impl FileKind {
+    /// From the `S_IFMT` bits of a mode.
+    pub fn from_mode(mode: u32) -> Option<Self> {
+        Some(match mode & libc::S_IFMT {
+            libc::S_IFREG | 0 => FileKind::Regular,
+            libc::S_IFDIR => FileKind::Directory,
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFIFO => FileKind::Fifo,
+            libc::S_IFSOCK => FileKind::Socket,
+            libc::S_IFCHR => FileKind::CharDevice,
+            libc::S_IFBLK => FileKind::BlockDevice,
+            _ => return None,
+        })
+    }
+}
+
+/// Seconds and nanoseconds since the epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Serialize, Deserialize)]
+pub struct Timespec {
+    pub sec: i64,
+    pub nsec: u32,
+}
+
+impl Timespec {
+    pub fn now() -> Self {
+        let d = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        Timespec { sec: d.as_secs() as i64, nsec: d.subsec_nanos() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inode {
+    pub ino: Ino,
+    pub kind: FileKind,
+    /// Permission bits, including setuid, setgid and sticky (07777).
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub nlink: u32,
+    pub size: u64,
+    pub atime: Timespec,
+    pub mtime: Timespec,
+    pub ctime: Timespec,
+    pub rdev: u32,
+    /// For directories: the parent, so rename can refuse to move a directory
+    /// under itself. Zero otherwise.
+    pub parent: Ino,
+    /// For regular files: chunk size of this file's layout.
+    pub chunk_size: u32,
+    /// For symlinks: the target.
+    pub target: Option<Vec<u8>>,
+}
+
+impl Inode {
+    pub fn is_dir(&self) -> bool {
+        self.kind == FileKind::Directory
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dentry {
+    pub ino: Ino,
+    pub kind: FileKind,
+}
+
+/// Where one chunk of a file lives and how to check it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkRecord {
+    /// Bumped every time the chunk is re-sealed after a change.
+    pub version: u64,
+    /// Bytes of file data in this chunk (the last chunk may be short).
+    pub len: u32,
+    /// Node ids holding a copy, primary first.
+    pub replicas: Vec<String>,
+    /// crc32c of each [`BLOCK_SIZE`] block of the chunk (the last one short).
+    pub block_crcs: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    pub format_version: u32,
+    pub chunk_size: u32,
+    pub created: Timespec,
+}
+
+/// Changes asked of `setattr`; `None` leaves a field alone.
+#[derive(Debug, Clone, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<TimeSet>,
+    pub mtime: Option<TimeSet>,
+    pub ctime: Option<Timespec>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum TimeSet {
+    Now,
+    At(Timespec),
+}
+
+/// What kind of node `mknod` and friends create.
+#[derive(Debug, Clone)]
+pub struct NewNode<'a> {
+    pub kind: FileKind,
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u32,
+    pub target: Option<&'a [u8]>,
+}
+
+/// Flags of `setxattr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XattrMode {
+    Any,
+    Create,
+    Replace,
+}
+
+/// Flags of `rename`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenameMode {
+    Replace,
+    NoReplace,
+    Exchange,
+}
