@@ -264,7 +264,8 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
     config.mount_options = vec![
         fuser::MountOption::FSName(source),
-        fuser::MountOption::Subtype("converged".into()),
+        // Passed to the kernel so mounts show as type fuse.converged.
+        fuser::MountOption::CUSTOM("subtype=converged".into()),
         fuser::MountOption::DefaultPermissions,
         fuser::MountOption::RW,
         fuser::MountOption::Dev,
