@@ -1,0 +1,158 @@
+//! Shared helpers for the integration tests: start a real converged mount
+//! through the kernel, find the built binaries, small syscall wrappers.
+#![allow(dead_code)]
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+/// A built binary of this workspace (`cargo build --workspace` first).
+pub fn bin(name: &str) -> PathBuf {
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(p.exists(), "{} is missing: run `cargo build --workspace` before the tests", p.display());
+    p
+}
+
+pub fn converged() -> Command {
+    Command::new(bin("converged"))
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("spawn");
+    out
+}
+
+/// A mounted converged filesystem in fresh temporary directories, unmounted on drop.
+pub struct Mount {
+    pub root: tempfile::TempDir,
+    pub data: PathBuf,
+    pub mnt: PathBuf,
+    pub extra: Vec<String>,
+    mounted: bool,
+}
+
+impl Mount {
+    pub fn new() -> Self {
+        Self::with_args(&[])
+    }
+
+    pub fn with_args(extra: &[&str]) -> Self {
+        let root = tempfile::Builder::new().prefix("converged-test").tempdir().expect("tempdir");
+        let data = root.path().join("data");
+        let mnt = root.path().join("mnt");
+        std::fs::create_dir(&data).unwrap();
+        std::fs::create_dir(&mnt).unwrap();
+        let mut m = Mount { root, data, mnt, extra: extra.iter().map(|s| s.to_string()).collect(), mounted: false };
+        m.mount();
+        m
+    }
+
+    /// Mount (again) over the same data dir.
+    pub fn mount(&mut self) {
+        let out = converged()
+            .arg("mount")
+            .arg(&self.mnt)
+            .arg("--data-dir")
+            .arg(&self.data)
+            .args(&self.extra)
+            .output()
+            .expect("run converged mount");
+        assert!(
+            out.status.success(),
+            "converged mount failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.mounted = true;
+    }
+
+    pub fn umount(&mut self) {
+        let out = converged().arg("umount").arg(&self.mnt).output().expect("run converged umount");
+        assert!(out.status.success(), "umount failed: {}", String::from_utf8_lossy(&out.stderr));
+        self.mounted = false;
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mnt.join(rel)
+    }
+
+    /// The daemon's pid, from the data-dir lock file.
+    pub fn daemon_pid(&self) -> i32 {
+        std::fs::read_to_string(self.data.join("converged.lock")).unwrap().trim().parse().unwrap()
+    }
+
+    /// SIGKILL the daemon and detach the dead mount.
+    pub fn crash(&mut self) {
+        let pid = self.daemon_pid();
+        // SAFETY: kill(2).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        wait_gone(pid);
+        lazy_umount(&self.mnt);
+        self.mounted = false;
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.data.join("converged.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if self.mounted {
+            let out = converged().arg("umount").arg(&self.mnt).output();
+            if !out.map(|o| o.status.success()).unwrap_or(false) {
+                lazy_umount(&self.mnt);
+            }
+        }
+    }
+}
+
+pub fn lazy_umount(p: &Path) {
+    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: umount2 with a valid path.
+    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+}
+
+pub fn wait_gone(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+        // Reap it if it is our child; otherwise just wait.
+        std::thread::sleep(Duration::from_millis(20));
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            if stat.split(' ').nth(2) == Some("Z") {
+                break;
+            }
+        }
+    }
+}
+
+pub fn cstr(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).unwrap()
+}
+
+/// The errno of the last failed libc call.
+pub fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap()
+}
+
+pub fn drop_caches() {
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

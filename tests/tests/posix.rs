@@ -1,0 +1,400 @@
+//! POSIX behaviour through a real kernel mount: bytes, holes, big files,
+//! open flags, rename flags, unlink-while-open, xattrs, locks, mmap, times.
+
+mod common;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+
+use common::*;
+
+#[test]
+fn bytes_round_trip_across_chunks_and_remount() {
+    let mut m = Mount::new();
+    // 70 MiB spans two 64 MiB chunks; odd sizes exercise partial blocks.
+    let sizes = [0usize, 1, 4095, 65536, 65537, 3 << 20, 70 << 20];
+    for (i, len) in sizes.iter().enumerate() {
+        fs::write(m.path(&format!("f{i}")), pattern(*len, i as u64)).unwrap();
+    }
+    for (i, len) in sizes.iter().enumerate() {
+        assert_eq!(fs::read(m.path(&format!("f{i}"))).unwrap(), pattern(*len, i as u64), "file f{i}");
+    }
+    m.umount();
+    m.mount();
+    drop_caches();
+    for (i, len) in sizes.iter().enumerate() {
+        let p = m.path(&format!("f{i}"));
+        assert_eq!(fs::metadata(&p).unwrap().len(), *len as u64);
+        assert_eq!(fs::read(&p).unwrap(), pattern(*len, i as u64), "file f{i} after remount");
+    }
+}
+
+#[test]
+fn daemon_read_path_verifies_and_serves_the_same_bytes() {
+    let mut m = Mount::with_args(&["--verify-reads"]);
+    let data = pattern((5 << 20) + 123, 7);
+    fs::write(m.path("v"), &data).unwrap();
+    // Partial overwrite through the daemon, then read back after re-sealing.
+    let f = OpenOptions::new().write(true).open(m.path("v")).unwrap();
+    f.write_all_at(b"hello", 1 << 20).unwrap();
+    drop(f);
+    let mut want = data.clone();
+    want[1 << 20..(1 << 20) + 5].copy_from_slice(b"hello");
+    m.umount();
+    m.mount();
+    drop_caches();
+    assert_eq!(fs::read(m.path("v")).unwrap(), want);
+}
+
+#[test]
+fn corrupt_block_returns_eio_not_wrong_bytes() {
+    let mut m = Mount::with_args(&["--verify-reads"]);
+    let data = pattern(1 << 20, 3);
+    fs::write(m.path("c"), &data).unwrap();
+    let ino = fs::metadata(m.path("c")).unwrap().ino();
+    m.umount();
+    // Flip one byte in the second 64 KiB block of the backing file.
+    let backing = m.data.join("chunks").join(format!("{ino:016x}"));
+    let f = OpenOptions::new().write(true).open(&backing).unwrap();
+    f.write_all_at(&[data[70_000] ^ 0xff], 70_000).unwrap();
+    drop(f);
+    m.mount();
+    drop_caches();
+    let mut f = File::open(m.path("c")).unwrap();
+    let mut first = vec![0u8; 65536];
+    f.read_exact(&mut first).unwrap();
+    assert_eq!(first, data[..65536], "the intact block still reads");
+    let mut buf = vec![0u8; 65536];
+    let err = f.read_exact(&mut buf).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO));
+    assert!(m.log().contains(&format!("ino={ino}")) && m.log().contains("offset=65536"), "log names inode and offset");
+}
+
+#[test]
+fn holes_read_as_zeros_and_files_over_4gib() {
+    let m = Mount::new();
+    let f = OpenOptions::new().create(true).read(true).write(true).open(m.path("sparse")).unwrap();
+    let far = (5u64 << 30) + 17;
+    f.write_all_at(b"tail", far).unwrap();
+    f.write_all_at(b"head", 0).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), far + 4);
+    let mut buf = vec![1u8; 8192];
+    f.read_exact_at(&mut buf, 3 << 30).unwrap();
+    assert!(buf.iter().all(|b| *b == 0), "hole reads as zeros");
+    let mut t = [0u8; 4];
+    f.read_exact_at(&mut t, far).unwrap();
+    assert_eq!(&t, b"tail");
+    drop(f);
+    let f = File::open(m.path("sparse")).unwrap();
+    f.read_exact_at(&mut t, far).unwrap();
+    assert_eq!(&t, b"tail");
+}
+
+#[test]
+fn open_flags_append_trunc_excl() {
+    let m = Mount::new();
+    let p = m.path("a");
+    fs::write(&p, b"one").unwrap();
+    let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+    f.write_all(b"two").unwrap();
+    drop(f);
+    assert_eq!(fs::read(&p).unwrap(), b"onetwo");
+    let err = OpenOptions::new().write(true).create_new(true).open(&p).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EEXIST));
+    let mut f = OpenOptions::new().write(true).truncate(true).open(&p).unwrap();
+    assert_eq!(fs::metadata(&p).unwrap().len(), 0);
+    f.write_all(b"x").unwrap();
+    drop(f);
+    assert_eq!(fs::read(&p).unwrap(), b"x");
+}
+
+#[test]
+fn truncate_and_fallocate() {
+    let m = Mount::new();
+    let p = m.path("t");
+    fs::write(&p, pattern(200_000, 1)).unwrap();
+    let f = OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_len(100_000).unwrap();
+    f.set_len(150_000).unwrap();
+    drop(f);
+    let got = fs::read(&p).unwrap();
+    assert_eq!(got.len(), 150_000);
+    assert_eq!(got[..100_000], pattern(200_000, 1)[..100_000]);
+    assert!(got[100_000..].iter().all(|b| *b == 0));
+
+    let f = OpenOptions::new().create(true).write(true).open(m.path("fa")).unwrap();
+    // SAFETY: fallocate(2) on an open fd.
+    let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, 10 << 20) };
+    assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+    assert_eq!(f.metadata().unwrap().len(), 10 << 20);
+    drop(f);
+    assert!(fs::read(m.path("fa")).unwrap().iter().all(|b| *b == 0));
+}
+
+fn renameat2(from: &std::path::Path, to: &std::path::Path, flags: u32) -> i32 {
+    let (a, b) = (cstr(from), cstr(to));
+    // SAFETY: renameat2 with valid C strings.
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), flags) };
+    if rc == 0 { 0 } else { errno() }
+}
+
+#[test]
+fn rename_replace_noreplace_exchange() {
+    let m = Mount::new();
+    fs::write(m.path("a"), b"A").unwrap();
+    fs::write(m.path("b"), b"B").unwrap();
+    assert_eq!(renameat2(&m.path("a"), &m.path("b"), libc::RENAME_NOREPLACE), libc::EEXIST);
+    assert_eq!(renameat2(&m.path("a"), &m.path("b"), libc::RENAME_EXCHANGE), 0);
+    assert_eq!(fs::read(m.path("a")).unwrap(), b"B");
+    assert_eq!(fs::read(m.path("b")).unwrap(), b"A");
+    assert_eq!(renameat2(&m.path("a"), &m.path("nope"), libc::RENAME_EXCHANGE), libc::ENOENT);
+    fs::rename(m.path("a"), m.path("b")).unwrap();
+    assert_eq!(fs::read(m.path("b")).unwrap(), b"B");
+    assert!(!m.path("a").exists());
+    // Directories: into a non-empty directory fails, into an empty one replaces it.
+    fs::create_dir_all(m.path("d1/sub")).unwrap();
+    fs::create_dir_all(m.path("d2/x")).unwrap();
+    fs::create_dir(m.path("d3")).unwrap();
+    assert_eq!(renameat2(&m.path("d1"), &m.path("d2"), 0), libc::ENOTEMPTY);
+    assert_eq!(renameat2(&m.path("d1"), &m.path("d1/sub/inside"), 0), libc::EINVAL);
+    fs::rename(m.path("d1"), m.path("d3")).unwrap();
+    assert!(m.path("d3/sub").is_dir());
+    assert_eq!(fs::metadata(m.mnt.as_path()).unwrap().nlink(), 4, "root: . .. d2 d3");
+    // The torch.save pattern: write tmp, fsync, rename over the old checkpoint.
+    let mut f = File::create(m.path("ckpt.tmp")).unwrap();
+    f.write_all(&pattern(1 << 20, 9)).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    fs::write(m.path("ckpt"), b"old").unwrap();
+    fs::rename(m.path("ckpt.tmp"), m.path("ckpt")).unwrap();
+    assert_eq!(fs::read(m.path("ckpt")).unwrap(), pattern(1 << 20, 9));
+}
+
+#[test]
+fn unlinked_file_works_until_last_close_and_is_then_purged() {
+    let m = Mount::new();
+    let p = m.path("gone");
+    fs::write(&p, b"still here").unwrap();
+    let ino = fs::metadata(&p).unwrap().ino();
+    let mut f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    fs::remove_file(&p).unwrap();
+    assert!(!p.exists());
+    f.write_all_at(b"STILL", 0).unwrap();
+    let mut s = String::new();
+    f.seek(SeekFrom::Start(0)).unwrap();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "STILL here");
+    assert_eq!(f.metadata().unwrap().nlink(), 0);
+    let backing = m.data.join("chunks").join(format!("{ino:016x}"));
+    assert!(backing.exists());
+    drop(f);
+    // Release is asynchronous in the kernel; give it a moment.
+    for _ in 0..100 {
+        if !backing.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(!backing.exists(), "backing file removed at last close");
+}
+
+#[test]
+fn xattrs_with_create_and_replace() {
+    let m = Mount::new();
+    let p = m.path("x");
+    fs::write(&p, b"").unwrap();
+    let c = cstr(&p);
+    let set = |name: &str, val: &[u8], flags: i32| {
+        let n = std::ffi::CString::new(name).unwrap();
+        // SAFETY: setxattr with valid pointers.
+        let rc = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), val.as_ptr().cast(), val.len(), flags) };
+        if rc == 0 { 0 } else { errno() }
+    };
+    let get = |name: &str| -> Result<Vec<u8>, i32> {
+        let n = std::ffi::CString::new(name).unwrap();
+        let mut buf = vec![0u8; 256];
+        // SAFETY: getxattr into our buffer.
+        let rc = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        if rc < 0 { Err(errno()) } else { buf.truncate(rc as usize); Ok(buf) }
+    };
+    assert_eq!(set("user.a", b"1", libc::XATTR_REPLACE), libc::ENODATA);
+    assert_eq!(set("user.a", b"1", libc::XATTR_CREATE), 0);
+    assert_eq!(set("user.a", b"2", libc::XATTR_CREATE), libc::EEXIST);
+    assert_eq!(set("user.a", b"22", libc::XATTR_REPLACE), 0);
+    assert_eq!(set("user.b", b"", 0), 0);
+    assert_eq!(get("user.a").unwrap(), b"22");
+    assert_eq!(get("user.b").unwrap(), b"");
+    assert_eq!(get("user.none"), Err(libc::ENODATA));
+    let mut list = vec![0u8; 256];
+    // SAFETY: listxattr into our buffer.
+    let n = unsafe { libc::listxattr(c.as_ptr(), list.as_mut_ptr().cast(), list.len()) };
+    list.truncate(n as usize);
+    assert_eq!(list, b"user.a\0user.b\0");
+    let n = std::ffi::CString::new("user.a").unwrap();
+    // SAFETY: removexattr with valid strings.
+    assert_eq!(unsafe { libc::removexattr(c.as_ptr(), n.as_ptr()) }, 0);
+    assert_eq!(get("user.a"), Err(libc::ENODATA));
+}
+
+#[test]
+fn long_names_get_enametoolong() {
+    let m = Mount::new();
+    let long = "n".repeat(256);
+    let err = File::create(m.path(&long)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENAMETOOLONG));
+    let err = fs::create_dir(m.path(&long)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENAMETOOLONG));
+    File::create(m.path(&"n".repeat(255))).unwrap();
+    let err = fs::metadata(m.path(&long)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENAMETOOLONG));
+}
+
+#[test]
+fn links_symlinks_modes_owners_and_nanosecond_times() {
+    let m = Mount::new();
+    let p = m.path("f");
+    fs::write(&p, b"data").unwrap();
+    fs::hard_link(&p, m.path("g")).unwrap();
+    assert_eq!(fs::metadata(&p).unwrap().nlink(), 2);
+    std::os::unix::fs::symlink("f", m.path("s")).unwrap();
+    assert_eq!(fs::read_link(m.path("s")).unwrap().to_str(), Some("f"));
+    assert_eq!(fs::read(m.path("s")).unwrap(), b"data");
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o4751)).unwrap();
+    assert_eq!(fs::metadata(m.path("g")).unwrap().mode() & 0o7777, 0o4751);
+    std::os::unix::fs::chown(&p, Some(1234), Some(5678)).unwrap();
+    let md = fs::metadata(&p).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1234, 5678));
+    let times = [
+        libc::timespec { tv_sec: 1_000_000_000, tv_nsec: 123_456_789 },
+        libc::timespec { tv_sec: 1_500_000_000, tv_nsec: 987_654_321 },
+    ];
+    let c = cstr(&p);
+    // SAFETY: utimensat with a two-element array.
+    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), 0) }, 0);
+    let md = fs::metadata(&p).unwrap();
+    assert_eq!((md.atime(), md.atime_nsec()), (1_000_000_000, 123_456_789));
+    assert_eq!((md.mtime(), md.mtime_nsec()), (1_500_000_000, 987_654_321));
+    let err = fs::hard_link(m.mnt.as_path(), m.path("dirlink")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+}
+
+#[test]
+fn readdir_offsets_stay_stable_while_the_directory_changes() {
+    let m = Mount::new();
+    let d = m.path("dir");
+    fs::create_dir(&d).unwrap();
+    for i in 0..500 {
+        File::create(d.join(format!("e{i:04}"))).unwrap();
+    }
+    let dc = cstr(&d);
+    // SAFETY: opendir/readdir/closedir on a valid path; entries copied out at once.
+    let names = unsafe {
+        let dir = libc::opendir(dc.as_ptr());
+        assert!(!dir.is_null());
+        let mut names = Vec::new();
+        let mut i = 0;
+        loop {
+            let ent = libc::readdir(dir);
+            if ent.is_null() {
+                break;
+            }
+            let name = std::ffi::CStr::from_ptr((*ent).d_name.as_ptr()).to_string_lossy().into_owned();
+            names.push(name);
+            i += 1;
+            if i == 100 {
+                // Change the directory in the middle of the listing.
+                for j in 0..50 {
+                    fs::remove_file(d.join(format!("e{j:04}"))).unwrap();
+                    File::create(d.join(format!("new{j:04}"))).unwrap();
+                }
+            }
+        }
+        libc::closedir(dir);
+        names
+    };
+    let mut sorted = names.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), names.len(), "no entry returned twice");
+    for i in 50..500 {
+        assert!(names.contains(&format!("e{i:04}")), "untouched entry e{i:04} listed");
+    }
+}
+
+#[test]
+fn flock_and_fcntl_locks_within_the_node() {
+    let m = Mount::new();
+    let p = m.path("lock");
+    fs::write(&p, b"").unwrap();
+    let a = File::open(&p).unwrap();
+    let b = File::open(&p).unwrap();
+    // SAFETY: flock on open fds.
+    unsafe {
+        assert_eq!(libc::flock(a.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB), 0);
+        assert_eq!(libc::flock(b.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB), -1);
+    }
+    assert_eq!(errno(), libc::EWOULDBLOCK);
+    let rw_a = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    let rw_b = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    let mut lk: libc::flock = unsafe { std::mem::zeroed() };
+    lk.l_type = libc::F_WRLCK as i16;
+    lk.l_whence = libc::SEEK_SET as i16;
+    lk.l_len = 10;
+    // Open-file-description locks conflict between two opens in one process.
+    // SAFETY: fcntl with a valid flock struct.
+    unsafe {
+        assert_eq!(libc::fcntl(rw_a.as_raw_fd(), libc::F_OFD_SETLK, &lk), 0);
+        assert_eq!(libc::fcntl(rw_b.as_raw_fd(), libc::F_OFD_SETLK, &lk), -1);
+    }
+    assert!(matches!(errno(), libc::EAGAIN | libc::EACCES));
+}
+
+#[test]
+fn shared_writable_mmap_round_trip() {
+    for args in [&[][..], &["--verify-reads"][..]] {
+        let mut m = Mount::with_args(args);
+        let p = m.path("mm");
+        let len = 4 << 20;
+        let f = OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+        f.set_len(len as u64).unwrap();
+        // SAFETY: a shared mapping of a file we own, unmapped before use ends.
+        unsafe {
+            let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0);
+            assert_ne!(ptr, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+            let s = std::slice::from_raw_parts_mut(ptr as *mut u8, len);
+            s.copy_from_slice(&pattern(len, 11));
+            assert_eq!(libc::msync(ptr, len, libc::MS_SYNC), 0);
+            libc::munmap(ptr, len);
+        }
+        drop(f);
+        m.umount();
+        m.mount();
+        drop_caches();
+        assert_eq!(fs::read(&p).unwrap(), pattern(len, 11), "mmap data with {args:?}");
+    }
+}
+
+#[test]
+fn statfs_reports_the_data_disk() {
+    let m = Mount::new();
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let c = cstr(&m.mnt);
+    // SAFETY: statvfs into our struct.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    assert!(st.f_blocks > 0 && st.f_bavail > 0);
+    assert_eq!(st.f_namemax, 255);
+}
+
+#[test]
+fn writes_seen_by_stat_while_open() {
+    let m = Mount::new();
+    let p = m.path("grow");
+    let mut f = File::create(&p).unwrap();
+    f.write_all(&[7u8; 100_000]).unwrap();
+    assert_eq!(fs::metadata(&p).unwrap().len(), 100_000);
+    f.sync_all().unwrap();
+    drop(f);
+    assert_eq!(fs::metadata(&p).unwrap().len(), 100_000);
+}
