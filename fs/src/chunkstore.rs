@@ -19,6 +19,11 @@ pub struct ChunkStore {
     dir: PathBuf,
 }
 
+/// Size of the metadata reserve for a data disk of `total` bytes: 2%, between 1 and 64 MiB.
+pub fn reserve_size(total: u64) -> u64 {
+    (total / 50).clamp(1 << 20, 64 << 20)
+}
+
 impl ChunkStore {
     pub fn open(data_dir: &Path) -> FsResult<Self> {
         let dir = data_dir.join("chunks");
@@ -42,6 +47,38 @@ impl ChunkStore {
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
             .map_err(|e| FsError::io(format!("open backing file {}", path.display()), e))
+    }
+
+    fn reserve_path(&self) -> PathBuf {
+        self.dir.with_file_name("converged.reserve")
+    }
+
+    /// Keep `bytes` of the data disk allocated in a reserve file, so that
+    /// when chunk data fills the disk the metadata store can still commit
+    /// (an unlink must work on a full disk). Returns whether it is in place.
+    pub fn ensure_reserve(&self, bytes: u64) -> bool {
+        let path = self.reserve_path();
+        if std::fs::metadata(&path).is_ok_and(|m| m.len() >= bytes) {
+            return true;
+        }
+        let Ok(f) = OpenOptions::new().create(true).write(true).truncate(false).mode(0o600).open(&path) else {
+            return false;
+        };
+        // SAFETY: fallocate on our own fd.
+        if unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, bytes as i64) } != 0 {
+            let _ = std::fs::remove_file(&path);
+            return false;
+        }
+        true
+    }
+
+    /// Give the reserve back to the disk. Returns whether there was one.
+    pub fn release_reserve(&self) -> bool {
+        let released = std::fs::remove_file(self.reserve_path()).is_ok();
+        if released {
+            tracing::warn!("data disk full: released the metadata reserve so the namespace stays writable");
+        }
+        released
     }
 
     pub fn remove(&self, ino: Ino) -> FsResult<()> {

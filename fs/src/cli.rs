@@ -259,6 +259,12 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             verify_reads: args.verify_reads,
         },
     )?);
+    // Buffered namespace commits become durable within a second (as a local
+    // filesystem's journal commit); fsync makes them durable at once.
+    let weak = Arc::downgrade(&core);
+    std::thread::Builder::new()
+        .name("flusher".into())
+        .spawn(move || Core::run_flusher(weak, Duration::from_secs(1)))?;
     let adapter = FuseAdapter::new(core, Duration::from_secs_f64(args.attr_timeout), !args.verify_reads);
     let mut config = fuser::Config::default();
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));

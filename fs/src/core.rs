@@ -86,13 +86,18 @@ struct OpenState {
 
 pub struct Core {
     ns: Namespace,
-    store: ChunkStore,
+    store: Arc<ChunkStore>,
     cfg: CoreConfig,
     open: DashMap<Ino, Arc<OpenInode>>,
     handles: DashMap<u64, Handle>,
     dirs: DashMap<u64, Arc<Vec<(Vec<u8>, Dentry)>>>,
     next_fh: AtomicU64,
     passthrough: AtomicBool,
+    /// Backing files of purged inodes, removed only once the purge is
+    /// durable: a crash before that brings the inode back with its data.
+    doomed: Mutex<Vec<Ino>>,
+    /// Wakes the flusher early (a purge wants its space back).
+    flush_now: (Mutex<bool>, parking_lot::Condvar),
 }
 
 fn chunk_range(offset: u64, len: u64, chunk_size: u32) -> std::ops::RangeInclusive<u32> {
@@ -111,7 +116,9 @@ impl Core {
     /// purge orphans, re-seal files that were open for writing, drop backing
     /// files whose inode is gone.
     pub fn start(ns: Namespace, cfg: CoreConfig) -> FsResult<Self> {
-        let store = ChunkStore::open(&cfg.data_dir)?;
+        let store = Arc::new(ChunkStore::open(&cfg.data_dir)?);
+        let s = store.clone();
+        ns.set_no_space_handler(move || s.release_reserve());
         let core = Core {
             ns,
             store,
@@ -121,8 +128,11 @@ impl Core {
             dirs: DashMap::new(),
             next_fh: AtomicU64::new(1),
             passthrough: AtomicBool::new(false),
+            doomed: Mutex::default(),
+            flush_now: Default::default(),
         };
         core.recover()?;
+        core.keep_reserve();
         Ok(core)
     }
 
@@ -215,6 +225,12 @@ impl Core {
             if before.kind == FileKind::Directory {
                 return Err(MetaError::IsDir.into());
             }
+            let writing = oi.as_ref().is_some_and(|oi| oi.state.lock().unsealed);
+            if !writing {
+                // Old checksums must not outlive a crash that lands between
+                // the truncate below and the re-seal.
+                self.ns.mark_unsealed(ino)?;
+            }
             let file = match &oi {
                 Some(oi) => oi.file.clone(),
                 None => Arc::new(self.store.open_backing(ino)?),
@@ -289,8 +305,71 @@ impl Core {
             oi.state.lock().orphaned = true;
             return Ok(());
         }
-        self.ns.purge(gone.ino)?;
-        self.store.remove(gone.ino)
+        self.purge(gone.ino)
+    }
+
+    fn purge(&self, ino: Ino) -> FsResult<()> {
+        if self.ns.purge(ino)? {
+            self.doomed.lock().push(ino);
+            *self.flush_now.0.lock() = true;
+            self.flush_now.1.notify_one();
+        }
+        Ok(())
+    }
+
+    /// The flusher loop: every `period`, or sooner when a purge is waiting,
+    /// run [`Core::flush`]. Many purges in a burst share one metadata sync.
+    pub fn run_flusher(core: std::sync::Weak<Core>, period: std::time::Duration) {
+        loop {
+            let Some(c) = core.upgrade() else { return };
+            {
+                let mut wanted = c.flush_now.0.lock();
+                if !*wanted {
+                    c.flush_now.1.wait_for(&mut wanted, period);
+                }
+                *wanted = false;
+            }
+            if let Err(e) = c.flush() {
+                tracing::error!(error = %e, "metadata flush failed");
+            }
+        }
+    }
+
+    /// Make buffered namespace changes durable, then remove the backing files
+    /// of inodes purged before the sync. Called every second by the daemon
+    /// and at unmount.
+    pub fn flush(&self) -> FsResult<()> {
+        let doomed = std::mem::take(&mut *self.doomed.lock());
+        if let Err(e) = self.ns.sync_if_dirty() {
+            // Not durable: the purges may come back after a crash, so their
+            // data must stay.
+            self.doomed.lock().extend(doomed);
+            return Err(e.into());
+        }
+        for ino in doomed {
+            // A metadata reopen after a disk-full error rolls back to the last
+            // durable commit and may bring the inode back: then keep its data.
+            if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
+                self.store.remove(ino)?;
+            }
+        }
+        self.keep_reserve();
+        Ok(())
+    }
+
+    /// Re-create the metadata reserve once the disk has room again.
+    fn keep_reserve(&self) {
+        if let Ok(st) = self.statfs() {
+            let frsize = st.f_frsize.max(1);
+            let reserve = crate::chunkstore::reserve_size(st.f_blocks * frsize);
+            if st.f_bavail * frsize > 4 * reserve || self.store_has_reserve(reserve) {
+                self.store.ensure_reserve(reserve);
+            }
+        }
+    }
+
+    fn store_has_reserve(&self, bytes: u64) -> bool {
+        std::fs::metadata(self.cfg.data_dir.join("converged.reserve")).is_ok_and(|m| m.len() >= bytes)
     }
 
     // ---- xattrs ----
@@ -343,8 +422,20 @@ impl Core {
 
     // ---- files ----
 
+    /// Create a regular file and open it (open with O_CREAT). A file created
+    /// for writing starts unsealed in the creating transaction.
+    pub fn create(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> FsResult<(Attr, Opened)> {
+        let inode = self.ns.mknod(parent, name, node)?;
+        let opened = self.open_inner(inode.ino, node.unsealed, node.unsealed)?;
+        Ok((inode, opened))
+    }
+
     /// Open `ino`; `writable` for O_WRONLY / O_RDWR.
     pub fn open(&self, ino: Ino, writable: bool) -> FsResult<Opened> {
+        self.open_inner(ino, writable, false)
+    }
+
+    fn open_inner(&self, ino: Ino, writable: bool, created_unsealed: bool) -> FsResult<Opened> {
         let inode = self.ns.getattr(ino)?;
         match inode.kind {
             FileKind::Regular => {}
@@ -369,7 +460,8 @@ impl Core {
                 !st.unsealed
             };
             if first_writer {
-                if let Err(e) = self.ns.mark_unsealed(ino) {
+                let marked = if created_unsealed { Ok(()) } else { self.ns.mark_unsealed(ino) };
+                if let Err(e) = marked {
                     let _ = self.release(fh);
                     return Err(e.into());
                 }
@@ -560,8 +652,7 @@ impl Core {
             st.opens == 0
         });
         if purge {
-            self.ns.purge(h.ino)?;
-            self.store.remove(h.ino)?;
+            self.purge(h.ino)?;
         }
         result
     }
@@ -615,7 +706,7 @@ impl Core {
 
     /// Flush the namespace to stable storage (unmount).
     pub fn shutdown(&self) {
-        if let Err(e) = self.ns.sync() {
+        if let Err(e) = self.ns.sync().map_err(FsError::from).and_then(|()| self.flush()) {
             tracing::error!(error = %e, "final metadata sync failed");
         }
     }

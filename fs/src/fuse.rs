@@ -246,7 +246,7 @@ impl Filesystem for FuseAdapter {
         let Some(kind) = FileKind::from_mode(mode) else {
             return reply.error(Errno::EINVAL);
         };
-        let node = NewNode { kind, perm: (mode & 0o7777) as u16, uid: req.uid(), gid: req.gid(), rdev, target: None };
+        let node = NewNode { kind, perm: (mode & 0o7777) as u16, uid: req.uid(), gid: req.gid(), rdev, target: None, unsealed: false };
         self.new_node(req, parent, name, node, reply);
     }
 
@@ -259,6 +259,7 @@ impl Filesystem for FuseAdapter {
             gid: req.gid(),
             rdev: 0,
             target: None,
+            unsealed: false,
         };
         self.new_node(req, parent, name, node, reply);
     }
@@ -272,6 +273,7 @@ impl Filesystem for FuseAdapter {
             gid: req.gid(),
             rdev: 0,
             target: Some(target.as_os_str().as_bytes()),
+            unsealed: false,
         };
         self.new_node(req, parent, link_name, node, reply);
     }
@@ -356,13 +358,10 @@ impl Filesystem for FuseAdapter {
             gid: req.gid(),
             rdev: 0,
             target: None,
+            unsealed: is_writable(OpenFlags(flags)),
         };
-        let inode = match self.core.mknod(parent.0, name.as_bytes(), &node) {
-            Ok(i) => i,
-            Err(e) => return reply.error(errno("create", e)),
-        };
-        let opened = match self.core.open(inode.ino, is_writable(OpenFlags(flags))) {
-            Ok(o) => o,
+        let (inode, opened) = match self.core.create(parent.0, name.as_bytes(), &node) {
+            Ok(r) => r,
             Err(e) => return reply.error(errno("create", e)),
         };
         let a = attr(&inode);

@@ -3,10 +3,15 @@
 //! redb runs one write transaction at a time, so transactions never conflict.
 //! Buffered commits use `Durability::None`; a durable commit (or `sync`) makes
 //! every earlier commit durable too, which is how fsync is honoured cheaply.
+//!
+//! After an I/O error (a full disk) redb refuses all further work until the
+//! database is reopened; `RedbKv` reopens it on the next transaction, which
+//! rolls back to the last durable commit.
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -16,13 +21,24 @@ use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("converged");
 
 pub struct RedbKv {
-    db: Database,
+    path: std::path::PathBuf,
+    db: parking_lot::RwLock<Option<Arc<Database>>>,
+}
+
+/// redb's "previous I/O error" state, seen through any of its error types.
+fn poisoned(e: &dyn std::fmt::Display) -> bool {
+    e.to_string().contains("Previous I/O error")
 }
 
 impl RedbKv {
     /// Open (or create) the database file. Another daemon holding it is
     /// waited for up to `wait`, so a remount right after an unmount works.
     pub fn open(path: &Path, wait: Duration) -> KvResult<Self> {
+        let db = Self::open_db(path, wait)?;
+        Ok(Self { path: path.to_path_buf(), db: parking_lot::RwLock::new(Some(Arc::new(db))) })
+    }
+
+    fn open_db(path: &Path, wait: Duration) -> KvResult<Database> {
         let deadline = Instant::now() + wait;
         let db = loop {
             match Database::create(path) {
@@ -42,11 +58,36 @@ impl RedbKv {
         let txn = db.begin_write().map_err(KvError::backend)?;
         txn.open_table(TABLE).map_err(KvError::backend)?;
         txn.commit().map_err(KvError::backend)?;
-        Ok(Self { db })
+        Ok(db)
+    }
+
+    /// The open database, reopening it after redb poisoned itself.
+    fn db(&self) -> KvResult<Arc<Database>> {
+        if let Some(db) = self.db.read().as_ref() {
+            return Ok(db.clone());
+        }
+        let mut slot = self.db.write();
+        if let Some(db) = slot.as_ref() {
+            return Ok(db.clone());
+        }
+        tracing::warn!(path = %self.path.display(), "reopening the metadata database after an I/O error");
+        let db = Arc::new(Self::open_db(&self.path, Duration::from_secs(5))?);
+        *slot = Some(db.clone());
+        Ok(db)
+    }
+
+    /// Map a redb error; on poison, drop our handle so the next transaction reopens.
+    fn check<E: std::fmt::Display>(&self, e: E) -> KvError {
+        if poisoned(&e) {
+            self.db.write().take();
+            return KvError::Backend { msg: e.to_string(), retryable: true };
+        }
+        KvError::backend(e)
     }
 }
 
 struct RedbRead {
+    _db: Arc<Database>,
     table: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
 }
 
@@ -82,12 +123,14 @@ impl KvRead for RedbRead {
 
 /// Writes are buffered and applied at commit, because a redb `Table` borrows
 /// its transaction and cannot live beside it in one struct.
-struct RedbWrite {
+struct RedbWrite<'a> {
+    kv: &'a RedbKv,
+    _db: Arc<Database>,
     txn: redb::WriteTransaction,
     pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
 }
 
-impl KvRead for RedbWrite {
+impl KvRead for RedbWrite<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
         if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
@@ -117,7 +160,7 @@ impl KvRead for RedbWrite {
     }
 }
 
-impl KvWrite for RedbWrite {
+impl KvWrite for RedbWrite<'_> {
     fn put(&mut self, key: &[u8], value: &[u8]) {
         self.pending.insert(key.to_vec(), Some(value.to_vec()));
     }
@@ -125,26 +168,26 @@ impl KvWrite for RedbWrite {
         self.pending.insert(key.to_vec(), None);
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
-        let RedbWrite { mut txn, pending } = *self;
+        let RedbWrite { kv, _db, mut txn, pending } = *self;
         let level = match durability {
             Durability::Buffered => redb::Durability::None,
             Durability::Durable => redb::Durability::Immediate,
         };
-        txn.set_durability(level).map_err(KvError::backend)?;
+        txn.set_durability(level).map_err(|e| kv.check(e))?;
         {
-            let mut table = txn.open_table(TABLE).map_err(KvError::backend)?;
+            let mut table = txn.open_table(TABLE).map_err(|e| kv.check(e))?;
             for (k, v) in &pending {
                 match v {
                     Some(v) => {
-                        table.insert(k.as_slice(), v.as_slice()).map_err(KvError::backend)?;
+                        table.insert(k.as_slice(), v.as_slice()).map_err(|e| kv.check(e))?;
                     }
                     None => {
-                        table.remove(k.as_slice()).map_err(KvError::backend)?;
+                        table.remove(k.as_slice()).map_err(|e| kv.check(e))?;
                     }
                 }
             }
         }
-        txn.commit().map_err(KvError::backend)
+        txn.commit().map_err(|e| kv.check(e))
     }
 }
 
@@ -153,17 +196,20 @@ impl KvEngine for RedbKv {
         "redb"
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
-        let txn = self.db.begin_read().map_err(KvError::backend)?;
-        let table = txn.open_table(TABLE).map_err(KvError::backend)?;
-        Ok(Box::new(RedbRead { table }))
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(|e| self.check(e))?;
+        let table = txn.open_table(TABLE).map_err(|e| self.check(e))?;
+        Ok(Box::new(RedbRead { _db: db, table }))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        let txn = self.db.begin_write().map_err(KvError::backend)?;
-        Ok(Box::new(RedbWrite { txn, pending: BTreeMap::new() }))
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(|e| self.check(e))?;
+        Ok(Box::new(RedbWrite { kv: self, _db: db, txn, pending: BTreeMap::new() }))
     }
     fn sync(&self) -> KvResult<()> {
-        let mut txn = self.db.begin_write().map_err(KvError::backend)?;
-        txn.set_durability(redb::Durability::Immediate).map_err(KvError::backend)?;
-        txn.commit().map_err(KvError::backend)
+        let db = self.db()?;
+        let mut txn = db.begin_write().map_err(|e| self.check(e))?;
+        txn.set_durability(redb::Durability::Immediate).map_err(|e| self.check(e))?;
+        txn.commit().map_err(|e| self.check(e))
     }
 }

@@ -4,7 +4,8 @@
 //! [`Namespace::write`], which retries on conflict. This layer knows nothing
 //! of FUSE or of file data: callers pass plain values and get [`Inode`]s back.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -12,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvEngine, KvRead, KvWrite};
+use crate::kv::{Durability, KvEngine, KvError, KvRead, KvWrite};
 use crate::schema;
 use crate::types::*;
 
@@ -26,6 +27,12 @@ pub struct Namespace {
     kv: Arc<dyn KvEngine>,
     next_ino: Mutex<(Ino, Ino)>,
     chunk_size: u32,
+    /// Set by buffered commits, cleared by `sync`: lets a periodic flusher
+    /// skip idle volumes.
+    unsynced: AtomicBool,
+    /// Called when the engine reports a full disk; returns true when it
+    /// freed space (the data dir's reserve) so the transaction may retry.
+    on_no_space: OnceLock<Box<dyn Fn() -> bool + Send + Sync>>,
 }
 
 pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -110,7 +117,13 @@ pub(crate) fn scan_all(txn: &mut (impl KvRead + ?Sized), prefix: &[u8]) -> MetaR
 impl Namespace {
     /// Open the namespace, creating the volume and its root directory on first use.
     pub fn open(kv: Arc<dyn KvEngine>, root_uid: u32, root_gid: u32) -> MetaResult<Self> {
-        let mut ns = Namespace { kv, next_ino: Mutex::new((0, 0)), chunk_size: DEFAULT_CHUNK_SIZE };
+        let mut ns = Namespace {
+            kv,
+            next_ino: Mutex::new((0, 0)),
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            unsynced: AtomicBool::new(false),
+            on_no_space: OnceLock::new(),
+        };
         let volume = ns.write(Durability::Durable, |txn| {
             if let Some(v) = txn.get(schema::VOLUME)? {
                 return decode::<VolumeRecord>(schema::VOLUME, &v);
@@ -163,14 +176,23 @@ impl Namespace {
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         let mut attempt = 0;
+        let mut freed = false;
         loop {
             attempt += 1;
             let mut txn = self.kv.write_txn()?;
             let result = match f(txn.as_mut()) {
-                Ok(v) => txn.commit(durability).map(|()| v).map_err(MetaError::from),
+                Ok(v) => {
+                    if durability == Durability::Buffered {
+                        self.unsynced.store(true, Ordering::Release);
+                    }
+                    txn.commit(durability).map(|()| v).map_err(MetaError::from)
+                }
                 Err(e) => Err(e),
             };
             match result {
+                Err(MetaError::Kv(KvError::NoSpace)) if !freed && self.free_space() => {
+                    freed = true;
+                }
                 Err(MetaError::Kv(e)) if e.is_retryable() && attempt < MAX_ATTEMPTS => {
                     tracing::debug!(attempt, "metadata transaction conflict, retrying");
                     std::thread::sleep(Duration::from_micros(100 << attempt.min(10)));
@@ -178,6 +200,15 @@ impl Namespace {
                 other => return other,
             }
         }
+    }
+
+    /// Install what to do when the engine's disk is full (once).
+    pub fn set_no_space_handler(&self, f: impl Fn() -> bool + Send + Sync + 'static) {
+        let _ = self.on_no_space.set(Box::new(f));
+    }
+
+    fn free_space(&self) -> bool {
+        self.on_no_space.get().is_some_and(|f| f())
     }
 
     /// Run `f` against a consistent read view.
@@ -210,6 +241,24 @@ impl Namespace {
 
     /// Make every namespace change so far durable (fsync, fsyncdir, unmount).
     pub fn sync(&self) -> MetaResult<()> {
-        Ok(self.kv.sync()?)
+        self.unsynced.store(false, Ordering::Release);
+        let mut r = self.kv.sync();
+        if matches!(r, Err(KvError::NoSpace)) && self.free_space() {
+            r = self.kv.sync();
+        }
+        if let Err(e) = r {
+            self.unsynced.store(true, Ordering::Release);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// `sync`, but only when a buffered commit happened since the last one.
+    /// Returns whether it synced.
+    pub fn sync_if_dirty(&self) -> MetaResult<bool> {
+        if !self.unsynced.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        self.sync().map(|()| true)
     }
 }

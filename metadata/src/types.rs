@@ -139,6 +139,9 @@ pub struct NewNode<'a> {
     pub gid: u32,
     pub rdev: u32,
     pub target: Option<&'a [u8]>,
+    /// Created to be written at once (open(O_CREAT) for writing): the file
+    /// starts unsealed in the same transaction that creates it.
+    pub unsealed: bool,
 }
 
 /// Flags of `setxattr`.

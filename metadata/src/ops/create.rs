@@ -55,6 +55,9 @@ impl Namespace {
                 target: node.target.map(|t| t.to_vec()),
             };
             put_inode(txn, &inode);
+            if node.unsealed && node.kind == FileKind::Regular {
+                txn.put(&crate::schema::unsealed(ino), b"");
+            }
             put_dentry(txn, parent, name, &Dentry { ino, kind: node.kind });
             if is_dir {
                 dir.nlink += 1;

@@ -31,9 +31,11 @@ impl Namespace {
         })
     }
 
-    /// Mark a file as being written on this node.
+    /// Mark a file as being written on this node. Must be durable before the
+    /// first byte of a sealed file changes, or a crash could leave old
+    /// checksums over new bytes.
     pub fn mark_unsealed(&self, ino: Ino) -> MetaResult<()> {
-        self.write(Durability::Buffered, |txn| {
+        self.write(Durability::Durable, |txn| {
             get_inode(txn, ino)?;
             txn.put(&schema::unsealed(ino), b"");
             Ok(())
