@@ -72,6 +72,17 @@ impl ChunkStore {
         true
     }
 
+    /// Allocate real blocks under the embedded metadata file and `bytes`
+    /// beyond its end (without changing its size), so its commits overwrite
+    /// allocated space and do not fail, and poison redb, when chunk data has
+    /// filled the disk. Refreshed every flush, as redb may shrink the file.
+    pub fn preallocate(path: &Path, bytes: u64) {
+        let Ok(f) = OpenOptions::new().write(true).open(path) else { return };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        // SAFETY: fallocate on our own fd; KEEP_SIZE leaves the file's length alone.
+        unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, (len + bytes) as i64) };
+    }
+
     /// Give the reserve back to the disk. Returns whether there was one.
     pub fn release_reserve(&self) -> bool {
         let released = std::fs::remove_file(self.reserve_path()).is_ok();

@@ -257,6 +257,10 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             data_dir: c.data_dir.clone(),
             node_id: args.node_id.clone().unwrap_or_else(hostname),
             verify_reads: args.verify_reads,
+            meta_file: match &c.meta {
+                MetaUri::Redb(path) => Some(path.clone()),
+                MetaUri::Memory => None,
+            },
         },
     )?);
     // Buffered namespace commits become durable within a second (as a local

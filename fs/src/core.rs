@@ -29,6 +29,9 @@ pub struct CoreConfig {
     pub node_id: String,
     /// Serve every read through the daemon so every byte is checksum-verified.
     pub verify_reads: bool,
+    /// The embedded metadata file when it lives on the data disk; kept
+    /// preallocated so a disk full of chunks cannot starve it.
+    pub meta_file: Option<PathBuf>,
 }
 
 /// Attributes as the caller sees them: the namespace record, with size and
@@ -364,6 +367,9 @@ impl Core {
             let reserve = crate::chunkstore::reserve_size(st.f_blocks * frsize);
             if st.f_bavail * frsize > 4 * reserve || self.store_has_reserve(reserve) {
                 self.store.ensure_reserve(reserve);
+            }
+            if let Some(meta) = &self.cfg.meta_file {
+                ChunkStore::preallocate(meta, reserve);
             }
         }
     }

@@ -563,6 +563,21 @@ impl Filesystem for FuseAdapter {
         reply.ok();
     }
 
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        // No ioctls (isatty() probes land here): the answer a plain file gives.
+        reply.error(Errno::ENOTTY);
+    }
+
     fn fallocate(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
         let _s = debug_span!("fallocate", ino = ino.0, offset, length, mode).entered();
         match self.core.fallocate(fh.0, offset, length, mode) {
