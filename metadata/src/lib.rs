@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod kv;
+pub mod kv_fault;
 pub mod kv_mem;
 pub mod kv_redb;
 mod namespace;
@@ -23,7 +24,7 @@ pub use kv_mem::MemKv;
 pub use kv_redb::RedbKv;
 pub use namespace::{Namespace, LINK_MAX};
 pub use ops::layout::Seal;
-pub use types::ChunkRecord;
+pub use types::{ChunkRecord, ROOT_INO as ROOT};
 pub use ops::Unlinked;
 pub use ops::xattr::{XATTR_NAME_MAX, XATTR_SIZE_MAX};
 

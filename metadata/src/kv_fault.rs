@@ -1,0 +1,91 @@
+//! `FaultyKv`: wraps any engine and fails chosen commits on purpose, so the
+//! retry and error paths of the namespace are tested deliberately.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
+
+/// Which failure the next commits report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    Conflict,
+    NoSpace,
+}
+
+pub struct FaultyKv {
+    inner: Arc<dyn KvEngine>,
+    fault: parking_lot::Mutex<Option<Fault>>,
+    /// Commits still to fail.
+    remaining: AtomicU32,
+    /// Commits that were failed so far.
+    pub injected: AtomicU32,
+}
+
+impl FaultyKv {
+    pub fn new(inner: Arc<dyn KvEngine>) -> Self {
+        Self { inner, fault: Default::default(), remaining: AtomicU32::new(0), injected: AtomicU32::new(0) }
+    }
+
+    /// Fail the next `count` commits with `fault`.
+    pub fn fail_next(&self, fault: Fault, count: u32) {
+        *self.fault.lock() = Some(fault);
+        self.remaining.store(count, Ordering::SeqCst);
+    }
+
+    fn take_fault(&self) -> Option<Fault> {
+        let fault = (*self.fault.lock())?;
+        self.remaining
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .ok()
+            .map(|_| {
+                self.injected.fetch_add(1, Ordering::SeqCst);
+                fault
+            })
+    }
+}
+
+struct FaultyWrite<'a> {
+    kv: &'a FaultyKv,
+    inner: Box<dyn KvWrite + 'a>,
+}
+
+impl KvRead for FaultyWrite<'_> {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        self.inner.get(key)
+    }
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        self.inner.scan(start, end, limit)
+    }
+}
+
+impl KvWrite for FaultyWrite<'_> {
+    fn put(&mut self, key: &[u8], value: &[u8]) {
+        self.inner.put(key, value)
+    }
+    fn delete(&mut self, key: &[u8]) {
+        self.inner.delete(key)
+    }
+    fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
+        match self.kv.take_fault() {
+            Some(Fault::Conflict) => Err(KvError::Conflict),
+            Some(Fault::NoSpace) => Err(KvError::NoSpace),
+            None => self.inner.commit(durability),
+        }
+    }
+}
+
+impl KvEngine for FaultyKv {
+    fn name(&self) -> &'static str {
+        "faulty"
+    }
+    fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        self.inner.read_txn()
+    }
+    fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+        Ok(Box::new(FaultyWrite { kv: self, inner: self.inner.write_txn()? }))
+    }
+    fn sync(&self) -> KvResult<()> {
+        self.inner.sync()
+    }
+}
