@@ -180,7 +180,8 @@ mod tests {
     #[test]
     fn hole_checksums_match_reading_the_zeros() {
         let dir = tempfile::tempdir().unwrap();
-        let f = OpenOptions::new().create(true).read(true).write(true).open(dir.path().join("f")).unwrap();
+        let f =
+            OpenOptions::new().create(true).truncate(true).read(true).write(true).open(dir.path().join("f")).unwrap();
         let len = 5 * 1024 * 1024 + 1000;
         f.write_all_at(b"data in the middle", 3 * 1024 * 1024 + 5).unwrap();
         f.set_len(len).unwrap();

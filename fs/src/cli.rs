@@ -153,7 +153,7 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() + 0 && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -217,7 +217,9 @@ fn lock_data_dir(data_dir: &Path, wait: Duration) -> anyhow::Result<File> {
 }
 
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "local".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "local".into())
 }
 
 fn init_tracing(log_file: Option<&Path>) -> anyhow::Result<()> {
@@ -378,11 +380,7 @@ fn umount(mountpoint: &Path) -> anyhow::Result<()> {
     let Some(src) = mount_source(&mp) else {
         bail!("{} is not mounted", mp.display());
     };
-    let data_dir = src
-        .split_once(' ')
-        .map(|(_, s)| s)
-        .and_then(|s| s.strip_prefix("converged:"))
-        .map(PathBuf::from);
+    let data_dir = src.split_once(' ').map(|(_, s)| s).and_then(|s| s.strip_prefix("converged:")).map(PathBuf::from);
     let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
     // SAFETY: umount2 with a valid path.
     if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {

@@ -45,6 +45,9 @@ pub struct Opened {
     pub backing: Option<Arc<File>>,
 }
 
+/// A directory snapshot held by an open directory handle: (name, entry) pairs.
+pub type Listing = Arc<Vec<(Vec<u8>, Dentry)>>;
+
 struct Handle {
     ino: Ino,
     writable: bool,
@@ -93,7 +96,7 @@ pub struct Core {
     cfg: CoreConfig,
     open: DashMap<Ino, Arc<OpenInode>>,
     handles: DashMap<u64, Handle>,
-    dirs: DashMap<u64, Arc<Vec<(Vec<u8>, Dentry)>>>,
+    dirs: DashMap<u64, Listing>,
     next_fh: AtomicU64,
     passthrough: AtomicBool,
     /// Backing files of purged inodes, removed only once the purge is
@@ -263,7 +266,8 @@ impl Core {
                     Some(oi) => oi.file.clone(),
                     None => Arc::new(self.store.open_backing(ino)?),
                 };
-                inode = self.seal_file(&inode, &file, &Dirty::Chunks(boundary.collect()), false, Durability::Buffered)?;
+                inode =
+                    self.seal_file(&inode, &file, &Dirty::Chunks(boundary.collect()), false, Durability::Buffered)?;
             }
         }
         self.overlay(inode)
@@ -405,7 +409,7 @@ impl Core {
 
     /// Entries from `offset` on; offset 0 (re)takes the snapshot. Returns
     /// (entry offset, name, dentry); `.` and `..` are offsets 1 and 2.
-    pub fn readdir(&self, ino: Ino, fh: u64, offset: u64) -> FsResult<Arc<Vec<(Vec<u8>, Dentry)>>> {
+    pub fn readdir(&self, ino: Ino, fh: u64, offset: u64) -> FsResult<Listing> {
         if offset == 0 || !self.dirs.contains_key(&fh) {
             let dir = self.ns.getattr(ino)?;
             let mut entries = vec![
@@ -507,7 +511,11 @@ impl Core {
         let end = (offset + size as u64).min(file_size);
         let crcs = {
             let st = oi.state.lock();
-            if st.unsealed { None } else { st.crcs.clone() }
+            if st.unsealed {
+                None
+            } else {
+                st.crcs.clone()
+            }
         };
         let crcs = match crcs {
             Some(c) => Some(c),
@@ -665,7 +673,14 @@ impl Core {
 
     /// Compute checksums for the dirty chunks of `inode` from `file` and
     /// record them with the size and mtime the backing file has.
-    fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, keep_unsealed: bool, d: Durability) -> FsResult<Inode> {
+    fn seal_file(
+        &self,
+        inode: &Inode,
+        file: &File,
+        dirty: &Dirty,
+        keep_unsealed: bool,
+        d: Durability,
+    ) -> FsResult<Inode> {
         let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
         let size = md.len();
         let cs = inode.chunk_size.max(1) as u64;

@@ -171,7 +171,9 @@ impl Filesystem for FuseAdapter {
                     Ok(_) => passthrough = true,
                     Err(e) => tracing::warn!(max = e, "kernel refused passthrough stack depth; daemon I/O only"),
                 },
-                Err(_) => tracing::warn!("kernel does not offer FUSE passthrough; reads and writes go through the daemon"),
+                Err(_) => {
+                    tracing::warn!("kernel does not offer FUSE passthrough; reads and writes go through the daemon")
+                }
             }
         }
         self.core.set_passthrough(passthrough);
@@ -241,12 +243,29 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, rdev: u32, reply: ReplyEntry) {
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
         let _s = debug_span!("mknod", parent = parent.0, name = ?name, mode).entered();
         let Some(kind) = FileKind::from_mode(mode) else {
             return reply.error(Errno::EINVAL);
         };
-        let node = NewNode { kind, perm: (mode & 0o7777) as u16, uid: req.uid(), gid: req.gid(), rdev, target: None, unsealed: false };
+        let node = NewNode {
+            kind,
+            perm: (mode & 0o7777) as u16,
+            uid: req.uid(),
+            gid: req.gid(),
+            rdev,
+            target: None,
+            unsealed: false,
+        };
         self.new_node(req, parent, name, node, reply);
     }
 
@@ -473,7 +492,14 @@ impl Filesystem for FuseAdapter {
             Ok(entries) => {
                 for (i, (name, d)) in entries.iter().enumerate().skip(offset as usize) {
                     let Ok(inode) = self.core.getattr(d.ino) else { continue };
-                    if reply.add(INodeNo(d.ino), (i + 1) as u64, OsStr::from_bytes(name), &self.ttl, &attr(&inode), Generation(0)) {
+                    if reply.add(
+                        INodeNo(d.ino),
+                        (i + 1) as u64,
+                        OsStr::from_bytes(name),
+                        &self.ttl,
+                        &attr(&inode),
+                        Generation(0),
+                    ) {
                         break;
                     }
                 }
@@ -578,7 +604,16 @@ impl Filesystem for FuseAdapter {
         reply.error(Errno::ENOTTY);
     }
 
-    fn fallocate(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
         let _s = debug_span!("fallocate", ino = ino.0, offset, length, mode).entered();
         match self.core.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),

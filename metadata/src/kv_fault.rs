@@ -35,13 +35,10 @@ impl FaultyKv {
 
     fn take_fault(&self) -> Option<Fault> {
         let fault = (*self.fault.lock())?;
-        self.remaining
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .ok()
-            .map(|_| {
-                self.injected.fetch_add(1, Ordering::SeqCst);
-                fault
-            })
+        self.remaining.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).ok().map(|_| {
+            self.injected.fetch_add(1, Ordering::SeqCst);
+            fault
+        })
     }
 }
 

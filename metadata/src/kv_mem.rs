@@ -59,10 +59,7 @@ impl KvRead for MemWrite<'_> {
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let mut merged: Map = scan_map(&self.map.lock(), start, end, usize::MAX).into_iter().collect();
-        for (k, v) in self
-            .pending
-            .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)))
-        {
+        for (k, v) in self.pending.range::<[u8], _>((Bound::Included(start), Bound::Excluded(end))) {
             match v {
                 Some(v) => merged.insert(k.clone(), v.clone()),
                 None => merged.remove(k),
@@ -99,11 +96,7 @@ impl KvEngine for MemKv {
         Ok(Box::new(MemRead { map: &self.map }))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        Ok(Box::new(MemWrite {
-            map: &self.map,
-            _writer: self.writer.lock(),
-            pending: BTreeMap::new(),
-        }))
+        Ok(Box::new(MemWrite { map: &self.map, _writer: self.writer.lock(), pending: BTreeMap::new() }))
     }
     fn sync(&self) -> KvResult<()> {
         Ok(())

@@ -47,10 +47,7 @@ impl RedbKv {
                     std::thread::sleep(Duration::from_millis(50));
                 }
                 Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
-                    return Err(KvError::backend(format!(
-                        "{} is in use by another converged daemon",
-                        path.display()
-                    )))
+                    return Err(KvError::backend(format!("{} is in use by another converged daemon", path.display())))
                 }
                 Err(e) => return Err(KvError::backend(format!("{}: {e}", path.display()))),
             }
@@ -98,9 +95,7 @@ fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
     limit: usize,
 ) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
     let mut out = Vec::new();
-    let range = table
-        .range::<&[u8]>((Bound::Included(start), Bound::Excluded(end)))
-        .map_err(KvError::backend)?;
+    let range = table.range::<&[u8]>((Bound::Included(start), Bound::Excluded(end))).map_err(KvError::backend)?;
     for item in range.take(limit) {
         let (k, v) = item.map_err(KvError::backend)?;
         out.push((k.value().to_vec(), v.value().to_vec()));
@@ -110,11 +105,7 @@ fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
 
 impl KvRead for RedbRead {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        Ok(self
-            .table
-            .get(key)
-            .map_err(KvError::backend)?
-            .map(|v| v.value().to_vec()))
+        Ok(self.table.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec()))
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         collect_range(&self.table, start, end, limit)
@@ -141,15 +132,10 @@ impl KvRead for RedbWrite<'_> {
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let table = self.txn.open_table(TABLE).map_err(KvError::backend)?;
-        let overlay: Vec<_> = self
-            .pending
-            .range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)))
-            .collect();
+        let overlay: Vec<_> = self.pending.range::<[u8], _>((Bound::Included(start), Bound::Excluded(end))).collect();
         let extra = overlay.iter().filter(|(_, v)| v.is_none()).count();
         let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
-            collect_range(&table, start, end, limit.saturating_add(extra))?
-                .into_iter()
-                .collect();
+            collect_range(&table, start, end, limit.saturating_add(extra))?.into_iter().collect();
         for (k, v) in overlay {
             match v {
                 Some(v) => merged.insert(k.clone(), v.clone()),

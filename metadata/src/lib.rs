@@ -24,9 +24,9 @@ pub use kv_mem::MemKv;
 pub use kv_redb::RedbKv;
 pub use namespace::{Namespace, LINK_MAX};
 pub use ops::layout::Seal;
-pub use types::{ChunkRecord, ROOT_INO as ROOT};
-pub use ops::Unlinked;
 pub use ops::xattr::{XATTR_NAME_MAX, XATTR_SIZE_MAX};
+pub use ops::Unlinked;
+pub use types::{ChunkRecord, ROOT_INO as ROOT};
 
 /// A metadata URI, parsed but not yet opened.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,7 +41,9 @@ pub enum MetaUri {
 pub enum UriError {
     #[error("metadata URI {0:?} has no scheme; expected redb:///path or memory:")]
     NoScheme(String),
-    #[error("metadata URI {uri:?}: unknown scheme {scheme:?}; supported: redb, memory (etcd comes with the cluster mode)")]
+    #[error(
+        "metadata URI {uri:?}: unknown scheme {scheme:?}; supported: redb, memory (etcd comes with the cluster mode)"
+    )]
     UnknownScheme { uri: String, scheme: String },
     #[error("metadata URI {0:?}: redb needs an absolute path, as in redb:///nvme/converged/meta.redb")]
     RedbPath(String),

@@ -40,10 +40,8 @@ pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
 }
 
 pub(crate) fn decode<T: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> MetaResult<T> {
-    postcard::from_bytes(bytes).map_err(|e| MetaError::Corrupt {
-        key: String::from_utf8_lossy(key).into_owned(),
-        msg: e.to_string(),
-    })
+    postcard::from_bytes(bytes)
+        .map_err(|e| MetaError::Corrupt { key: String::from_utf8_lossy(key).into_owned(), msg: e.to_string() })
 }
 
 pub(crate) fn check_name(name: &[u8]) -> MetaResult<()> {

@@ -47,13 +47,14 @@ fn kv_scan_is_ordered_bounded_and_sees_pending_writes() {
         let mut t = kv.write_txn().unwrap();
         t.delete(&[b'k', 3]);
         t.put(&[b'k', 4], &[4]);
-        let got: Vec<u8> = t.scan(&[b'k'], &[b'l'], 10).unwrap().into_iter().map(|(k, _)| k[1]).collect();
+        let got: Vec<u8> = t.scan(b"k", b"l", 10).unwrap().into_iter().map(|(k, _)| k[1]).collect();
         assert_eq!(got, vec![1, 4, 5, 7, 9], "{name}: merged view in order");
-        let got = t.scan(&[b'k'], &[b'l'], 2).unwrap();
+        let got = t.scan(b"k", b"l", 2).unwrap();
         assert_eq!(got.len(), 2, "{name}: limit");
         t.commit(Durability::Buffered).unwrap();
         kv.sync().unwrap();
-        let got: Vec<u8> = kv.read_txn().unwrap().scan(&[b'k', 4], &[b'k', 8], 10).unwrap().into_iter().map(|(k, _)| k[1]).collect();
+        let got: Vec<u8> =
+            kv.read_txn().unwrap().scan(&[b'k', 4], &[b'k', 8], 10).unwrap().into_iter().map(|(k, _)| k[1]).collect();
         assert_eq!(got, vec![4, 5, 7], "{name}: [start, end)");
     }
 }
@@ -157,7 +158,8 @@ fn namespace_setattr_xattr_and_seal() {
         let record = ChunkRecord { version: 1, len: 100, replicas: vec!["n1".into()], block_crcs: vec![42] };
         ns.mark_unsealed(f.ino).unwrap();
         assert_eq!(ns.unsealed().unwrap(), vec![f.ino], "{name}");
-        let seal = converged_metadata::Seal { size: 100, mtime: t, chunks: vec![(0, record.clone())], keep_unsealed: false };
+        let seal =
+            converged_metadata::Seal { size: 100, mtime: t, chunks: vec![(0, record.clone())], keep_unsealed: false };
         ns.seal(f.ino, &seal, Durability::Durable).unwrap();
         assert!(ns.unsealed().unwrap().is_empty(), "{name}");
         assert_eq!(ns.chunks(f.ino).unwrap(), vec![(0, record)], "{name}");

@@ -13,9 +13,28 @@ const DAEMON_ARG: &str = "--converged-daemon";
 fn ignored(opt: &str) -> bool {
     matches!(
         opt,
-        "defaults" | "rw" | "auto" | "noauto" | "user" | "nouser" | "users" | "_netdev" | "nofail" | "exec"
-            | "noexec" | "suid" | "nosuid" | "dev" | "nodev" | "atime" | "noatime" | "relatime" | "strictatime"
-            | "nodiratime" | "async" | "loop"
+        "defaults"
+            | "rw"
+            | "auto"
+            | "noauto"
+            | "user"
+            | "nouser"
+            | "users"
+            | "_netdev"
+            | "nofail"
+            | "exec"
+            | "noexec"
+            | "suid"
+            | "nosuid"
+            | "dev"
+            | "nodev"
+            | "atime"
+            | "noatime"
+            | "relatime"
+            | "strictatime"
+            | "nodiratime"
+            | "async"
+            | "loop"
     ) || opt.starts_with("x-")
         || opt.starts_with("comment=")
 }
@@ -120,7 +139,16 @@ mod tests {
         let out: Vec<String> = out.into_iter().map(|o| o.into_string().unwrap()).collect();
         assert_eq!(
             out,
-            s(&["converged", "mount", "/mnt/data", "--verify-reads", "--data-dir", "/nvme/c", "--source", "converged:local"])
+            s(&[
+                "converged",
+                "mount",
+                "/mnt/data",
+                "--verify-reads",
+                "--data-dir",
+                "/nvme/c",
+                "--source",
+                "converged:local"
+            ])
         );
     }
 

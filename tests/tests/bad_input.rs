@@ -38,8 +38,14 @@ fn bad_mount_arguments_are_refused_and_create_nothing() {
     mount_fails(&[&o(&missing), "--data-dir".as_ref(), &o(&data)], "mount point");
     mount_fails(&[&o(&file), "--data-dir".as_ref(), &o(&data)], "is not a directory");
     mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--meta".as_ref(), "nonsense".as_ref()], "no scheme");
-    mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--meta".as_ref(), "tikv://h:1/x".as_ref()], "unknown scheme");
-    mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--meta".as_ref(), "redb://relative/x".as_ref()], "absolute path");
+    mount_fails(
+        &[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--meta".as_ref(), "tikv://h:1/x".as_ref()],
+        "unknown scheme",
+    );
+    mount_fails(
+        &[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--meta".as_ref(), "redb://relative/x".as_ref()],
+        "absolute path",
+    );
     mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--bogus".as_ref()], "--bogus");
     mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--threads".as_ref(), "0".as_ref()], "threads");
     assert_eq!(entries(&data), 0, "nothing created in the data dir");
@@ -48,7 +54,12 @@ fn bad_mount_arguments_are_refused_and_create_nothing() {
     // A read-only data disk.
     let ro = t.path().join("ro");
     fs::create_dir(&ro).unwrap();
-    assert!(Command::new("mount").args(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"]).arg(&ro).status().unwrap().success());
+    assert!(Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"])
+        .arg(&ro)
+        .status()
+        .unwrap()
+        .success());
     mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&ro)], "is not writable");
     lazy_umount(&ro);
 

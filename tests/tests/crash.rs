@@ -70,7 +70,7 @@ fn kill_9_mid_workload_loses_no_fsynced_byte() {
     };
     std::thread::sleep(Duration::from_millis(1500));
     // Something is being written right now: open a file mid-write too.
-    let mut mid = OpenOptions::new().create(true).write(true).open(m.path("midwrite")).unwrap();
+    let mut mid = OpenOptions::new().create(true).truncate(true).write(true).open(m.path("midwrite")).unwrap();
     mid.write_all(&pattern(1 << 20, 5)).unwrap();
     m.crash();
     stop.store(true, Ordering::Relaxed);

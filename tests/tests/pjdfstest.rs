@@ -65,5 +65,9 @@ fn pjdfstest_passes_except_listed_cases() {
         }
     }
     assert!(summary.starts_with("Summary:"), "pjdfstest did not finish:\n{text}");
-    assert!(unexpected.is_empty(), "pjdfstest cases failed or skipped that are not in the excludes:\n{}", unexpected.join("\n"));
+    assert!(
+        unexpected.is_empty(),
+        "pjdfstest cases failed or skipped that are not in the excludes:\n{}",
+        unexpected.join("\n")
+    );
 }

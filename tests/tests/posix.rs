@@ -75,7 +75,7 @@ fn corrupt_block_returns_eio_not_wrong_bytes() {
 #[test]
 fn holes_read_as_zeros_and_files_over_4gib() {
     let m = Mount::new();
-    let f = OpenOptions::new().create(true).read(true).write(true).open(m.path("sparse")).unwrap();
+    let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(m.path("sparse")).unwrap();
     let far = (5u64 << 30) + 17;
     f.write_all_at(b"tail", far).unwrap();
     f.write_all_at(b"head", 0).unwrap();
@@ -124,7 +124,7 @@ fn truncate_and_fallocate() {
     assert_eq!(got[..100_000], pattern(200_000, 1)[..100_000]);
     assert!(got[100_000..].iter().all(|b| *b == 0));
 
-    let f = OpenOptions::new().create(true).write(true).open(m.path("fa")).unwrap();
+    let f = OpenOptions::new().create(true).truncate(true).write(true).open(m.path("fa")).unwrap();
     // SAFETY: fallocate(2) on an open fd.
     let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, 10 << 20) };
     assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
@@ -137,7 +137,11 @@ fn renameat2(from: &std::path::Path, to: &std::path::Path, flags: u32) -> i32 {
     let (a, b) = (cstr(from), cstr(to));
     // SAFETY: renameat2 with valid C strings.
     let rc = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), flags) };
-    if rc == 0 { 0 } else { errno() }
+    if rc == 0 {
+        0
+    } else {
+        errno()
+    }
 }
 
 #[test]
@@ -210,14 +214,23 @@ fn xattrs_with_create_and_replace() {
         let n = std::ffi::CString::new(name).unwrap();
         // SAFETY: setxattr with valid pointers.
         let rc = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), val.as_ptr().cast(), val.len(), flags) };
-        if rc == 0 { 0 } else { errno() }
+        if rc == 0 {
+            0
+        } else {
+            errno()
+        }
     };
     let get = |name: &str| -> Result<Vec<u8>, i32> {
         let n = std::ffi::CString::new(name).unwrap();
         let mut buf = vec![0u8; 256];
         // SAFETY: getxattr into our buffer.
         let rc = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        if rc < 0 { Err(errno()) } else { buf.truncate(rc as usize); Ok(buf) }
+        if rc < 0 {
+            Err(errno())
+        } else {
+            buf.truncate(rc as usize);
+            Ok(buf)
+        }
     };
     assert_eq!(set("user.a", b"1", libc::XATTR_REPLACE), libc::ENODATA);
     assert_eq!(set("user.a", b"1", libc::XATTR_CREATE), 0);
@@ -357,11 +370,18 @@ fn shared_writable_mmap_round_trip() {
         let mut m = Mount::with_args(args);
         let p = m.path("mm");
         let len = 4 << 20;
-        let f = OpenOptions::new().create(true).read(true).write(true).open(&p).unwrap();
+        let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&p).unwrap();
         f.set_len(len as u64).unwrap();
         // SAFETY: a shared mapping of a file we own, unmapped before use ends.
         unsafe {
-            let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0);
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            );
             assert_ne!(ptr, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
             let s = std::slice::from_raw_parts_mut(ptr as *mut u8, len);
             s.copy_from_slice(&pattern(len, 11));

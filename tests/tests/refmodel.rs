@@ -73,7 +73,12 @@ impl Model {
     }
 
     fn links(&self, ino: Ino) -> usize {
-        self.nodes.values().filter_map(|n| if let Node::Dir(d) = n { Some(d) } else { None }).flat_map(|d| d.values()).filter(|i| **i == ino).count()
+        self.nodes
+            .values()
+            .filter_map(|n| if let Node::Dir(d) = n { Some(d) } else { None })
+            .flat_map(|d| d.values())
+            .filter(|i| **i == ino)
+            .count()
     }
 
     fn new_node(&mut self, n: Node) -> Ino {
@@ -296,14 +301,21 @@ fn run_sequence(seed: u64, ops: usize, verify_reads: bool) {
                 let len = [0, 1, 100, 70_000, 200_000][rng.random_range(0..5)];
                 let data = pattern(len, rng.random());
                 let got = errno_of(
-                    OpenOptions::new().write(true).create_new(true).mode(0o644).open(&full).and_then(|f| f.write_all_at(&data, 0)),
+                    OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o644)
+                        .open(&full)
+                        .and_then(|f| f.write_all_at(&data, 0)),
                 );
                 ("create", model.create(&p, &data), got)
             }
             20..=34 => {
                 let off = rng.random_range(0..150_000);
                 let data = pattern(rng.random_range(1..80_000), rng.random());
-                let got = errno_of(OpenOptions::new().write(true).open(&full).and_then(|f| f.write_all_at(&data, off as u64)));
+                let got = errno_of(
+                    OpenOptions::new().write(true).open(&full).and_then(|f| f.write_all_at(&data, off as u64)),
+                );
                 ("write", model.write(&p, off, &data), got)
             }
             35..=41 => {

@@ -5,7 +5,7 @@
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// A built binary of this workspace (`cargo build --workspace` first).
@@ -20,11 +20,6 @@ pub fn bin(name: &str) -> PathBuf {
 
 pub fn converged() -> Command {
     Command::new(bin("converged"))
-}
-
-pub fn run(cmd: &mut Command) -> Output {
-    let out = cmd.output().expect("spawn");
-    out
 }
 
 /// A mounted converged filesystem in fresh temporary directories, unmounted on drop.
