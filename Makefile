@@ -1,11 +1,13 @@
-# Install the daemon and the mount(8) helpers where mount(8) finds them.
+# Install the daemon and the mount(8) helpers where mount(8) finds them,
+# and the project's test and lint entry points.
 PREFIX ?= /usr/local
 SBIN ?= /sbin
+CARGO ?= cargo
 
-.PHONY: install uninstall test
+.PHONY: install uninstall test test-deps lint bench
 install:
-	cargo install --locked --path fs --root $(PREFIX)
-	cargo install --locked --path mount-helper --root $(PREFIX)
+	$(CARGO) install --locked --path fs --root $(PREFIX)
+	$(CARGO) install --locked --path mount-helper --root $(PREFIX)
 	ln -sf $(PREFIX)/bin/mount-converged $(SBIN)/mount.converged
 	ln -sf $(PREFIX)/bin/mount-converged $(SBIN)/mount.fuse.converged
 
@@ -13,5 +15,19 @@ uninstall:
 	rm -f $(SBIN)/mount.converged $(SBIN)/mount.fuse.converged
 	rm -f $(PREFIX)/bin/converged $(PREFIX)/bin/mount-converged
 
-test:
-	cargo nextest run --workspace --no-fail-fast
+# Everything the tests run besides cargo: pjdfstest (POSIX suite) and nextest.
+test-deps:
+	command -v cargo-nextest >/dev/null || $(CARGO) install cargo-nextest --locked
+	command -v pjdfstest >/dev/null || $(CARGO) install pjdfstest --locked
+
+# Unit, mount, crash, reference-model, mount(8) and pjdfstest tests. Needs root and /dev/fuse.
+test: test-deps
+	$(CARGO) build --workspace --all-targets
+	$(CARGO) nextest run --workspace --no-fail-fast
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+bench:
+	bench/single-node.sh
