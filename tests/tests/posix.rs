@@ -418,3 +418,18 @@ fn writes_seen_by_stat_while_open() {
     drop(f);
     assert_eq!(fs::metadata(&p).unwrap().len(), 100_000);
 }
+
+#[test]
+fn sigterm_unmounts_cleanly_and_keeps_the_data() {
+    let mut m = Mount::new();
+    fs::write(m.path("kept"), pattern(3 << 20, 21)).unwrap();
+    let pid = m.daemon_pid();
+    // SAFETY: kill(2).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    wait_gone(pid);
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
+    assert!(!mounts.contains(m.mnt.to_str().unwrap()), "unmounted on SIGTERM");
+    assert!(m.log().contains("unmounting on signal"));
+    m.mount();
+    assert_eq!(fs::read(m.path("kept")).unwrap(), pattern(3 << 20, 21));
+}

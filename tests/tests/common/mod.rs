@@ -42,7 +42,8 @@ impl Mount {
         let mnt = root.path().join("mnt");
         std::fs::create_dir(&data).unwrap();
         std::fs::create_dir(&mnt).unwrap();
-        let mut m = Mount { root, data, mnt, extra: extra.iter().map(|s| s.to_string()).collect(), mounted: false };
+        let extra = extra.iter().map(|s| s.to_string()).collect();
+        let mut m = Mount { root, data, mnt, extra, mounted: false };
         m.mount();
         m
     }
