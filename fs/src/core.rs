@@ -102,9 +102,20 @@ pub struct Core {
     /// Backing files of purged inodes, removed only once the purge is
     /// durable: a crash before that brings the inode back with its data.
     doomed: Mutex<Vec<Ino>>,
+    doomed_bytes: AtomicU64,
+    /// Files closed while still empty: nothing to checksum, so their
+    /// unsealed mark is cleared in one batch by the next flush instead of a
+    /// commit per close (what makes creating many empty files cheap).
+    unseal_later: Mutex<Vec<Ino>>,
+    /// Orders that batch against a new writer marking the file unsealed.
+    seal_lock: Mutex<()>,
     /// Wakes the flusher early (a purge wants its space back).
     flush_now: (Mutex<bool>, parking_lot::Condvar),
 }
+
+/// Purged data waiting for a flush that wakes the flusher early.
+const WAKE_FLUSHER_BYTES: u64 = 1 << 30;
+const WAKE_FLUSHER_FILES: usize = 50_000;
 
 fn chunk_range(offset: u64, len: u64, chunk_size: u32) -> std::ops::RangeInclusive<u32> {
     let cs = chunk_size.max(1) as u64;
@@ -135,6 +146,9 @@ impl Core {
             next_fh: AtomicU64::new(1),
             passthrough: AtomicBool::new(false),
             doomed: Mutex::default(),
+            doomed_bytes: AtomicU64::new(0),
+            unseal_later: Mutex::default(),
+            seal_lock: Mutex::default(),
             flush_now: Default::default(),
         };
         core.recover()?;
@@ -288,7 +302,11 @@ impl Core {
     }
 
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let gone = self.ns.unlink(parent, name)?;
+        let gone = self.ns.unlink_purging(parent, name, &|ino| !self.open.contains_key(&ino))?;
+        if gone.purged {
+            self.doom(gone.ino);
+            return Ok(());
+        }
         self.forget_orphan(gone)
     }
 
@@ -317,11 +335,23 @@ impl Core {
 
     fn purge(&self, ino: Ino) -> FsResult<()> {
         if self.ns.purge(ino)? {
-            self.doomed.lock().push(ino);
+            self.doom(ino);
+        }
+        Ok(())
+    }
+
+    /// Queue the backing file of a purged inode for removal after the next
+    /// durable flush. Deleting many small files shares one flush a second;
+    /// a lot of space waiting to be freed wakes the flusher at once.
+    fn doom(&self, ino: Ino) {
+        let bytes = std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len());
+        let mut doomed = self.doomed.lock();
+        doomed.push(ino);
+        let pending = self.doomed_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        if pending >= WAKE_FLUSHER_BYTES || doomed.len() >= WAKE_FLUSHER_FILES {
             *self.flush_now.0.lock() = true;
             self.flush_now.1.notify_one();
         }
-        Ok(())
     }
 
     /// The flusher loop: every `period`, or sooner when a purge is waiting,
@@ -346,7 +376,9 @@ impl Core {
     /// of inodes purged before the sync. Called every second by the daemon
     /// and at unmount.
     pub fn flush(&self) -> FsResult<()> {
+        self.clear_unsealed_batch()?;
         let doomed = std::mem::take(&mut *self.doomed.lock());
+        self.doomed_bytes.store(0, Ordering::Relaxed);
         if let Err(e) = self.ns.sync_if_dirty() {
             // Not durable: the purges may come back after a crash, so their
             // data must stay.
@@ -362,6 +394,14 @@ impl Core {
         }
         self.keep_reserve();
         Ok(())
+    }
+
+    fn clear_unsealed_batch(&self) -> FsResult<()> {
+        let _order = self.seal_lock.lock();
+        let mut inos = std::mem::take(&mut *self.unseal_later.lock());
+        // A file opened for writing again since it closed empty keeps its mark.
+        inos.retain(|ino| self.open.get(ino).is_none_or(|oi| !oi.state.lock().unsealed));
+        Ok(self.ns.clear_unsealed(&inos)?)
     }
 
     /// Re-create the metadata reserve once the disk has room again.
@@ -470,7 +510,12 @@ impl Core {
                 !st.unsealed
             };
             if first_writer {
-                let marked = if created_unsealed { Ok(()) } else { self.ns.mark_unsealed(ino) };
+                let marked = if created_unsealed {
+                    Ok(())
+                } else {
+                    let _order = self.seal_lock.lock();
+                    self.ns.mark_unsealed(ino)
+                };
                 if let Err(e) = marked {
                     let _ = self.release(fh);
                     return Err(e.into());
@@ -649,6 +694,11 @@ impl Core {
             };
             if last_writer {
                 result = self.ns.getattr(h.ino).map_err(FsError::from).and_then(|inode| {
+                    let empty = inode.size == 0 && oi.file.metadata().is_ok_and(|m| m.len() == 0);
+                    if empty {
+                        self.unseal_later.lock().push(h.ino);
+                        return Ok(());
+                    }
                     self.seal_file(&inode, &oi.file, &dirty, false, Durability::Buffered).map(|_| ())
                 });
                 let mut st = oi.state.lock();

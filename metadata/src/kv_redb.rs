@@ -113,11 +113,15 @@ impl KvRead for RedbRead {
 }
 
 /// Writes are buffered and applied at commit, because a redb `Table` borrows
-/// its transaction and cannot live beside it in one struct.
+/// its transaction and cannot live beside it in one struct. Reads go to a
+/// read snapshot taken right after the write lock: redb runs one writer at a
+/// time, so that snapshot is exactly the state this transaction builds on,
+/// and reading it avoids reopening the table on every get.
 struct RedbWrite<'a> {
     kv: &'a RedbKv,
     _db: Arc<Database>,
     txn: redb::WriteTransaction,
+    base: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
     pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
 }
 
@@ -126,16 +130,14 @@ impl KvRead for RedbWrite<'_> {
         if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
         }
-        let table = self.txn.open_table(TABLE).map_err(KvError::backend)?;
-        let v = table.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec());
+        let v = self.base.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec());
         Ok(v)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let table = self.txn.open_table(TABLE).map_err(KvError::backend)?;
         let overlay: Vec<_> = self.pending.range::<[u8], _>((Bound::Included(start), Bound::Excluded(end))).collect();
         let extra = overlay.iter().filter(|(_, v)| v.is_none()).count();
         let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
-            collect_range(&table, start, end, limit.saturating_add(extra))?.into_iter().collect();
+            collect_range(&self.base, start, end, limit.saturating_add(extra))?.into_iter().collect();
         for (k, v) in overlay {
             match v {
                 Some(v) => merged.insert(k.clone(), v.clone()),
@@ -154,7 +156,8 @@ impl KvWrite for RedbWrite<'_> {
         self.pending.insert(key.to_vec(), None);
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
-        let RedbWrite { kv, _db, mut txn, pending } = *self;
+        let RedbWrite { kv, _db, mut txn, base, pending } = *self;
+        drop(base);
         let level = match durability {
             Durability::Buffered => redb::Durability::None,
             Durability::Durable => redb::Durability::Immediate,
@@ -190,7 +193,8 @@ impl KvEngine for RedbKv {
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
         let db = self.db()?;
         let txn = db.begin_write().map_err(|e| self.check(e))?;
-        Ok(Box::new(RedbWrite { kv: self, _db: db, txn, pending: BTreeMap::new() }))
+        let base = db.begin_read().map_err(|e| self.check(e))?.open_table(TABLE).map_err(|e| self.check(e))?;
+        Ok(Box::new(RedbWrite { kv: self, _db: db, txn, base, pending: BTreeMap::new() }))
     }
     fn sync(&self) -> KvResult<()> {
         let db = self.db()?;

@@ -73,6 +73,20 @@ impl Namespace {
         })
     }
 
+    /// Drop the unsealed mark of files known to need no checksums (closed
+    /// while still empty), many in one transaction.
+    pub fn clear_unsealed(&self, inos: &[Ino]) -> MetaResult<()> {
+        if inos.is_empty() {
+            return Ok(());
+        }
+        self.write(Durability::Buffered, |txn| {
+            for ino in inos {
+                txn.delete(&schema::unsealed(*ino));
+            }
+            Ok(())
+        })
+    }
+
     /// Files that were open for writing when the daemon stopped.
     pub fn unsealed(&self) -> MetaResult<Vec<Ino>> {
         self.read(|txn| Ok(scan_all(txn, &schema::unsealed_all())?.iter().map(|(k, _)| schema::key_ino(k)).collect()))

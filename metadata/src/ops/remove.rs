@@ -13,6 +13,8 @@ use crate::types::{Ino, Inode, Timespec};
 pub struct Unlinked {
     pub ino: Ino,
     pub orphaned: bool,
+    /// The orphan was purged in the same transaction (it was not open).
+    pub purged: bool,
 }
 
 /// Drop one name of `inode` (already removed from its directory by the caller).
@@ -21,7 +23,7 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
         // A directory has exactly one name; it goes with it.
         txn.delete(&schema::inode(inode.ino));
         txn.delete(&schema::orphan(inode.ino));
-        return Unlinked { ino: inode.ino, orphaned: false };
+        return Unlinked { ino: inode.ino, orphaned: false, purged: false };
     }
     inode.nlink = inode.nlink.saturating_sub(1);
     inode.ctime = now;
@@ -30,11 +32,31 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
         txn.put(&schema::orphan(inode.ino), b"");
     }
     put_inode(txn, &inode);
-    Unlinked { ino: inode.ino, orphaned }
+    Unlinked { ino: inode.ino, orphaned, purged: false }
+}
+
+/// Delete every record of `ino` (its layout, xattrs, orphan and unsealed marks, the inode).
+fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> {
+    for prefix in [schema::chunks_of(ino), schema::xattrs_of(ino)] {
+        for (k, _) in scan_all(txn, &prefix)? {
+            txn.delete(&k);
+        }
+    }
+    txn.delete(&schema::inode(ino));
+    txn.delete(&schema::orphan(ino));
+    txn.delete(&schema::unsealed(ino));
+    Ok(())
 }
 
 impl Namespace {
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> MetaResult<Unlinked> {
+        self.unlink_purging(parent, name, &|_| false)
+    }
+
+    /// Unlink, and when that removes the last name of an inode for which
+    /// `can_purge` says yes (it is not open), purge it in the same
+    /// transaction: one commit per unlink instead of two.
+    pub fn unlink_purging(&self, parent: Ino, name: &[u8], can_purge: &dyn Fn(Ino) -> bool) -> MetaResult<Unlinked> {
         check_name(name)?;
         self.write(Durability::Buffered, |txn| {
             let mut dir = get_dir(txn, parent)?;
@@ -48,7 +70,12 @@ impl Namespace {
             dir.mtime = now;
             dir.ctime = now;
             put_inode(txn, &dir);
-            Ok(drop_link(txn, inode, now))
+            let mut gone = drop_link(txn, inode, now);
+            if gone.orphaned && can_purge(gone.ino) {
+                purge_records(txn, gone.ino)?;
+                gone.purged = true;
+            }
+            Ok(gone)
         })
     }
 
@@ -101,14 +128,7 @@ impl Namespace {
                 txn.delete(&schema::orphan(ino));
                 return Ok(false);
             }
-            for prefix in [schema::chunks_of(ino), schema::xattrs_of(ino)] {
-                for (k, _) in scan_all(txn, &prefix)? {
-                    txn.delete(&k);
-                }
-            }
-            txn.delete(&schema::inode(ino));
-            txn.delete(&schema::orphan(ino));
-            txn.delete(&schema::unsealed(ino));
+            purge_records(txn, ino)?;
             Ok(true)
         })
     }
