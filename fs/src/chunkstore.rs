@@ -92,6 +92,19 @@ impl ChunkStore {
         released
     }
 
+    /// Create the (empty) backing file of an inode number not yet handed
+    /// out. `None` when it already exists or cannot be made.
+    pub fn create_spare(&self, ino: Ino) -> Option<File> {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(self.path(ino))
+            .ok()
+    }
+
     pub fn remove(&self, ino: Ino) -> FsResult<()> {
         match std::fs::remove_file(self.path(ino)) {
             Ok(()) => Ok(()),

@@ -271,6 +271,8 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     std::thread::Builder::new()
         .name("flusher".into())
         .spawn(move || Core::run_flusher(weak, Duration::from_secs(1)))?;
+    let weak = Arc::downgrade(&core);
+    std::thread::Builder::new().name("spares".into()).spawn(move || Core::run_spares(weak))?;
     let adapter = FuseAdapter::new(core, Duration::from_secs_f64(args.attr_timeout), !args.verify_reads);
     let mut config = fuser::Config::default();
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));

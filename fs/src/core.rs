@@ -109,9 +109,18 @@ pub struct Core {
     unseal_later: Mutex<Vec<Ino>>,
     /// Orders that batch against a new writer marking the file unsealed.
     seal_lock: Mutex<()>,
+    /// Backing files made ahead of time for the next inode numbers, so a
+    /// create does not wait for the local filesystem to create one.
+    spares: Mutex<std::collections::HashMap<Ino, File>>,
+    spares_low: parking_lot::Condvar,
+    /// Held while a spare is made; set to true at shutdown so none is made after.
+    spares_stopped: Mutex<bool>,
     /// Wakes the flusher early (a purge wants its space back).
     flush_now: (Mutex<bool>, parking_lot::Condvar),
 }
+
+/// Backing files kept ready ahead of creates.
+const SPARES: usize = 256;
 
 /// Purged data waiting for a flush that wakes the flusher early.
 const WAKE_FLUSHER_BYTES: u64 = 1 << 30;
@@ -149,6 +158,9 @@ impl Core {
             doomed_bytes: AtomicU64::new(0),
             unseal_later: Mutex::default(),
             seal_lock: Mutex::default(),
+            spares: Mutex::default(),
+            spares_low: parking_lot::Condvar::new(),
+            spares_stopped: Mutex::new(false),
             flush_now: Default::default(),
         };
         core.recover()?;
@@ -354,6 +366,50 @@ impl Core {
         }
     }
 
+    fn take_spare(&self, ino: Ino) -> Option<File> {
+        let mut spares = self.spares.lock();
+        let f = spares.remove(&ino);
+        if spares.len() < SPARES / 2 {
+            self.spares_low.notify_one();
+        }
+        f
+    }
+
+    /// Keep backing files ready for the next inode numbers. Spares for
+    /// numbers already handed out are closed; one is deleted only when its
+    /// inode turned out not to be a regular file, since a regular file may
+    /// be opening its backing file by path at this moment.
+    pub fn run_spares(core: std::sync::Weak<Core>) {
+        loop {
+            let Some(c) = core.upgrade() else { return };
+            {
+                // Woken when a create finds the pool half empty.
+                let mut spares = c.spares.lock();
+                c.spares_low.wait_for(&mut spares, std::time::Duration::from_millis(100));
+            }
+            let upcoming = c.ns.upcoming_inos(SPARES as u64);
+            let stale: Vec<Ino> = c.spares.lock().keys().copied().filter(|i| *i < upcoming.start).collect();
+            for ino in stale {
+                c.spares.lock().remove(&ino);
+                if matches!(c.ns.getattr(ino), Ok(i) if i.kind != FileKind::Regular) {
+                    let _ = c.store.remove(ino);
+                }
+            }
+            for ino in upcoming {
+                let stopped = c.spares_stopped.lock();
+                if *stopped {
+                    return;
+                }
+                if c.spares.lock().contains_key(&ino) || c.open.contains_key(&ino) {
+                    continue;
+                }
+                if let Some(f) = c.store.create_spare(ino) {
+                    c.spares.lock().insert(ino, f);
+                }
+            }
+        }
+    }
+
     /// The flusher loop: every `period`, or sooner when a purge is waiting,
     /// run [`Core::flush`]. Many purges in a burst share one metadata sync.
     pub fn run_flusher(core: std::sync::Weak<Core>, period: std::time::Duration) {
@@ -494,7 +550,10 @@ impl Core {
         }
         let oi = {
             let entry = self.open.entry(ino).or_try_insert_with(|| {
-                let file = self.store.open_backing(ino)?;
+                let file = match self.take_spare(ino) {
+                    Some(f) => f,
+                    None => self.store.open_backing(ino)?,
+                };
                 FsResult::Ok(Arc::new(OpenInode { file: Arc::new(file), state: Mutex::default() }))
             })?;
             let oi = entry.clone();
@@ -777,6 +836,18 @@ impl Core {
 
     /// Flush the namespace to stable storage (unmount).
     pub fn shutdown(&self) {
+        // Spares not used by a regular file would be strays at the next mount.
+        *self.spares_stopped.lock() = true;
+        for (ino, _) in std::mem::take(&mut *self.spares.lock()) {
+            let unused = match self.ns.getattr(ino) {
+                Err(MetaError::NotFound) => true,
+                Ok(inode) => inode.kind != FileKind::Regular,
+                Err(_) => false,
+            };
+            if unused {
+                let _ = self.store.remove(ino);
+            }
+        }
         if let Err(e) = self.ns.sync().map_err(FsError::from).and_then(|()| self.flush()) {
             tracing::error!(error = %e, "final metadata sync failed");
         }

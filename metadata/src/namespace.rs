@@ -19,7 +19,8 @@ use crate::types::*;
 
 /// How many inode numbers one allocation reserves; fewer round trips to the
 /// engine, and with etcd fewer conflicts on the counter between nodes.
-const INO_BATCH: u64 = 1024;
+/// Numbers lost in a crash are never reused, which u64 can afford.
+const INO_BATCH: u64 = 1 << 16;
 const MAX_ATTEMPTS: u32 = 64;
 pub const LINK_MAX: u32 = 65_000;
 
@@ -235,6 +236,14 @@ impl Namespace {
         let ino = range.0;
         range.0 += 1;
         Ok(ino)
+    }
+
+    /// Up to `n` inode numbers this namespace will hand out next, from the
+    /// range it already holds: lets the daemon create their backing files
+    /// ahead of time, off the create path.
+    pub fn upcoming_inos(&self, n: u64) -> std::ops::Range<Ino> {
+        let range = self.next_ino.lock();
+        range.0..(range.0 + n).min(range.1)
     }
 
     /// Make every namespace change so far durable (fsync, fsyncdir, unmount).

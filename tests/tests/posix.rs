@@ -433,3 +433,25 @@ fn sigterm_unmounts_cleanly_and_keeps_the_data() {
     m.mount();
     assert_eq!(fs::read(m.path("kept")).unwrap(), pattern(3 << 20, 21));
 }
+
+#[test]
+fn backing_files_belong_to_regular_files_after_unmount() {
+    let mut m = Mount::new();
+    for i in 0..40 {
+        fs::write(m.path(&format!("f{i}")), pattern(i * 1000, i as u64)).unwrap();
+        fs::create_dir(m.path(&format!("d{i}"))).unwrap();
+        std::os::unix::fs::symlink("f0", m.path(&format!("s{i}"))).unwrap();
+    }
+    for i in 0..10 {
+        fs::remove_file(m.path(&format!("f{i}"))).unwrap();
+    }
+    m.umount();
+    let backing: std::collections::BTreeSet<u64> = fs::read_dir(m.data.join("chunks"))
+        .unwrap()
+        .map(|e| u64::from_str_radix(e.unwrap().file_name().to_str().unwrap(), 16).unwrap())
+        .collect();
+    m.mount();
+    let files: std::collections::BTreeSet<u64> =
+        (10..40).map(|i| fs::metadata(m.path(&format!("f{i}"))).unwrap().ino()).collect();
+    assert_eq!(backing, files, "one backing file per regular file, none for directories, symlinks or deleted files");
+}
