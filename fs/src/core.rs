@@ -745,13 +745,13 @@ impl Core {
         };
         let mut result = Ok(());
         if h.writable {
-            let (last_writer, dirty) = {
-                let mut st = oi.state.lock();
-                st.writers -= 1;
-                let last = st.writers == 0 && st.unsealed && !st.orphaned;
-                (last, if last { std::mem::take(&mut st.dirty) } else { Dirty::None })
-            };
-            if last_writer {
+            // The state lock is held across the seal: a writer opening now
+            // waits, then finds the file sealed and marks it unsealed again,
+            // so the unsealed mark is never dropped under a live writer.
+            let mut st = oi.state.lock();
+            st.writers -= 1;
+            if st.writers == 0 && st.unsealed && !st.orphaned {
+                let dirty = std::mem::take(&mut st.dirty);
                 result = self.ns.getattr(h.ino).map_err(FsError::from).and_then(|inode| {
                     let empty = inode.size == 0 && oi.file.metadata().is_ok_and(|m| m.len() == 0);
                     if empty {
@@ -760,10 +760,12 @@ impl Core {
                     }
                     self.seal_file(&inode, &oi.file, &dirty, false, Durability::Buffered).map(|_| ())
                 });
-                let mut st = oi.state.lock();
-                if st.writers == 0 {
+                if result.is_ok() {
                     st.unsealed = false;
                     st.crcs = None;
+                } else {
+                    // Still unsealed in the metadata: the next mount re-seals it.
+                    st.dirty = Dirty::All;
                 }
             }
         }

@@ -455,3 +455,28 @@ fn backing_files_belong_to_regular_files_after_unmount() {
         (10..40).map(|i| fs::metadata(m.path(&format!("f{i}"))).unwrap().ino()).collect();
     assert_eq!(backing, files, "one backing file per regular file, none for directories, symlinks or deleted files");
 }
+
+#[test]
+fn numpy_memmap_round_trip() {
+    let have_numpy =
+        std::process::Command::new("python3").args(["-c", "import numpy"]).status().is_ok_and(|s| s.success());
+    if !have_numpy {
+        assert!(std::env::var_os("CI").is_none(), "numpy must be installed in CI (pip install numpy)");
+        eprintln!("numpy not installed; not run");
+        return;
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/memmap_roundtrip.py");
+    for args in [&[][..], &["--verify-reads"][..]] {
+        let mut m = Mount::with_args(args);
+        let run = |mode: &str| {
+            let out = std::process::Command::new("python3").arg(&script).arg(&m.mnt).arg(mode).output().unwrap();
+            assert!(out.status.success(), "{mode} with {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run("write");
+        m.umount();
+        m.mount();
+        drop_caches();
+        let out = std::process::Command::new("python3").arg(&script).arg(&m.mnt).arg("check").output().unwrap();
+        assert!(out.status.success(), "check with {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
