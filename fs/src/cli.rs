@@ -261,7 +261,7 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             verify_reads: args.verify_reads,
             meta_file: match &c.meta {
                 MetaUri::Redb(path) => Some(path.clone()),
-                MetaUri::Memory => None,
+                MetaUri::Memory | MetaUri::Etcd { .. } => None,
             },
         },
     )?);

@@ -63,6 +63,14 @@ pub trait KvRead {
 pub trait KvWrite: KvRead {
     fn put(&mut self, key: &[u8], value: &[u8]);
     fn delete(&mut self, key: &[u8]);
+    /// Delete every key in `[start, end)`. One operation for engines that
+    /// limit operations per transaction (etcd); the default deletes key by key.
+    fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
+        for (k, _) in self.scan(start, end, usize::MAX)? {
+            self.delete(&k);
+        }
+        Ok(())
+    }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()>;
 }
 

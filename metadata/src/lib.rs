@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod kv;
+pub mod kv_etcd;
 pub mod kv_fault;
 pub mod kv_mem;
 pub mod kv_redb;
@@ -20,6 +21,7 @@ use std::time::Duration;
 
 pub use error::{MetaError, MetaResult};
 pub use kv::{Durability, KvEngine, KvError};
+pub use kv_etcd::EtcdKv;
 pub use kv_mem::MemKv;
 pub use kv_redb::RedbKv;
 pub use namespace::{Namespace, LINK_MAX};
@@ -35,18 +37,20 @@ pub enum MetaUri {
     Redb(PathBuf),
     /// `memory:` — nothing persists; for tests.
     Memory,
+    /// `etcd://host1:2379,host2:2379/volume` — a shared etcd cluster.
+    Etcd { endpoints: Vec<String>, volume: String },
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum UriError {
     #[error("metadata URI {0:?} has no scheme; expected redb:///path or memory:")]
     NoScheme(String),
-    #[error(
-        "metadata URI {uri:?}: unknown scheme {scheme:?}; supported: redb, memory (etcd comes with the cluster mode)"
-    )]
+    #[error("metadata URI {uri:?}: unknown scheme {scheme:?}; supported: redb, etcd, memory")]
     UnknownScheme { uri: String, scheme: String },
     #[error("metadata URI {0:?}: redb needs an absolute path, as in redb:///nvme/converged/meta.redb")]
     RedbPath(String),
+    #[error("metadata URI {0:?}: etcd needs endpoints and a volume name, as in etcd://m1:2379,m2:2379/vol1")]
+    EtcdForm(String),
 }
 
 impl std::str::FromStr for MetaUri {
@@ -64,6 +68,22 @@ impl std::str::FromStr for MetaUri {
                 Ok(MetaUri::Redb(PathBuf::from(path)))
             }
             "memory" if rest.is_empty() || rest == "//" => Ok(MetaUri::Memory),
+            "etcd" => {
+                let bad = || UriError::EtcdForm(uri.into());
+                let rest = rest.strip_prefix("//").ok_or_else(bad)?;
+                let (hosts, volume) = rest.split_once('/').ok_or_else(bad)?;
+                let endpoints: Vec<String> = hosts.split(',').map(str::to_string).collect();
+                let host_ok = |h: &String| {
+                    h.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+                };
+                let volume_ok = !volume.is_empty()
+                    && volume.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+                if endpoints.iter().all(host_ok) && volume_ok {
+                    Ok(MetaUri::Etcd { endpoints, volume: volume.into() })
+                } else {
+                    Err(bad())
+                }
+            }
             _ => Err(UriError::UnknownScheme { uri: uri.into(), scheme: scheme.into() }),
         }
     }
@@ -74,5 +94,6 @@ pub fn open_engine(uri: &MetaUri) -> Result<Arc<dyn KvEngine>, KvError> {
     Ok(match uri {
         MetaUri::Redb(path) => Arc::new(RedbKv::open(path, Duration::from_secs(10))?),
         MetaUri::Memory => Arc::new(MemKv::new()),
+        MetaUri::Etcd { endpoints, volume } => Arc::new(EtcdKv::connect(endpoints, volume, Duration::from_secs(5))?),
     })
 }

@@ -5,7 +5,7 @@
 //! records in one transaction and drops the `U` key.
 
 use crate::error::MetaResult;
-use crate::kv::Durability;
+use crate::kv::{Durability, KvWrite};
 use crate::namespace::{decode, get_inode, put_inode, scan_all, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, Timespec};
@@ -19,6 +19,13 @@ pub struct Seal {
     pub chunks: Vec<(u32, ChunkRecord)>,
     /// Whether the file stays unsealed (fsync while writers remain).
     pub keep_unsealed: bool,
+}
+
+/// Delete the layout records of chunks `first` and beyond (one range delete).
+pub(crate) fn drop_chunks_from(txn: &mut (impl KvWrite + ?Sized), ino: Ino, first: u64) -> MetaResult<()> {
+    let (_, end) = schema::prefix_range(&schema::chunks_of(ino));
+    let Ok(first) = u32::try_from(first) else { return Ok(()) };
+    Ok(txn.delete_range(&schema::chunk(ino, first), &end)?)
 }
 
 impl Namespace {
@@ -48,11 +55,7 @@ impl Namespace {
             let mut inode = get_inode(txn, ino)?;
             let chunk_size = inode.chunk_size.max(1) as u64;
             let keep = seal.size.div_ceil(chunk_size);
-            for (k, _) in scan_all(txn, &schema::chunks_of(ino))? {
-                if schema::chunk_index(&k) as u64 >= keep {
-                    txn.delete(&k);
-                }
-            }
+            drop_chunks_from(txn, ino, keep)?;
             for (index, record) in &seal.chunks {
                 if (*index as u64) < keep {
                     txn.put(&schema::chunk(ino, *index), &crate::namespace::encode(record));

@@ -38,9 +38,8 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
 /// Delete every record of `ino` (its layout, xattrs, orphan and unsealed marks, the inode).
 fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> {
     for prefix in [schema::chunks_of(ino), schema::xattrs_of(ino)] {
-        for (k, _) in scan_all(txn, &prefix)? {
-            txn.delete(&k);
-        }
+        let (start, end) = schema::prefix_range(&prefix);
+        txn.delete_range(&start, &end)?;
     }
     txn.delete(&schema::inode(ino));
     txn.delete(&schema::orphan(ino));
@@ -99,9 +98,8 @@ impl Namespace {
             }
             let now = Timespec::now();
             txn.delete(&schema::dentry(parent, name));
-            for (k, _) in scan_all(txn, &schema::xattrs_of(inode.ino))? {
-                txn.delete(&k);
-            }
+            let (start, end) = schema::prefix_range(&schema::xattrs_of(inode.ino));
+            txn.delete_range(&start, &end)?;
             drop_link(txn, inode, now);
             dir.nlink -= 1;
             dir.mtime = now;

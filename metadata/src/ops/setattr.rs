@@ -2,8 +2,8 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
-use crate::namespace::{get_inode, put_inode, scan_all, Namespace};
-use crate::schema;
+use crate::namespace::{get_inode, put_inode, Namespace};
+use crate::ops::layout::drop_chunks_from;
 use crate::types::{FileKind, Ino, Inode, SetAttr, TimeSet, Timespec};
 
 impl Namespace {
@@ -30,11 +30,7 @@ impl Namespace {
                 }
                 if size < inode.size {
                     let keep = size.div_ceil(inode.chunk_size.max(1) as u64);
-                    for (k, _) in scan_all(txn, &schema::chunks_of(ino))? {
-                        if schema::chunk_index(&k) as u64 >= keep {
-                            txn.delete(&k);
-                        }
-                    }
+                    drop_chunks_from(txn, ino, keep)?;
                 }
                 inode.size = size;
                 inode.mtime = now;

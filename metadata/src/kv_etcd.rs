@@ -1,0 +1,249 @@
+//! `EtcdKv`: the cluster engine, several nodes sharing one etcd cluster.
+//!
+//! Transactions are optimistic: reads happen at one pinned revision and are
+//! remembered with their mod revisions; commit is a single etcd `Txn` that
+//! compares them all (and, for scanned ranges, that nothing in the range
+//! changed since) before applying the writes, and reports
+//! [`KvError::Conflict`] when another writer got there first. Every volume
+//! lives under its own key prefix. Each call has a deadline.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Txn, TxnOp};
+
+use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
+
+/// Key-value pairs as a scan returns them.
+type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+
+pub struct EtcdKv {
+    rt: tokio::runtime::Runtime,
+    client: Client,
+    prefix: Vec<u8>,
+    timeout: Duration,
+}
+
+fn transient(e: impl std::fmt::Display) -> KvError {
+    KvError::Backend { msg: format!("etcd: {e}"), retryable: true }
+}
+
+impl EtcdKv {
+    /// Connect to `endpoints` (`host:port`) and use the keys under `<volume>/`.
+    pub fn connect(endpoints: &[String], volume: &str, timeout: Duration) -> KvResult<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("etcd")
+            .enable_all()
+            .build()
+            .map_err(KvError::backend)?;
+        let urls: Vec<String> =
+            endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("http://{e}") }).collect();
+        let opts = ConnectOptions::new().with_connect_timeout(timeout).with_timeout(timeout);
+        let client = rt
+            .block_on(async {
+                let mut client = Client::connect(&urls, Some(opts)).await?;
+                // Connecting is lazy; ask once so a wrong address fails here.
+                client.get("\0", None).await?;
+                Ok::<_, etcd_client::Error>(client)
+            })
+            .map_err(|e| KvError::Backend { msg: format!("etcd at {}: {e}", urls.join(",")), retryable: false })?;
+        Ok(Self { rt, client, prefix: format!("{volume}/").into_bytes(), timeout })
+    }
+
+    fn key(&self, k: &[u8]) -> Vec<u8> {
+        let mut out = self.prefix.clone();
+        out.extend_from_slice(k);
+        out
+    }
+
+    fn run<T, F: Future<Output = Result<T, etcd_client::Error>>>(&self, f: F) -> KvResult<T> {
+        self.rt.block_on(async {
+            match tokio::time::timeout(self.timeout, f).await {
+                Ok(r) => r.map_err(transient),
+                Err(_) => Err(transient(format!("no answer within {:?}", self.timeout))),
+            }
+        })
+    }
+
+    /// Get one key at `rev` (0: latest). Returns (value, mod revision, revision read at).
+    fn get_at(&self, key: &[u8], rev: i64) -> KvResult<(Option<Vec<u8>>, i64, i64)> {
+        let mut c = self.client.kv_client();
+        let opts = if rev > 0 { GetOptions::new().with_revision(rev) } else { GetOptions::new() };
+        let resp = self.run(c.get(self.key(key), Some(opts)))?;
+        let at = resp.header().map_or(rev, |h| h.revision());
+        Ok(match resp.kvs().first() {
+            Some(kv) => (Some(kv.value().to_vec()), kv.mod_revision(), at),
+            None => (None, 0, at),
+        })
+    }
+
+    fn scan_at(&self, start: &[u8], end: &[u8], limit: usize, rev: i64) -> KvResult<(Pairs, i64)> {
+        let mut c = self.client.kv_client();
+        let mut opts = GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
+        if rev > 0 {
+            opts = opts.with_revision(rev);
+        }
+        let resp = self.run(c.get(self.key(start), Some(opts)))?;
+        let at = resp.header().map_or(rev, |h| h.revision());
+        let n = self.prefix.len();
+        Ok((resp.kvs().iter().map(|kv| (kv.key()[n..].to_vec(), kv.value().to_vec())).collect(), at))
+    }
+}
+
+struct EtcdRead<'a> {
+    kv: &'a EtcdKv,
+    rev: i64,
+}
+
+impl KvRead for EtcdRead<'_> {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        let (v, _, at) = self.kv.get_at(key, self.rev)?;
+        self.rev = at;
+        Ok(v)
+    }
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        let (v, at) = self.kv.scan_at(start, end, limit, self.rev)?;
+        self.rev = at;
+        Ok(v)
+    }
+}
+
+struct EtcdWrite<'a> {
+    kv: &'a EtcdKv,
+    rev: i64,
+    /// Keys read, with the mod revision seen (0: absent).
+    reads: BTreeMap<Vec<u8>, i64>,
+    scanned: Vec<(Vec<u8>, Vec<u8>)>,
+    pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    deleted_ranges: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl EtcdWrite<'_> {
+    fn range_deleted(&self, key: &[u8]) -> bool {
+        self.deleted_ranges.iter().any(|(s, e)| key >= s.as_slice() && key < e.as_slice())
+    }
+}
+
+impl KvRead for EtcdWrite<'_> {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        if let Some(v) = self.pending.get(key) {
+            return Ok(v.clone());
+        }
+        if self.range_deleted(key) {
+            return Ok(None);
+        }
+        let (v, mod_rev, at) = self.kv.get_at(key, self.rev)?;
+        self.rev = at;
+        self.reads.insert(key.to_vec(), mod_rev);
+        Ok(v)
+    }
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        let extra = self.pending.range(start.to_vec()..end.to_vec()).filter(|(_, v)| v.is_none()).count();
+        let want = if self.deleted_ranges.is_empty() { limit.saturating_add(extra) } else { usize::MAX >> 1 };
+        let (found, at) = self.kv.scan_at(start, end, want, self.rev)?;
+        self.rev = at;
+        self.scanned.push((start.to_vec(), end.to_vec()));
+        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
+            found.into_iter().filter(|(k, _)| !self.range_deleted(k)).collect();
+        for (k, v) in self.pending.range(start.to_vec()..end.to_vec()) {
+            match v {
+                Some(v) => merged.insert(k.clone(), v.clone()),
+                None => merged.remove(k),
+            };
+        }
+        Ok(merged.into_iter().take(limit).collect())
+    }
+}
+
+impl KvWrite for EtcdWrite<'_> {
+    fn put(&mut self, key: &[u8], value: &[u8]) {
+        self.pending.insert(key.to_vec(), Some(value.to_vec()));
+    }
+    fn delete(&mut self, key: &[u8]) {
+        self.pending.insert(key.to_vec(), None);
+    }
+    fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
+        // Writes already pending in the range are superseded by the range delete.
+        let inside: Vec<Vec<u8>> = self.pending.range(start.to_vec()..end.to_vec()).map(|(k, _)| k.clone()).collect();
+        for k in inside {
+            self.pending.remove(&k);
+        }
+        self.deleted_ranges.push((start.to_vec(), end.to_vec()));
+        Ok(())
+    }
+    fn commit(self: Box<Self>, _durability: Durability) -> KvResult<()> {
+        let kv = self.kv;
+        if self.pending.is_empty() && self.deleted_ranges.is_empty() {
+            return Ok(());
+        }
+        let mut compares = Vec::new();
+        for (k, mod_rev) in &self.reads {
+            compares.push(if *mod_rev == 0 {
+                Compare::version(kv.key(k), CompareOp::Equal, 0)
+            } else {
+                Compare::mod_revision(kv.key(k), CompareOp::Equal, *mod_rev)
+            });
+        }
+        if self.rev > 0 {
+            for (s, e) in &self.scanned {
+                // Nothing in a scanned range was created or changed after our snapshot.
+                compares.push(Compare::mod_revision(kv.key(s), CompareOp::Less, self.rev + 1).with_range(kv.key(e)));
+            }
+        }
+        let mut ops = Vec::new();
+        for (s, e) in &self.deleted_ranges {
+            // etcd refuses a transaction whose range delete overlaps a put:
+            // then delete the range's keys one by one instead.
+            let overlaps = self.pending.range(s.clone()..e.clone()).next().is_some();
+            if overlaps {
+                let (keys, _) = kv.scan_at(s, e, usize::MAX >> 1, self.rev)?;
+                for (k, _) in keys {
+                    if !self.pending.contains_key(&k) {
+                        ops.push(TxnOp::delete(kv.key(&k), None));
+                    }
+                }
+            } else {
+                ops.push(TxnOp::delete(kv.key(s), Some(DeleteOptions::new().with_range(kv.key(e)))));
+            }
+        }
+        for (k, v) in &self.pending {
+            ops.push(match v {
+                Some(v) => TxnOp::put(kv.key(k), v.clone(), None),
+                None => TxnOp::delete(kv.key(k), None),
+            });
+        }
+        let txn = Txn::new().when(compares).and_then(ops);
+        let mut c = kv.client.kv_client();
+        let resp = kv.run(c.txn(txn))?;
+        if resp.succeeded() {
+            Ok(())
+        } else {
+            Err(KvError::Conflict)
+        }
+    }
+}
+
+impl KvEngine for EtcdKv {
+    fn name(&self) -> &'static str {
+        "etcd"
+    }
+    fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        Ok(Box::new(EtcdRead { kv: self, rev: 0 }))
+    }
+    fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+        Ok(Box::new(EtcdWrite {
+            kv: self,
+            rev: 0,
+            reads: BTreeMap::new(),
+            scanned: Vec::new(),
+            pending: BTreeMap::new(),
+            deleted_ranges: Vec::new(),
+        }))
+    }
+    /// Every etcd commit is already on a quorum's stable storage.
+    fn sync(&self) -> KvResult<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,99 @@
+//! A real 3-member etcd cluster on loopback for tests, from Debian's
+//! `etcd-server` (`/usr/bin/etcd`). Members are killed when it drops.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct EtcdCluster {
+    pub endpoints: Vec<String>,
+    children: Vec<Child>,
+    _dir: tempfile::TempDir,
+}
+
+fn etcd_bin() -> Option<PathBuf> {
+    let from_env = std::env::var_os("ETCD_BIN").map(PathBuf::from);
+    from_env
+        .into_iter()
+        .chain([PathBuf::from("/usr/bin/etcd"), PathBuf::from("/usr/local/bin/etcd")])
+        .find(|p| p.exists())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl EtcdCluster {
+    /// Start 3 members; `None` (outside CI) when etcd is not installed.
+    pub fn start() -> Option<Self> {
+        let Some(bin) = etcd_bin() else {
+            assert!(std::env::var_os("CI").is_none(), "etcd must be installed in CI (apt-get install etcd-server)");
+            eprintln!("etcd not installed (apt-get install etcd-server); etcd tests not run");
+            return None;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let initial: Vec<String> =
+            ports.iter().enumerate().map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}")).collect();
+        let token = format!("converged-test-{}-{}", std::process::id(), ports[0].0);
+        let mut children = Vec::new();
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let log = std::fs::File::create(dir.path().join(format!("m{i}.log"))).unwrap();
+            let child = Command::new(&bin)
+                .arg("--name")
+                .arg(format!("m{i}"))
+                .arg("--data-dir")
+                .arg(dir.path().join(format!("m{i}")))
+                .arg("--listen-client-urls")
+                .arg(format!("http://127.0.0.1:{client}"))
+                .arg("--advertise-client-urls")
+                .arg(format!("http://127.0.0.1:{client}"))
+                .arg("--listen-peer-urls")
+                .arg(format!("http://127.0.0.1:{peer}"))
+                .arg("--initial-advertise-peer-urls")
+                .arg(format!("http://127.0.0.1:{peer}"))
+                .arg("--initial-cluster")
+                .arg(initial.join(","))
+                .arg("--initial-cluster-token")
+                .arg(&token)
+                .arg("--initial-cluster-state")
+                .arg("new")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("start etcd");
+            children.push(child);
+        }
+        let endpoints: Vec<String> = ports.iter().map(|(c, _)| format!("127.0.0.1:{c}")).collect();
+        let cluster = EtcdCluster { endpoints, children, _dir: dir };
+        cluster.wait_healthy(Duration::from_secs(30));
+        Some(cluster)
+    }
+
+    fn wait_healthy(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        for ep in &self.endpoints {
+            loop {
+                // A linearizable read answers only once the cluster has a leader.
+                let ok =
+                    converged_metadata::EtcdKv::connect(std::slice::from_ref(ep), "health", Duration::from_secs(1))
+                        .is_ok();
+                if ok {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "etcd member {ep} did not become healthy");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
