@@ -44,6 +44,58 @@ pub enum Cmd {
         /// The mount point to unmount.
         mountpoint: PathBuf,
     },
+    /// Cluster certificates: peers talk QUIC with mutual TLS from a cluster CA.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCmd {
+    /// Create the cluster CA (ca.pem, ca.key, ca.cn) in OUT, and a first node certificate in OUT/NODE.
+    Init {
+        /// Directory for the CA; created if missing. Keep ca.key off the nodes if you can.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// A name for the cluster, written into the CA certificate.
+        #[arg(long, default_value = "converged")]
+        name: String,
+        /// The first node's name (its certificate goes to OUT/NODE).
+        #[arg(long, default_value = "n1")]
+        node: String,
+    },
+    /// Issue a node certificate signed by the cluster CA (ca.pem, node.pem, node.key, node.name in OUT).
+    IssueCert {
+        /// The node's name; peers address it by this name.
+        #[arg(long)]
+        node: String,
+        /// Directory holding the CA made by `cluster init`.
+        #[arg(long, value_name = "DIR")]
+        ca: PathBuf,
+        /// Directory for the node's files (the --tls-dir of that node's mount).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+}
+
+fn cluster(cmd: ClusterCmd) -> anyhow::Result<()> {
+    use converged_transport::ClusterCa;
+    match cmd {
+        ClusterCmd::Init { out, name, node } => {
+            if out.join("ca.key").exists() {
+                bail!("{} already holds a cluster CA (ca.key); refusing to replace it", out.display());
+            }
+            let ca = ClusterCa::generate(&format!("converged cluster {name}"))?;
+            ca.save(&out)?;
+            ca.issue(&node)?.save(&out.join(&node))?;
+            println!("cluster CA in {}; certificate of node {node} in {}", out.display(), out.join(&node).display());
+        }
+        ClusterCmd::IssueCert { node, ca, out } => {
+            let ca = ClusterCa::load(&ca)?;
+            ca.issue(&node)?.save(&out)?;
+            println!("certificate of node {node} in {}", out.display());
+        }
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug, Clone)]
@@ -412,6 +464,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
             Ok(c) => spawn_daemon(&args, &c, exe_prefix),
         },
         Cmd::Umount { mountpoint } => umount(&mountpoint),
+        Cmd::Cluster(cmd) => cluster(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,259 @@
+//! `QuicTransport`: one QUIC endpoint per node, both serving its chunks to
+//! peers and calling theirs. Each request runs on its own bidirectional
+//! stream, so a slow read never blocks a write to the same peer. Every call
+//! has a deadline; a malformed frame resets that stream only.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::tls::{NodeTls, TlsError};
+use crate::wire::{parse_header, Request, Response, WireError, HEADER_LEN, MAX_PAYLOAD};
+use crate::{ChunkService, ServiceError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("peer {peer}: cannot connect: {msg}")]
+    Connect { peer: String, msg: String },
+    #[error("peer {peer}: no answer within {timeout:?}")]
+    Timeout { peer: String, timeout: Duration },
+    #[error("peer {peer}: stream failed: {msg}")]
+    Stream { peer: String, msg: String },
+    #[error("peer {peer}: bad frame: {err}")]
+    Protocol { peer: String, err: WireError },
+    #[error("peer {peer}: {err}")]
+    Remote { peer: String, err: ServiceError },
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("endpoint: {0}")]
+    Endpoint(std::io::Error),
+}
+
+impl TransportError {
+    /// Whether another try (or another replica) may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            TransportError::Connect { .. } | TransportError::Timeout { .. } | TransportError::Stream { .. } => true,
+            TransportError::Protocol { .. }
+            | TransportError::Remote { .. }
+            | TransportError::Tls(_)
+            | TransportError::Endpoint(_) => false,
+        }
+    }
+}
+
+/// A peer: where it listens and the node name its certificate carries.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    pub node: String,
+}
+
+pub struct QuicTransport {
+    endpoint: quinn::Endpoint,
+    conns: Mutex<HashMap<Peer, quinn::Connection>>,
+    timeout: Duration,
+}
+
+fn stream_err(peer: &Peer, e: impl std::fmt::Display) -> TransportError {
+    TransportError::Stream { peer: peer.node.clone(), msg: e.to_string() }
+}
+
+impl QuicTransport {
+    /// Listen on `addr` and serve `service` to peers holding a cluster
+    /// certificate. Must run inside a tokio runtime.
+    pub fn bind(
+        addr: SocketAddr,
+        tls: &NodeTls,
+        service: Arc<dyn ChunkService>,
+        timeout: Duration,
+    ) -> Result<Self, TransportError> {
+        let mut endpoint = quinn::Endpoint::server(tls.server_config()?, addr).map_err(TransportError::Endpoint)?;
+        endpoint.set_default_client_config(tls.client_config()?);
+        let accept = endpoint.clone();
+        tokio::spawn(async move {
+            while let Some(incoming) = accept.accept().await {
+                tokio::spawn(serve_connection(incoming, service.clone()));
+            }
+        });
+        Ok(Self { endpoint, conns: Mutex::default(), timeout })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.endpoint.local_addr().expect("bound endpoint has an address")
+    }
+
+    async fn connection(&self, peer: &Peer) -> Result<quinn::Connection, TransportError> {
+        if let Some(c) = self.conns.lock().get(peer) {
+            if c.close_reason().is_none() {
+                return Ok(c.clone());
+            }
+        }
+        let connect_err =
+            |e: &dyn std::fmt::Display| TransportError::Connect { peer: peer.node.clone(), msg: e.to_string() };
+        let conn = self
+            .endpoint
+            .connect(peer.addr, &peer.node)
+            .map_err(|e| connect_err(&e))?
+            .await
+            .map_err(|e| connect_err(&e))?;
+        self.conns.lock().insert(peer.clone(), conn.clone());
+        Ok(conn)
+    }
+
+    async fn call(&self, peer: &Peer, req: Request, payload: &[u8]) -> Result<(Response, Vec<u8>), TransportError> {
+        let work = async {
+            let conn = self.connection(peer).await?;
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(peer, e))?;
+            send.write_all(&req.encode()).await.map_err(|e| stream_err(peer, e))?;
+            send.write_all(payload).await.map_err(|e| stream_err(peer, e))?;
+            send.finish().map_err(|e| stream_err(peer, e))?;
+            let mut header = [0u8; HEADER_LEN];
+            recv.read_exact(&mut header).await.map_err(|e| stream_err(peer, e))?;
+            let protocol = |err| TransportError::Protocol { peer: peer.node.clone(), err };
+            let len = parse_header(&header).map_err(protocol)? as usize;
+            let mut frame = header.to_vec();
+            frame.resize(HEADER_LEN + len, 0);
+            recv.read_exact(&mut frame[HEADER_LEN..]).await.map_err(|e| stream_err(peer, e))?;
+            let resp = Response::decode(&frame).map_err(protocol)?;
+            let data = match resp {
+                Response::Data { len } => {
+                    let mut data = vec![0u8; len as usize];
+                    recv.read_exact(&mut data).await.map_err(|e| stream_err(peer, e))?;
+                    data
+                }
+                Response::Error { errno, ref msg } => {
+                    return Err(TransportError::Remote {
+                        peer: peer.node.clone(),
+                        err: ServiceError { errno, msg: msg.clone() },
+                    })
+                }
+                _ => Vec::new(),
+            };
+            Ok((resp, data))
+        };
+        match tokio::time::timeout(self.timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::Timeout { peer: peer.node.clone(), timeout: self.timeout }),
+        }
+    }
+
+    pub async fn read(&self, peer: &Peer, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, TransportError> {
+        Ok(self.call(peer, Request::Read { ino, offset, len }, &[]).await?.1)
+    }
+
+    pub async fn write(&self, peer: &Peer, ino: u64, offset: u64, data: &[u8]) -> Result<(), TransportError> {
+        let len = u32::try_from(data.len()).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or_else(|| {
+            TransportError::Protocol { peer: peer.node.clone(), err: WireError::PayloadTooLarge(u32::MAX) }
+        })?;
+        self.call(peer, Request::Write { ino, offset, len }, data).await.map(|_| ())
+    }
+
+    pub async fn delete(&self, peer: &Peer, ino: u64) -> Result<(), TransportError> {
+        self.call(peer, Request::Delete { ino }, &[]).await.map(|_| ())
+    }
+
+    pub async fn checksums(&self, peer: &Peer, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, TransportError> {
+        match self.call(peer, Request::Checksums { ino, offset, len }, &[]).await?.0 {
+            Response::Checksums { crcs } => Ok(crcs),
+            other => Err(stream_err(peer, format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Close every connection and stop accepting.
+    pub fn close(&self) {
+        self.endpoint.close(0u32.into(), b"shutdown");
+    }
+}
+
+async fn serve_connection(incoming: quinn::Incoming, service: Arc<dyn ChunkService>) {
+    let remote = incoming.remote_address();
+    let conn = match incoming.await {
+        Ok(c) => c,
+        Err(e) => {
+            // A peer without a certificate from the cluster CA ends here.
+            tracing::warn!(%remote, error = %e, "refused peer connection");
+            return;
+        }
+    };
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        tokio::spawn(serve_stream(send, recv, service.clone(), remote));
+    }
+}
+
+async fn serve_stream(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    service: Arc<dyn ChunkService>,
+    remote: SocketAddr,
+) {
+    let req = match read_request(&mut recv).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(%remote, error = %e, "dropping a stream with a bad request frame");
+            let _ = send.reset(1u32.into());
+            let _ = recv.stop(1u32.into());
+            return;
+        }
+    };
+    let (resp, payload) = match answer(req, &mut recv, service).await {
+        Ok(r) => r,
+        Err(e) => (Response::Error { errno: e.errno, msg: e.msg }, Vec::new()),
+    };
+    if send.write_all(&resp.encode()).await.is_ok() && send.write_all(&payload).await.is_ok() {
+        let _ = send.finish();
+    }
+}
+
+async fn read_request(recv: &mut quinn::RecvStream) -> Result<Request, String> {
+    let mut header = [0u8; HEADER_LEN];
+    recv.read_exact(&mut header).await.map_err(|e| e.to_string())?;
+    let len = parse_header(&header).map_err(|e| e.to_string())? as usize;
+    let mut frame = header.to_vec();
+    frame.resize(HEADER_LEN + len, 0);
+    recv.read_exact(&mut frame[HEADER_LEN..]).await.map_err(|e| e.to_string())?;
+    Request::decode(&frame).map_err(|e| e.to_string())
+}
+
+fn io_error(msg: impl std::fmt::Display) -> ServiceError {
+    ServiceError { errno: libc_eio(), msg: msg.to_string() }
+}
+
+const fn libc_eio() -> i32 {
+    5
+}
+
+/// A response and the payload that follows it.
+type Answer = Result<(Response, Vec<u8>), ServiceError>;
+
+async fn answer(req: Request, recv: &mut quinn::RecvStream, service: Arc<dyn ChunkService>) -> Answer {
+    // Chunk I/O is blocking file I/O: keep it off the async workers.
+    let blocking =
+        |f: Box<dyn FnOnce() -> Answer + Send>| async move { tokio::task::spawn_blocking(f).await.map_err(io_error)? };
+    match req {
+        Request::Read { ino, offset, len } => {
+            blocking(Box::new(move || {
+                let data = service.read(ino, offset, len)?;
+                Ok((Response::Data { len: data.len() as u32 }, data))
+            }))
+            .await
+        }
+        Request::Write { ino, offset, len } => {
+            let mut data = vec![0u8; len as usize];
+            recv.read_exact(&mut data).await.map_err(io_error)?;
+            blocking(Box::new(move || service.write(ino, offset, &data).map(|()| (Response::Done, Vec::new())))).await
+        }
+        Request::Delete { ino } => {
+            blocking(Box::new(move || service.delete(ino).map(|()| (Response::Done, Vec::new())))).await
+        }
+        Request::Checksums { ino, offset, len } => {
+            blocking(Box::new(move || {
+                service.checksums(ino, offset, len).map(|crcs| (Response::Checksums { crcs }, Vec::new()))
+            }))
+            .await
+        }
+    }
+}

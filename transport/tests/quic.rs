@@ -1,0 +1,178 @@
+//! Two nodes on loopback talking QUIC with certificates from one cluster CA;
+//! a node from another CA is refused; garbage on a stream is survived; a
+//! dead peer fails within the deadline.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use converged_transport::{ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, ServiceError, TransportError};
+use parking_lot::Mutex;
+
+/// Chunks kept in memory: the service side of the test.
+#[derive(Default)]
+struct MemChunks(Mutex<HashMap<u64, Vec<u8>>>);
+
+impl ChunkService for MemChunks {
+    fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
+        let m = self.0.lock();
+        let f = m.get(&ino).ok_or(ServiceError { errno: 2, msg: format!("no chunks of inode {ino}") })?;
+        let start = (offset as usize).min(f.len());
+        let end = (start + len as usize).min(f.len());
+        Ok(f[start..end].to_vec())
+    }
+    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<(), ServiceError> {
+        let mut m = self.0.lock();
+        let f = m.entry(ino).or_default();
+        let end = offset as usize + data.len();
+        if f.len() < end {
+            f.resize(end, 0);
+        }
+        f[offset as usize..end].copy_from_slice(data);
+        Ok(())
+    }
+    fn delete(&self, ino: u64) -> Result<(), ServiceError> {
+        self.0.lock().remove(&ino);
+        Ok(())
+    }
+    fn checksums(&self, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, ServiceError> {
+        let data = self.read(ino, offset, len as u32)?;
+        Ok(data.chunks(64 << 10).map(|b| b.len() as u32).collect())
+    }
+}
+
+fn node(tls: &NodeTls, service: Arc<MemChunks>) -> QuicTransport {
+    QuicTransport::bind("127.0.0.1:0".parse().unwrap(), tls, service, Duration::from_secs(3)).unwrap()
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 31 % 251) as u8).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_with_cluster_certificates_move_chunks() {
+    let ca = ClusterCa::generate("converged test cluster").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Certificates survive a save and load, as `converged cluster` writes them.
+    ca.save(dir.path()).unwrap();
+    let ca = ClusterCa::load(dir.path()).unwrap();
+    let n2_tls = ca.issue("n2").unwrap();
+    n2_tls.save(&dir.path().join("n2")).unwrap();
+    let n2_tls = NodeTls::load(&dir.path().join("n2")).unwrap();
+
+    let n1 = node(&ca.issue("n1").unwrap(), Arc::default());
+    let store2 = Arc::new(MemChunks::default());
+    let n2 = node(&n2_tls, store2.clone());
+    let peer2 = Peer { addr: n2.local_addr(), node: "n2".into() };
+
+    let data = pattern(5 << 20);
+    n1.write(&peer2, 7, 0, &data).await.unwrap();
+    assert_eq!(store2.0.lock()[&7], data, "bytes landed on n2");
+    assert_eq!(n1.read(&peer2, 7, 0, 5 << 20).await.unwrap(), data);
+    assert_eq!(n1.read(&peer2, 7, 1_000_000, 4096).await.unwrap(), data[1_000_000..1_004_096]);
+    // Several reads at once share one connection, one stream each.
+    let reads: Vec<_> = (0..8u64)
+        .map(|i| {
+            let (n1, p) = (&n1, &peer2);
+            async move { n1.read(p, 7, i * 65536, 65536).await.unwrap() }
+        })
+        .collect();
+    for (i, got) in futures_join(reads).await.into_iter().enumerate() {
+        assert_eq!(got, data[i * 65536..(i + 1) * 65536]);
+    }
+    assert_eq!(n1.checksums(&peer2, 7, 0, 200_000).await.unwrap().len(), 4);
+    let err = n1.read(&peer2, 99, 0, 10).await.unwrap_err();
+    assert!(matches!(err, TransportError::Remote { ref err, .. } if err.errno == 2), "{err}");
+    n1.delete(&peer2, 7).await.unwrap();
+    assert!(store2.0.lock().is_empty());
+}
+
+async fn futures_join<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut out = Vec::new();
+    // Start them all before awaiting any.
+    let handles: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    for h in handles {
+        out.push(h.await);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_from_another_ca_is_refused() {
+    let ca = ClusterCa::generate("cluster A").unwrap();
+    let rogue_ca = ClusterCa::generate("cluster A").unwrap();
+    let store = Arc::new(MemChunks::default());
+    store.write(1, 0, b"secret").unwrap();
+    let server = node(&ca.issue("n2").unwrap(), store);
+    let peer = Peer { addr: server.local_addr(), node: "n2".into() };
+
+    // A rogue node that trusts our CA (so it accepts our server) but holds a
+    // certificate from another CA: our server must refuse it.
+    let mut rogue_tls = rogue_ca.issue("n1").unwrap();
+    rogue_tls.ca_pem = ca.cert_pem.clone();
+    let rogue = node(&rogue_tls, Arc::default());
+    let err = rogue.read(&peer, 1, 0, 6).await.unwrap_err();
+    assert!(
+        matches!(err, TransportError::Connect { .. } | TransportError::Stream { .. }),
+        "rogue peer must not get data: {err}"
+    );
+    // And a node of the other cluster does not accept our server either.
+    let stranger = node(&rogue_ca.issue("n3").unwrap(), Arc::default());
+    assert!(matches!(stranger.read(&peer, 1, 0, 6).await, Err(TransportError::Connect { .. })));
+
+    // The legitimate member still gets through afterwards.
+    let member = node(&ca.issue("n1").unwrap(), Arc::default());
+    assert_eq!(member.read(&peer, 1, 0, 6).await.unwrap(), b"secret");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_a_stream_resets_only_that_stream() {
+    let ca = ClusterCa::generate("cluster").unwrap();
+    let store = Arc::new(MemChunks::default());
+    store.write(3, 0, b"intact").unwrap();
+    let server = node(&ca.issue("n2").unwrap(), store);
+    let peer = Peer { addr: server.local_addr(), node: "n2".into() };
+
+    // A member that sends junk instead of a frame.
+    let tls = ca.issue("n1").unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(tls.client_config().unwrap());
+    let conn = ep.connect(peer.addr, "n2").unwrap().await.unwrap();
+    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xff; 64][..], b"CVG\x01\xff\xff\xff\xff"] {
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        send.write_all(junk).await.unwrap();
+        let _ = send.finish();
+        let mut buf = [0u8; 16];
+        let r = recv.read_exact(&mut buf).await;
+        assert!(r.is_err(), "a bad frame gets no answer");
+    }
+    // The server still answers proper requests, on a new and the same connection.
+    let client = node(&tls, Arc::default());
+    assert_eq!(client.read(&peer, 3, 0, 6).await.unwrap(), b"intact");
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(&converged_transport::Request::Read { ino: 3, offset: 0, len: 6 }.encode()).await.unwrap();
+    send.finish().unwrap();
+    let reply = recv.read_to_end(1024).await.unwrap();
+    assert!(reply.ends_with(b"intact"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_fails_within_the_deadline() {
+    let ca = ClusterCa::generate("cluster").unwrap();
+    let client = QuicTransport::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        &ca.issue("n1").unwrap(),
+        Arc::new(MemChunks::default()),
+        Duration::from_millis(500),
+    )
+    .unwrap();
+    // A UDP socket that never answers.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr: SocketAddr = silent.local_addr().unwrap();
+    let started = Instant::now();
+    let err = client.read(&Peer { addr, node: "n9".into() }, 1, 0, 10).await.unwrap_err();
+    assert!(matches!(err, TransportError::Timeout { .. }), "{err}");
+    assert!(err.is_retryable());
+    assert!(started.elapsed() < Duration::from_secs(5), "deadline, not a hang");
+}
