@@ -71,8 +71,21 @@ impl QuicTransport {
         service: Arc<dyn ChunkService>,
         timeout: Duration,
     ) -> Result<Self, TransportError> {
-        let mut endpoint = quinn::Endpoint::server(tls.server_config()?, addr).map_err(TransportError::Endpoint)?;
-        endpoint.set_default_client_config(tls.client_config()?);
+        let transport = Arc::new(transport_config());
+        let mut server = tls.server_config()?;
+        server.transport_config(transport.clone());
+        let mut client = tls.client_config()?;
+        client.transport_config(transport);
+        let mut config = quinn::EndpointConfig::default();
+        // Loopback and datacenter links carry jumbo datagrams; quinn's
+        // default 1452-byte ceiling makes bulk chunk transfer CPU-bound.
+        config.max_udp_payload_size(65527).map_err(|e| TransportError::Endpoint(std::io::Error::other(e)))?;
+        let socket = std::net::UdpSocket::bind(addr).map_err(TransportError::Endpoint)?;
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| TransportError::Endpoint(std::io::Error::other("no async runtime")))?;
+        let mut endpoint =
+            quinn::Endpoint::new(config, Some(server), socket, runtime).map_err(TransportError::Endpoint)?;
+        endpoint.set_default_client_config(client);
         let accept = endpoint.clone();
         tokio::spawn(async move {
             while let Some(incoming) = accept.accept().await {
@@ -167,6 +180,23 @@ impl QuicTransport {
     pub fn close(&self) {
         self.endpoint.close(0u32.into(), b"shutdown");
     }
+}
+
+/// Windows sized for 64 MiB chunks in flight, path MTU discovery allowed up
+/// to jumbo datagrams (the initial MTU stays at the default: large initial
+/// values were seen to stall handshakes), and no GSO, which loses to large
+/// datagrams on loopback.
+fn transport_config() -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    t.stream_receive_window(quinn::VarInt::from_u32(16 << 20));
+    t.receive_window(quinn::VarInt::from_u32(128 << 20));
+    t.send_window(128 << 20);
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(65000);
+    t.mtu_discovery_config(Some(mtu));
+    t.enable_segmentation_offload(false);
+    t.keep_alive_interval(Some(Duration::from_secs(5)));
+    t
 }
 
 async fn serve_connection(incoming: quinn::Incoming, service: Arc<dyn ChunkService>) {
