@@ -15,8 +15,13 @@ uninstall:
 	rm -f $(SBIN)/mount.converged $(SBIN)/mount.fuse.converged
 	rm -f $(PREFIX)/bin/converged $(PREFIX)/bin/mount-converged
 
-# Everything the tests run besides cargo: pjdfstest (POSIX suite) and nextest.
+# Everything the tests need besides cargo: system packages (etcd for the real
+# etcd cluster, protoc for etcd-client's build, fuse3), numpy, pjdfstest and nextest.
+SYSTEM_PACKAGES = etcd-server protobuf-compiler fuse3 util-linux
 test-deps:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+	python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
 	command -v cargo-nextest >/dev/null || $(CARGO) install cargo-nextest --locked
 	command -v pjdfstest >/dev/null || $(CARGO) install pjdfstest --locked
 
