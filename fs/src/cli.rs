@@ -44,6 +44,12 @@ pub enum Cmd {
         /// The mount point to unmount.
         mountpoint: PathBuf,
     },
+    /// Show the nodes of a volume (live or dead, capacity, labels).
+    Status {
+        /// Metadata URI of the volume, as given to `mount --meta`.
+        #[arg(long, value_name = "URI")]
+        meta: String,
+    },
     /// Cluster certificates: peers talk QUIC with mutual TLS from a cluster CA.
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -139,6 +145,14 @@ pub struct MountArgs {
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,
 
+    /// Failure-domain labels of this node, as `key=value,key=value` (for example rack=r1).
+    #[arg(long, value_name = "LABELS", default_value = "")]
+    pub labels: String,
+
+    /// Seconds without a heartbeat after which the cluster considers this node dead.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600), value_name = "SECONDS")]
+    pub lease_ttl: u64,
+
     /// Source name shown by mount(8) and df.
     #[arg(long, hide = true)]
     pub source: Option<String>,
@@ -187,10 +201,99 @@ fn check(args: &MountArgs) -> anyhow::Result<Checked> {
         None => format!("redb://{}", data_dir.join("meta.redb").display()),
     };
     let meta: MetaUri = meta_str.parse()?;
+    parse_labels(&args.labels)?;
     if !(args.attr_timeout.is_finite() && (0.0..=3600.0).contains(&args.attr_timeout)) {
         bail!("--attr-timeout must be between 0 and 3600 seconds, got {}", args.attr_timeout);
     }
     Ok(Checked { mountpoint, data_dir, meta, meta_str })
+}
+
+fn parse_labels(s: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let Some((k, v)) = part.split_once('=').filter(|(k, v)| !k.is_empty() && !v.is_empty()) else {
+            bail!("label {part:?} is not key=value");
+        };
+        out.insert(k.to_string(), v.to_string());
+    }
+    Ok(out)
+}
+
+fn node_info(args: &MountArgs, data_dir: &Path) -> anyhow::Result<converged_metadata::membership::NodeInfo> {
+    let (capacity, free) = disk_space(data_dir);
+    let now = converged_metadata::types::Timespec::now();
+    Ok(converged_metadata::membership::NodeInfo {
+        id: args.node_id.clone().unwrap_or_else(hostname),
+        addr: String::new(),
+        capacity,
+        free,
+        labels: parse_labels(&args.labels)?,
+        started: now,
+        heartbeat: now,
+    })
+}
+
+fn disk_space(p: &Path) -> (u64, u64) {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return (0, 0) };
+    // SAFETY: statvfs into a zeroed struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return (0, 0);
+    }
+    (st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+}
+
+/// Register in the volume's membership (etcd) and heartbeat until the
+/// engine goes away. Embedded engines have no membership: a single node.
+fn join_cluster(
+    engine: &Arc<dyn converged_metadata::KvEngine>,
+    args: &MountArgs,
+    data_dir: &Path,
+) -> anyhow::Result<()> {
+    let Some(m) = engine.membership() else { return Ok(()) };
+    let ttl = Duration::from_secs(args.lease_ttl);
+    let mut info = node_info(args, data_dir)?;
+    m.register(&info, ttl).context("register in the cluster")?;
+    tracing::info!(node = %info.id, ttl = args.lease_ttl, "registered in the cluster");
+    let weak = Arc::downgrade(engine);
+    let data_dir = data_dir.to_path_buf();
+    std::thread::Builder::new().name("heartbeat".into()).spawn(move || loop {
+        std::thread::sleep(ttl / 3);
+        let Some(engine) = weak.upgrade() else { return };
+        let Some(m) = engine.membership() else { return };
+        (info.capacity, info.free) = disk_space(&data_dir);
+        info.heartbeat = converged_metadata::types::Timespec::now();
+        if let Err(e) = m.heartbeat(&info) {
+            tracing::warn!(error = %e, "heartbeat failed; retrying");
+        }
+    })?;
+    Ok(())
+}
+
+fn status(meta: &str) -> anyhow::Result<()> {
+    let uri: MetaUri = meta.parse()?;
+    let engine = converged_metadata::open_engine(&uri).with_context(|| format!("open metadata {meta}"))?;
+    let Some(m) = engine.membership() else {
+        println!("{meta}: embedded metadata ({}), a single node", engine.name());
+        return Ok(());
+    };
+    let members = m.members()?;
+    println!("{:<16} {:<6} {:>12} {:>12}  labels", "node", "state", "capacity", "free");
+    for member in &members {
+        let i = &member.info;
+        let labels: Vec<String> = i.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!(
+            "{:<16} {:<6} {:>9} GiB {:>9} GiB  {}",
+            i.id,
+            if member.alive { "live" } else { "dead" },
+            i.capacity >> 30,
+            i.free >> 30,
+            labels.join(",")
+        );
+    }
+    let live = members.iter().filter(|m| m.alive).count();
+    println!("{live} live, {} dead", members.len() - live);
+    Ok(())
 }
 
 fn access_writable(p: &Path) -> bool {
@@ -304,7 +407,8 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     let engine = converged_metadata::open_engine(&c.meta).with_context(|| format!("open metadata {}", c.meta_str))?;
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    let ns = Namespace::open(engine, uid, gid).context("open namespace")?;
+    join_cluster(&engine, args, &c.data_dir)?;
+    let ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?;
     let core = Arc::new(Core::start(
         ns,
         CoreConfig {
@@ -362,6 +466,11 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         detach_stdio();
     }
     session.run().context("FUSE session")?;
+    if let Some(m) = engine.membership() {
+        if let Err(e) = m.leave() {
+            tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");
+        }
+    }
     tracing::info!(mountpoint = %c.mountpoint.display(), "unmounted");
     Ok(())
 }
@@ -405,6 +514,7 @@ fn spawn_daemon(args: &MountArgs, c: &Checked, exe_prefix: &[OsString]) -> anyho
     if let Some(s) = &args.source {
         cmd.arg("--source").arg(s);
     }
+    cmd.arg("--labels").arg(&args.labels).arg("--lease-ttl").arg(args.lease_ttl.to_string());
     cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
     // SAFETY: setsid is async-signal-safe; the daemon leaves our session so a
     // closing terminal does not take it down.
@@ -465,6 +575,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         },
         Cmd::Umount { mountpoint } => umount(&mountpoint),
         Cmd::Cluster(cmd) => cluster(cmd),
+        Cmd::Status { meta } => status(&meta),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

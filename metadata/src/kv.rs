@@ -84,4 +84,9 @@ pub trait KvEngine: Send + Sync + 'static {
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>>;
     /// Make every commit so far durable.
     fn sync(&self) -> KvResult<()>;
+    /// Leases and membership, where the engine has them (etcd); an
+    /// embedded engine serves a single node and has none.
+    fn membership(&self) -> Option<&dyn crate::membership::Membership> {
+        None
+    }
 }

@@ -11,9 +11,11 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Txn, TxnOp};
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
 
 use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
+use crate::membership::{Member, Membership, NodeInfo};
+use crate::schema;
 
 /// Key-value pairs as a scan returns them.
 type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
@@ -23,6 +25,16 @@ pub struct EtcdKv {
     client: Client,
     prefix: Vec<u8>,
     timeout: Duration,
+    /// This node's lease: id, keep-alive channel, node id.
+    lease: parking_lot::Mutex<Option<Lease>>,
+}
+
+struct Lease {
+    id: i64,
+    ttl: Duration,
+    node: String,
+    keeper: etcd_client::LeaseKeeper,
+    answers: etcd_client::LeaseKeepAliveStream,
 }
 
 fn transient(e: impl std::fmt::Display) -> KvError {
@@ -49,7 +61,7 @@ impl EtcdKv {
                 Ok::<_, etcd_client::Error>(client)
             })
             .map_err(|e| KvError::Backend { msg: format!("etcd at {}: {e}", urls.join(",")), retryable: false })?;
-        Ok(Self { rt, client, prefix: format!("{volume}/").into_bytes(), timeout })
+        Ok(Self { rt, client, prefix: format!("{volume}/").into_bytes(), timeout, lease: Default::default() })
     }
 
     fn key(&self, k: &[u8]) -> Vec<u8> {
@@ -244,6 +256,85 @@ impl KvEngine for EtcdKv {
     }
     /// Every etcd commit is already on a quorum's stable storage.
     fn sync(&self) -> KvResult<()> {
+        Ok(())
+    }
+    fn membership(&self) -> Option<&dyn Membership> {
+        Some(self)
+    }
+}
+
+impl EtcdKv {
+    fn put_records(&self, info: &NodeInfo, lease: i64) -> KvResult<()> {
+        let value = postcard::to_allocvec(info).map_err(KvError::backend)?;
+        let txn = Txn::new().and_then(vec![
+            TxnOp::put(self.key(&schema::known_node(&info.id)), value.clone(), None),
+            TxnOp::put(self.key(&schema::live_node(&info.id)), value, Some(PutOptions::new().with_lease(lease))),
+        ]);
+        let mut c = self.client.kv_client();
+        self.run(c.txn(txn)).map(|_| ())
+    }
+}
+
+impl Membership for EtcdKv {
+    fn register(&self, info: &NodeInfo, ttl: Duration) -> KvResult<()> {
+        let mut client = self.client.clone();
+        let secs = ttl.as_secs().max(1) as i64;
+        let id = self.run(client.lease_grant(secs, None))?.id();
+        let (keeper, answers) = self.run(client.lease_keep_alive(id))?;
+        self.put_records(info, id)?;
+        *self.lease.lock() = Some(Lease { id, ttl, node: info.id.clone(), keeper, answers });
+        Ok(())
+    }
+
+    fn heartbeat(&self, info: &NodeInfo) -> KvResult<()> {
+        let mut guard = self.lease.lock();
+        let Some(lease) = guard.as_mut() else {
+            return Err(KvError::backend("heartbeat before register"));
+        };
+        let alive = self.run(async {
+            lease.keeper.keep_alive().await?;
+            Ok(lease.answers.message().await?.is_some_and(|a| a.ttl() > 0))
+        });
+        let ttl = lease.ttl;
+        match alive {
+            Ok(true) => {
+                let id = lease.id;
+                drop(guard);
+                self.put_records(info, id)
+            }
+            // The lease expired (cut off for longer than its TTL): come back.
+            Ok(false) | Err(_) => {
+                *guard = None;
+                drop(guard);
+                self.register(info, ttl)
+            }
+        }
+    }
+
+    fn members(&self) -> KvResult<Vec<Member>> {
+        let decode = |v: &[u8]| postcard::from_bytes::<NodeInfo>(v).map_err(KvError::backend);
+        let range = |p: &[u8]| {
+            let (s, e) = schema::prefix_range(p);
+            self.scan_at(&s, &e, 100_000, 0).map(|(kvs, _)| kvs)
+        };
+        let live: BTreeMap<Vec<u8>, Vec<u8>> =
+            range(schema::LIVE_NODES)?.into_iter().map(|(k, v)| (k[1..].to_vec(), v)).collect();
+        let mut out = Vec::new();
+        for (k, v) in range(schema::KNOWN_NODES)? {
+            let id = &k[1..];
+            match live.get(id) {
+                Some(lv) => out.push(Member { info: decode(lv)?, alive: true }),
+                None => out.push(Member { info: decode(&v)?, alive: false }),
+            }
+        }
+        Ok(out)
+    }
+
+    fn leave(&self) -> KvResult<()> {
+        let Some(lease) = self.lease.lock().take() else { return Ok(()) };
+        let mut client = self.client.clone();
+        self.run(client.lease_revoke(lease.id)).map(|_| ())?;
+        tracing::info!(node = %lease.node, "left the cluster");
         Ok(())
     }
 }

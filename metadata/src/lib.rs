@@ -10,6 +10,7 @@ pub mod kv_etcd;
 pub mod kv_fault;
 pub mod kv_mem;
 pub mod kv_redb;
+pub mod membership;
 mod namespace;
 pub mod ops;
 pub mod schema;

@@ -13,6 +13,8 @@
 //! | `C` ino chunk-index(u32)   | [`ChunkRecord`]      | one chunk of a file's layout                 |
 //! | `O` ino                    | empty                | orphan: unlinked while open, purge at close  |
 //! | `U` ino                    | empty                | unsealed: open for writing; checksums stale  |
+//! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
+//! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //!
 //! A crash leaves `O` and `U` keys behind; the next mount purges orphans and
 //! re-seals unsealed files from their backing files.
@@ -21,6 +23,7 @@
 //! [`Inode`]: crate::types::Inode
 //! [`Dentry`]: crate::types::Dentry
 //! [`ChunkRecord`]: crate::types::ChunkRecord
+//! [`NodeInfo`]: crate::membership::NodeInfo
 
 use crate::types::Ino;
 
@@ -117,6 +120,17 @@ pub fn unsealed(ino: Ino) -> Vec<u8> {
 pub fn unsealed_all() -> Vec<u8> {
     vec![UNSEALED]
 }
+
+pub fn known_node(id: &str) -> Vec<u8> {
+    [b"K", id.as_bytes()].concat()
+}
+
+pub fn live_node(id: &str) -> Vec<u8> {
+    [b"L", id.as_bytes()].concat()
+}
+
+pub const KNOWN_NODES: &[u8] = b"K";
+pub const LIVE_NODES: &[u8] = b"L";
 
 /// The inode number in an `I`, `O` or `U` key.
 pub fn key_ino(key: &[u8]) -> Ino {

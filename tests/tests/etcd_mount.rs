@@ -39,3 +39,51 @@ fn mount_on_etcd_metadata_keeps_namespace_and_bytes() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("etcd needs endpoints"));
 }
+
+fn status(uri: &str) -> String {
+    let out = converged().args(["status", "--meta", uri]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn state_of(status: &str, node: &str) -> Option<String> {
+    status
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(node))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(str::to_string)
+}
+
+#[test]
+fn nodes_register_heartbeat_and_are_seen_dead() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let uri = format!("etcd://{}/members", cluster.endpoints.join(","));
+    let mut a = Mount::with_args(&["--meta", &uri, "--node-id", "n1", "--labels", "rack=r1", "--lease-ttl", "2"]);
+    let mut b = Mount::with_args(&["--meta", &uri, "--node-id", "n2", "--labels", "rack=r2", "--lease-ttl", "2"]);
+    // Heartbeats keep both alive past their lease.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let s = status(&uri);
+    assert_eq!(state_of(&s, "n1").as_deref(), Some("live"), "{s}");
+    assert_eq!(state_of(&s, "n2").as_deref(), Some("live"), "{s}");
+    assert!(s.contains("rack=r2"), "{s}");
+
+    // A crashed node's lease expires: it shows as dead, the other stays live.
+    b.crash();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let s = status(&uri);
+        if state_of(&s, "n2").as_deref() == Some("dead") {
+            assert_eq!(state_of(&s, "n1").as_deref(), Some("live"), "{s}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "n2 never declared dead:\n{s}");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    // It comes back and is live again; a clean unmount leaves at once.
+    b.mount();
+    assert_eq!(state_of(&status(&uri), "n2").as_deref(), Some("live"));
+    a.umount();
+    assert_eq!(state_of(&status(&uri), "n1").as_deref(), Some("dead"), "left on unmount");
+    let out = converged().args(["status", "--meta", "etcd://127.0.0.1:1/none"]).output().unwrap();
+    assert!(!out.status.success(), "an unreachable etcd is an error");
+}
