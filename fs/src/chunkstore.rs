@@ -10,6 +10,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use converged_metadata::types::{Ino, BLOCK_SIZE};
 
@@ -123,6 +124,37 @@ impl ChunkStore {
             }
         }
         Ok(out)
+    }
+}
+
+/// Serves this node's chunks to peers over the transport. It answers for
+/// bytes only; which chunks a peer may ask for is the namespace's business.
+pub struct PeerChunks(pub Arc<ChunkStore>);
+
+fn service_err(e: std::io::Error) -> converged_transport::ServiceError {
+    converged_transport::ServiceError { errno: e.raw_os_error().unwrap_or(libc::EIO), msg: e.to_string() }
+}
+
+impl converged_transport::ChunkService for PeerChunks {
+    fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, converged_transport::ServiceError> {
+        let f = File::open(self.0.path(ino)).map_err(service_err)?;
+        let size = f.metadata().map_err(service_err)?.len();
+        let len = (len as u64).min(size.saturating_sub(offset)) as usize;
+        let mut buf = vec![0u8; len];
+        read_exact_at(&f, &mut buf, offset).map_err(service_err)?;
+        Ok(buf)
+    }
+    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
+        let f = self.0.open_backing(ino).map_err(|e| service_err(std::io::Error::other(e.to_string())))?;
+        f.write_all_at(data, offset).map_err(service_err)?;
+        f.sync_data().map_err(service_err)
+    }
+    fn delete(&self, ino: u64) -> Result<(), converged_transport::ServiceError> {
+        self.0.remove(ino).map_err(|e| service_err(std::io::Error::other(e.to_string())))
+    }
+    fn checksums(&self, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, converged_transport::ServiceError> {
+        let f = File::open(self.0.path(ino)).map_err(service_err)?;
+        block_crcs(&f, offset, len).map_err(service_err)
     }
 }
 

@@ -145,6 +145,14 @@ pub struct MountArgs {
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,
 
+    /// Serve this node's chunks to peers over QUIC on ADDR (host:port; port 0 picks one). Needs --tls-dir.
+    #[arg(long, value_name = "ADDR", requires = "tls_dir")]
+    pub listen: Option<std::net::SocketAddr>,
+
+    /// Directory with this node's certificate (from `converged cluster init` / `issue-cert`).
+    #[arg(long, value_name = "DIR", requires = "listen")]
+    pub tls_dir: Option<PathBuf>,
+
     /// Failure-domain labels of this node, as `key=value,key=value` (for example rack=r1).
     #[arg(long, value_name = "LABELS", default_value = "")]
     pub labels: String,
@@ -202,6 +210,12 @@ fn check(args: &MountArgs) -> anyhow::Result<Checked> {
     };
     let meta: MetaUri = meta_str.parse()?;
     parse_labels(&args.labels)?;
+    if let Some(dir) = &args.tls_dir {
+        let tls = converged_transport::NodeTls::load(dir).with_context(|| format!("--tls-dir {}", dir.display()))?;
+        if let Some(id) = args.node_id.as_ref().filter(|id| **id != tls.node) {
+            bail!("--node-id {id} does not match the certificate in {}, which is for node {}", dir.display(), tls.node);
+        }
+    }
     if !(args.attr_timeout.is_finite() && (0.0..=3600.0).contains(&args.attr_timeout)) {
         bail!("--attr-timeout must be between 0 and 3600 seconds, got {}", args.attr_timeout);
     }
@@ -219,12 +233,21 @@ fn parse_labels(s: &str) -> anyhow::Result<std::collections::BTreeMap<String, St
     Ok(out)
 }
 
-fn node_info(args: &MountArgs, data_dir: &Path) -> anyhow::Result<converged_metadata::membership::NodeInfo> {
+fn node_id(args: &MountArgs) -> String {
+    let from_cert = args.tls_dir.as_ref().and_then(|d| std::fs::read_to_string(d.join("node.name")).ok());
+    args.node_id.clone().or(from_cert.map(|s| s.trim().to_string())).unwrap_or_else(hostname)
+}
+
+fn node_info(
+    args: &MountArgs,
+    data_dir: &Path,
+    addr: String,
+) -> anyhow::Result<converged_metadata::membership::NodeInfo> {
     let (capacity, free) = disk_space(data_dir);
     let now = converged_metadata::types::Timespec::now();
     Ok(converged_metadata::membership::NodeInfo {
-        id: args.node_id.clone().unwrap_or_else(hostname),
-        addr: String::new(),
+        id: node_id(args),
+        addr,
         capacity,
         free,
         labels: parse_labels(&args.labels)?,
@@ -249,10 +272,11 @@ fn join_cluster(
     engine: &Arc<dyn converged_metadata::KvEngine>,
     args: &MountArgs,
     data_dir: &Path,
+    addr: String,
 ) -> anyhow::Result<()> {
     let Some(m) = engine.membership() else { return Ok(()) };
     let ttl = Duration::from_secs(args.lease_ttl);
-    let mut info = node_info(args, data_dir)?;
+    let mut info = node_info(args, data_dir, addr)?;
     m.register(&info, ttl).context("register in the cluster")?;
     tracing::info!(node = %info.id, ttl = args.lease_ttl, "registered in the cluster");
     let weak = Arc::downgrade(engine);
@@ -278,14 +302,15 @@ fn status(meta: &str) -> anyhow::Result<()> {
         return Ok(());
     };
     let members = m.members()?;
-    println!("{:<16} {:<6} {:>12} {:>12}  labels", "node", "state", "capacity", "free");
+    println!("{:<16} {:<6} {:<22} {:>12} {:>12}  labels", "node", "state", "address", "capacity", "free");
     for member in &members {
         let i = &member.info;
         let labels: Vec<String> = i.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!(
-            "{:<16} {:<6} {:>9} GiB {:>9} GiB  {}",
+            "{:<16} {:<6} {:<22} {:>9} GiB {:>9} GiB  {}",
             i.id,
             if member.alive { "live" } else { "dead" },
+            if i.addr.is_empty() { "-" } else { &i.addr },
             i.capacity >> 30,
             i.free >> 30,
             labels.join(",")
@@ -407,13 +432,12 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     let engine = converged_metadata::open_engine(&c.meta).with_context(|| format!("open metadata {}", c.meta_str))?;
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    join_cluster(&engine, args, &c.data_dir)?;
     let ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?;
     let core = Arc::new(Core::start(
         ns,
         CoreConfig {
             data_dir: c.data_dir.clone(),
-            node_id: args.node_id.clone().unwrap_or_else(hostname),
+            node_id: node_id(args),
             verify_reads: args.verify_reads,
             meta_file: match &c.meta {
                 MetaUri::Redb(path) => Some(path.clone()),
@@ -421,6 +445,29 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             },
         },
     )?);
+    // The peer data plane: this node's chunks, served over QUIC with mutual TLS.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("transport")
+        .enable_all()
+        .build()
+        .context("start the transport runtime")?;
+    let mut addr = String::new();
+    let _transport = match (&args.listen, &args.tls_dir) {
+        (Some(listen), Some(dir)) => {
+            let tls = converged_transport::NodeTls::load(dir)?;
+            let _rt = runtime.enter();
+            let service = Arc::new(crate::chunkstore::PeerChunks(core.chunk_store()));
+            let t = converged_transport::QuicTransport::bind(*listen, &tls, service, Duration::from_secs(10))
+                .with_context(|| format!("listen on {listen}"))?;
+            addr = t.local_addr().to_string();
+            tracing::info!(%addr, node = %tls.node, "serving chunks to peers");
+            Some(t)
+        }
+        _ => None,
+    };
+    join_cluster(&engine, args, &c.data_dir, addr)?;
+
     // Buffered namespace commits become durable within a second (as a local
     // filesystem's journal commit); fsync makes them durable at once.
     let weak = Arc::downgrade(&core);
@@ -513,6 +560,9 @@ fn spawn_daemon(args: &MountArgs, c: &Checked, exe_prefix: &[OsString]) -> anyho
     }
     if let Some(s) = &args.source {
         cmd.arg("--source").arg(s);
+    }
+    if let (Some(l), Some(t)) = (&args.listen, &args.tls_dir) {
+        cmd.arg("--listen").arg(l.to_string()).arg("--tls-dir").arg(t);
     }
     cmd.arg("--labels").arg(&args.labels).arg("--lease-ttl").arg(args.lease_ttl.to_string());
     cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);

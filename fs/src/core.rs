@@ -206,6 +206,10 @@ impl Core {
         Ok(())
     }
 
+    pub fn chunk_store(&self) -> Arc<ChunkStore> {
+        self.store.clone()
+    }
+
     pub fn namespace(&self) -> &Namespace {
         &self.ns
     }

@@ -16,8 +16,8 @@ pub const ALPN: &[u8] = b"converged/1";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    #[error("{path}: {err}")]
+    Io { path: String, err: std::io::Error },
     #[error("certificate generation: {0}")]
     Generate(#[from] rcgen::Error),
     #[error("TLS configuration: {0}")]
@@ -30,14 +30,14 @@ pub enum TlsError {
 
 fn read(dir: &Path, name: &str) -> Result<String, TlsError> {
     let path = dir.join(name);
-    std::fs::read_to_string(&path).map_err(|source| TlsError::Io { path: path.display().to_string(), source })
+    std::fs::read_to_string(&path).map_err(|err| TlsError::Io { path: path.display().to_string(), err })
 }
 
 fn write(dir: &Path, name: &str, contents: &str, mode: u32) -> Result<(), TlsError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let path = dir.join(name);
-    let io = |source| TlsError::Io { path: path.display().to_string(), source };
+    let io = |err| TlsError::Io { path: path.display().to_string(), err };
     std::fs::create_dir_all(dir).map_err(io)?;
     let mut f =
         std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&path).map_err(io)?;

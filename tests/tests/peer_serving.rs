@@ -1,0 +1,92 @@
+//! A mounted node serves its chunks to peers over QUIC with mutual TLS: a
+//! peer holding a cluster certificate reads the bytes of a file written on
+//! the mount, found through the volume's membership; a stranger is refused.
+
+mod common;
+#[path = "../../metadata/tests/etcd_cluster/mod.rs"]
+mod etcd_cluster;
+
+use std::os::unix::fs::MetadataExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use converged_transport::{ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, ServiceError};
+
+struct Nothing;
+impl ChunkService for Nothing {
+    fn read(&self, _: u64, _: u64, _: u32) -> Result<Vec<u8>, ServiceError> {
+        Err(ServiceError { errno: 2, msg: "none".into() })
+    }
+    fn write(&self, _: u64, _: u64, _: &[u8]) -> Result<(), ServiceError> {
+        Ok(())
+    }
+    fn delete(&self, _: u64) -> Result<(), ServiceError> {
+        Ok(())
+    }
+    fn checksums(&self, _: u64, _: u64, _: u64) -> Result<Vec<u32>, ServiceError> {
+        Ok(Vec::new())
+    }
+}
+
+#[test]
+fn a_mounted_node_serves_its_chunks_to_cluster_peers_only() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let t = tempfile::tempdir().unwrap();
+    let ca_dir = t.path().join("ca");
+    let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca_dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let uri = format!("etcd://{}/peers", cluster.endpoints.join(","));
+    let tls_dir = ca_dir.join("n1");
+    let m = Mount::with_args(&["--meta", &uri, "--listen", "127.0.0.1:0", "--tls-dir", tls_dir.to_str().unwrap()]);
+    let data = pattern((3 << 20) + 777, 42);
+    std::fs::write(m.path("shard-0000.tar"), &data).unwrap();
+    let ino = std::fs::metadata(m.path("shard-0000.tar")).unwrap().ino();
+
+    // Find n1's address the way a peer does: in the volume's membership.
+    let out = converged().args(["status", "--meta", &uri]).output().unwrap();
+    let status = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = status.lines().find(|l| l.starts_with("n1 ")).unwrap_or_else(|| panic!("n1 not in status:\n{status}"));
+    let addr: std::net::SocketAddr = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+    let peer = Peer { addr, node: "n1".into() };
+
+    let ca = ClusterCa::load(&ca_dir).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let n2 = QuicTransport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &ca.issue("n2").unwrap(),
+            Arc::new(Nothing),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let got = n2.read(&peer, ino, 0, data.len() as u32).await.unwrap();
+        assert!(got == data, "peer read returns the file's bytes");
+        let part = n2.read(&peer, ino, 1 << 20, 65536).await.unwrap();
+        assert_eq!(part, data[1 << 20..(1 << 20) + 65536]);
+        let crcs = n2.checksums(&peer, ino, 0, data.len() as u64).await.unwrap();
+        let want: Vec<u32> = data.chunks(64 << 10).map(crc32c_of).collect();
+        assert_eq!(crcs, want, "block checksums match the bytes");
+
+        // A node of another cluster, even one that trusts our CA, gets nothing.
+        let rogue_ca = ClusterCa::generate("someone else").unwrap();
+        let mut rogue: NodeTls = rogue_ca.issue("n3").unwrap();
+        rogue.ca_pem = ca.cert_pem.clone();
+        let rogue =
+            QuicTransport::bind("127.0.0.1:0".parse().unwrap(), &rogue, Arc::new(Nothing), Duration::from_secs(5))
+                .unwrap();
+        assert!(rogue.read(&peer, ino, 0, 10).await.is_err());
+    });
+}
+
+/// crc32c (Castagnoli), bitwise: independent of the daemon's implementation.
+fn crc32c_of(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for b in data {
+        crc ^= *b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82F6_3B78 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
