@@ -469,17 +469,15 @@ impl Core {
         if let Ok(st) = self.statfs() {
             let frsize = st.f_frsize.max(1);
             let reserve = crate::chunkstore::reserve_size(st.f_blocks * frsize);
-            if st.f_bavail * frsize > 4 * reserve || self.store_has_reserve(reserve) {
+            // An existing reserve is left as it is; a missing one is made
+            // only once the disk has room to spare.
+            if st.f_bavail * frsize > 4 * reserve {
                 self.store.ensure_reserve(reserve);
             }
             if let Some(meta) = &self.cfg.meta_file {
                 ChunkStore::preallocate(meta, reserve);
             }
         }
-    }
-
-    fn store_has_reserve(&self, bytes: u64) -> bool {
-        std::fs::metadata(self.cfg.data_dir.join("converged.reserve")).is_ok_and(|m| m.len() >= bytes)
     }
 
     // ---- xattrs ----

@@ -45,9 +45,4 @@ impl Namespace {
                 .collect()
         })
     }
-
-    /// Number of inodes in use, for statfs.
-    pub fn dir_entry_count(&self, ino: Ino) -> MetaResult<usize> {
-        Ok(self.readdir(ino)?.len())
-    }
 }
