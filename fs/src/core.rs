@@ -534,17 +534,17 @@ impl Core {
     /// for writing starts unsealed in the creating transaction.
     pub fn create(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> FsResult<(Attr, Opened)> {
         let inode = self.ns.mknod(parent, name, node)?;
-        let opened = self.open_inner(inode.ino, node.unsealed, node.unsealed)?;
+        let opened = self.open_inner(&inode, node.unsealed, node.unsealed)?;
         Ok((inode, opened))
     }
 
     /// Open `ino`; `writable` for O_WRONLY / O_RDWR.
     pub fn open(&self, ino: Ino, writable: bool) -> FsResult<Opened> {
-        self.open_inner(ino, writable, false)
+        self.open_inner(&self.ns.getattr(ino)?, writable, false)
     }
 
-    fn open_inner(&self, ino: Ino, writable: bool, created_unsealed: bool) -> FsResult<Opened> {
-        let inode = self.ns.getattr(ino)?;
+    fn open_inner(&self, inode: &Inode, writable: bool, created_unsealed: bool) -> FsResult<Opened> {
+        let ino = inode.ino;
         match inode.kind {
             FileKind::Regular => {}
             FileKind::Directory => return Err(MetaError::IsDir.into()),
