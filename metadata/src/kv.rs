@@ -41,6 +41,44 @@ impl KvError {
 
 pub type KvResult<T> = Result<T, KvError>;
 
+/// Writes a transaction has buffered until commit (`None`: a delete). Every
+/// engine keeps them this way and reads through them.
+pub(crate) type PendingWrites = std::collections::BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+
+fn pending_in<'a>(
+    pending: &'a PendingWrites,
+    start: &[u8],
+    end: &[u8],
+) -> impl Iterator<Item = (&'a Vec<u8>, &'a Option<Vec<u8>>)> {
+    use std::ops::Bound;
+    pending.range::<[u8], _>((Bound::Included(start), Bound::Excluded(end)))
+}
+
+/// How many pending deletes fall in `[start, end)`: a scan must fetch that
+/// many more rows from the engine to still return `limit` after merging.
+pub(crate) fn pending_deletes(pending: &PendingWrites, start: &[u8], end: &[u8]) -> usize {
+    pending_in(pending, start, end).filter(|(_, v)| v.is_none()).count()
+}
+
+/// The engine's rows of `[start, end)` with the pending writes laid over
+/// them, in key order, at most `limit`.
+pub(crate) fn merge_pending(
+    base: impl IntoIterator<Item = (Vec<u8>, Vec<u8>)>,
+    pending: &PendingWrites,
+    start: &[u8],
+    end: &[u8],
+    limit: usize,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut merged: std::collections::BTreeMap<Vec<u8>, Vec<u8>> = base.into_iter().collect();
+    for (k, v) in pending_in(pending, start, end) {
+        match v {
+            Some(v) => merged.insert(k.clone(), v.clone()),
+            None => merged.remove(k),
+        };
+    }
+    merged.into_iter().take(limit).collect()
+}
+
 /// How durable a commit must be before it returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
 
-use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
+use crate::kv::{
+    merge_pending, pending_deletes, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites,
+};
 use crate::membership::{Member, Membership, NodeInfo};
 use crate::schema;
 
@@ -128,7 +130,7 @@ struct EtcdWrite<'a> {
     /// Keys read, with the mod revision seen (0: absent).
     reads: BTreeMap<Vec<u8>, i64>,
     scanned: Vec<(Vec<u8>, Vec<u8>)>,
-    pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    pending: PendingWrites,
     deleted_ranges: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
@@ -152,20 +154,13 @@ impl KvRead for EtcdWrite<'_> {
         Ok(v)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let extra = self.pending.range(start.to_vec()..end.to_vec()).filter(|(_, v)| v.is_none()).count();
+        let extra = pending_deletes(&self.pending, start, end);
         let want = if self.deleted_ranges.is_empty() { limit.saturating_add(extra) } else { usize::MAX >> 1 };
         let (found, at) = self.kv.scan_at(start, end, want, self.rev)?;
         self.rev = at;
         self.scanned.push((start.to_vec(), end.to_vec()));
-        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
-            found.into_iter().filter(|(k, _)| !self.range_deleted(k)).collect();
-        for (k, v) in self.pending.range(start.to_vec()..end.to_vec()) {
-            match v {
-                Some(v) => merged.insert(k.clone(), v.clone()),
-                None => merged.remove(k),
-            };
-        }
-        Ok(merged.into_iter().take(limit).collect())
+        let base: Vec<_> = found.into_iter().filter(|(k, _)| !self.range_deleted(k)).collect();
+        Ok(merge_pending(base, &self.pending, start, end, limit))
     }
 }
 

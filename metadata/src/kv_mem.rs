@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::kv::{Durability, KvEngine, KvRead, KvResult, KvWrite};
+use crate::kv::{merge_pending, Durability, KvEngine, KvRead, KvResult, KvWrite, PendingWrites};
 
 type Map = BTreeMap<Vec<u8>, Vec<u8>>;
 
@@ -47,7 +47,7 @@ impl KvRead for MemRead<'_> {
 struct MemWrite<'a> {
     map: &'a Mutex<Map>,
     _writer: MutexGuard<'a, ()>,
-    pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    pending: PendingWrites,
 }
 
 impl KvRead for MemWrite<'_> {
@@ -58,14 +58,8 @@ impl KvRead for MemWrite<'_> {
         Ok(self.map.lock().get(key).cloned())
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut merged: Map = scan_map(&self.map.lock(), start, end, usize::MAX).into_iter().collect();
-        for (k, v) in self.pending.range::<[u8], _>((Bound::Included(start), Bound::Excluded(end))) {
-            match v {
-                Some(v) => merged.insert(k.clone(), v.clone()),
-                None => merged.remove(k),
-            };
-        }
-        Ok(merged.into_iter().take(limit).collect())
+        let base = scan_map(&self.map.lock(), start, end, usize::MAX);
+        Ok(merge_pending(base, &self.pending, start, end, limit))
     }
 }
 

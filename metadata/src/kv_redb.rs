@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
+use crate::kv::{
+    merge_pending, pending_deletes, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites,
+};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("converged");
 
@@ -122,7 +124,7 @@ struct RedbWrite<'a> {
     _db: Arc<Database>,
     txn: redb::WriteTransaction,
     base: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
-    pending: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    pending: PendingWrites,
 }
 
 impl KvRead for RedbWrite<'_> {
@@ -134,17 +136,9 @@ impl KvRead for RedbWrite<'_> {
         Ok(v)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let overlay: Vec<_> = self.pending.range::<[u8], _>((Bound::Included(start), Bound::Excluded(end))).collect();
-        let extra = overlay.iter().filter(|(_, v)| v.is_none()).count();
-        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> =
-            collect_range(&self.base, start, end, limit.saturating_add(extra))?.into_iter().collect();
-        for (k, v) in overlay {
-            match v {
-                Some(v) => merged.insert(k.clone(), v.clone()),
-                None => merged.remove(k),
-            };
-        }
-        Ok(merged.into_iter().take(limit).collect())
+        let extra = pending_deletes(&self.pending, start, end);
+        let base = collect_range(&self.base, start, end, limit.saturating_add(extra))?;
+        Ok(merge_pending(base, &self.pending, start, end, limit))
     }
 }
 
