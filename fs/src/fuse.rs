@@ -115,6 +115,19 @@ fn attr(i: &Inode) -> FileAttr {
     }
 }
 
+/// A node owned by the caller, with the permission bits of `mode`.
+fn node_for(req: &Request, kind: FileKind, mode: u32) -> NewNode<'static> {
+    NewNode {
+        kind,
+        perm: (mode & 0o7777) as u16,
+        uid: req.uid(),
+        gid: req.gid(),
+        rdev: 0,
+        target: None,
+        unsealed: false,
+    }
+}
+
 fn is_writable(flags: OpenFlags) -> bool {
     flags.acc_mode() != OpenAccMode::O_RDONLY
 }
@@ -149,12 +162,11 @@ impl FuseAdapter {
         Some(id)
     }
 
-    fn new_node(&self, req: &Request, parent: INodeNo, name: &OsStr, node: NewNode<'_>, reply: ReplyEntry) {
+    fn new_node(&self, parent: INodeNo, name: &OsStr, node: NewNode<'_>, reply: ReplyEntry) {
         match self.core.mknod(parent.0, name.as_bytes(), &node) {
             Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("mknod", e)),
         }
-        let _ = req;
     }
 }
 
@@ -257,44 +269,20 @@ impl Filesystem for FuseAdapter {
         let Some(kind) = FileKind::from_mode(mode) else {
             return reply.error(Errno::EINVAL);
         };
-        let node = NewNode {
-            kind,
-            perm: (mode & 0o7777) as u16,
-            uid: req.uid(),
-            gid: req.gid(),
-            rdev,
-            target: None,
-            unsealed: false,
-        };
-        self.new_node(req, parent, name, node, reply);
+        let node = NewNode { rdev, ..node_for(req, kind, mode) };
+        self.new_node(parent, name, node, reply);
     }
 
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
         let _s = debug_span!("mkdir", parent = parent.0, name = ?name, mode).entered();
-        let node = NewNode {
-            kind: FileKind::Directory,
-            perm: (mode & 0o7777) as u16,
-            uid: req.uid(),
-            gid: req.gid(),
-            rdev: 0,
-            target: None,
-            unsealed: false,
-        };
-        self.new_node(req, parent, name, node, reply);
+        let node = node_for(req, FileKind::Directory, mode);
+        self.new_node(parent, name, node, reply);
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
         let _s = debug_span!("symlink", parent = parent.0, name = ?link_name).entered();
-        let node = NewNode {
-            kind: FileKind::Symlink,
-            perm: 0o777,
-            uid: req.uid(),
-            gid: req.gid(),
-            rdev: 0,
-            target: Some(target.as_os_str().as_bytes()),
-            unsealed: false,
-        };
-        self.new_node(req, parent, link_name, node, reply);
+        let node = NewNode { target: Some(target.as_os_str().as_bytes()), ..node_for(req, FileKind::Symlink, 0o777) };
+        self.new_node(parent, link_name, node, reply);
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -370,15 +358,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         let _s = debug_span!("create", parent = parent.0, name = ?name, mode, flags).entered();
-        let node = NewNode {
-            kind: FileKind::Regular,
-            perm: (mode & 0o7777) as u16,
-            uid: req.uid(),
-            gid: req.gid(),
-            rdev: 0,
-            target: None,
-            unsealed: is_writable(OpenFlags(flags)),
-        };
+        let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode) };
         let (inode, opened) = match self.core.create(parent.0, name.as_bytes(), &node) {
             Ok(r) => r,
             Err(e) => return reply.error(errno("create", e)),
