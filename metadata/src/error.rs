@@ -28,6 +28,9 @@ pub enum MetaError {
     XattrTooBig,
     #[error("too many links")]
     TooManyLinks,
+    /// Another live node holds the file's write lease (it has the file open for writing).
+    #[error("file is open for writing on node {holder}")]
+    WriteLeased { holder: String },
     #[error("corrupt metadata record {key}: {msg}")]
     Corrupt { key: String, msg: String },
     #[error(transparent)]
@@ -50,6 +53,8 @@ impl MetaError {
             MetaError::NoAttr => libc::ENODATA,
             MetaError::XattrTooBig => libc::E2BIG,
             MetaError::TooManyLinks => libc::EMLINK,
+            // As for writing to a running executable: the file is in a use that excludes writers.
+            MetaError::WriteLeased { .. } => libc::ETXTBSY,
             MetaError::Corrupt { .. } => libc::EIO,
             MetaError::Kv(KvError::Conflict) => libc::EAGAIN,
             MetaError::Kv(KvError::NoSpace) => libc::ENOSPC,

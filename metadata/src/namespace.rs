@@ -34,6 +34,13 @@ pub struct Namespace {
     /// Called when the engine reports a full disk; returns true when it
     /// freed space (the data dir's reserve) so the transaction may retry.
     on_no_space: OnceLock<Box<dyn Fn() -> bool + Send + Sync>>,
+    /// This node's id: the value of the unsealed (write lease) and orphan
+    /// marks it writes, so that in a cluster each node recovers only its own.
+    pub(crate) node: String,
+    /// Several nodes share the engine (it has membership): marks written by
+    /// another node belong to it. On a single node every mark is ours, even
+    /// when the node id changed between mounts.
+    clustered: bool,
 }
 
 pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -96,12 +103,22 @@ pub(crate) fn dir_is_empty(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaRe
 
 /// Every key under `prefix`, fetched in pages so no single read is huge.
 pub(crate) fn scan_all(txn: &mut (impl KvRead + ?Sized), prefix: &[u8]) -> MetaResult<Vec<(Vec<u8>, Vec<u8>)>> {
-    const PAGE: usize = 1024;
+    scan_paged(txn, prefix, 1024)
+}
+
+/// [`scan_all`] with a page size for large records (chunk records carry a
+/// checksum per block: a page must stay well under etcd's message limits).
+pub(crate) fn scan_paged(
+    txn: &mut (impl KvRead + ?Sized),
+    prefix: &[u8],
+    page_size: usize,
+) -> MetaResult<Vec<(Vec<u8>, Vec<u8>)>> {
+    let page_size = page_size.max(1);
     let (mut start, end) = schema::prefix_range(prefix);
     let mut out = Vec::new();
     loop {
-        let page = txn.scan(&start, &end, PAGE)?;
-        let full = page.len() == PAGE;
+        let page = txn.scan(&start, &end, page_size)?;
+        let full = page.len() == page_size;
         if let Some((last, _)) = page.last() {
             start = last.clone();
             start.push(0);
@@ -116,12 +133,15 @@ pub(crate) fn scan_all(txn: &mut (impl KvRead + ?Sized), prefix: &[u8]) -> MetaR
 impl Namespace {
     /// Open the namespace, creating the volume and its root directory on first use.
     pub fn open(kv: Arc<dyn KvEngine>, root_uid: u32, root_gid: u32) -> MetaResult<Self> {
+        let clustered = kv.membership().is_some();
         let mut ns = Namespace {
             kv,
             next_ino: Mutex::new((0, 0)),
             chunk_size: DEFAULT_CHUNK_SIZE,
             unsynced: AtomicBool::new(false),
             on_no_space: OnceLock::new(),
+            node: String::new(),
+            clustered,
         };
         let volume = ns.write(Durability::Durable, |txn| {
             if let Some(v) = txn.get(schema::VOLUME)? {
@@ -158,6 +178,21 @@ impl Namespace {
         }
         ns.chunk_size = volume.chunk_size;
         Ok(ns)
+    }
+
+    /// Name the node this namespace acts for (see [`Namespace::node`]).
+    pub fn with_node(mut self, node: &str) -> Self {
+        self.node = node.to_string();
+        self
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Whether a mark (unsealed or orphan) with this value was written by this node.
+    pub(crate) fn is_mine(&self, mark: &[u8]) -> bool {
+        !self.clustered || mark.is_empty() || mark == self.node.as_bytes()
     }
 
     pub fn engine(&self) -> &dyn KvEngine {

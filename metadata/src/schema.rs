@@ -11,13 +11,16 @@
 //! | `D` parent name            | [`Dentry`]           | a name in a directory                        |
 //! | `X` ino name               | raw bytes            | one extended attribute                       |
 //! | `C` ino chunk-index(u32)   | [`ChunkRecord`]      | one chunk of a file's layout                 |
-//! | `O` ino                    | empty                | orphan: unlinked while open, purge at close  |
-//! | `U` ino                    | empty                | unsealed: open for writing; checksums stale  |
+//! | `O` ino                    | node id              | orphan: unlinked while open on that node     |
+//! | `U` ino                    | node id              | unsealed: open for writing on that node; its |
+//! |                            |                      | checksums are stale; the file's write lease  |
 //! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //!
-//! A crash leaves `O` and `U` keys behind; the next mount purges orphans and
-//! re-seals unsealed files from their backing files.
+//! A crash leaves `O` and `U` keys behind; the next mount of the same node
+//! purges its orphans and re-seals its unsealed files from their backing
+//! files. A `U` key of a node whose `L` key is gone (its lease expired) may be
+//! taken over by another writer.
 //!
 //! [`VolumeRecord`]: crate::types::VolumeRecord
 //! [`Inode`]: crate::types::Inode

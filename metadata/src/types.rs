@@ -13,6 +13,17 @@ pub const DEFAULT_CHUNK_SIZE: u32 = 64 << 20;
 /// Checksum granularity inside a chunk.
 pub const BLOCK_SIZE: u32 = 64 << 10;
 pub const FORMAT_VERSION: u32 = 1;
+/// Directory policy: how many copies of each chunk its new files keep
+/// (inherited by new children). Absent: the node's default.
+pub const REPLICAS_XATTR: &[u8] = b"user.converged.replicas";
+/// Most replicas a policy may ask for.
+pub const MAX_REPLICAS: u32 = 8;
+
+/// Parse a `user.converged.replicas` value: a decimal count in `1..=MAX_REPLICAS`.
+pub fn parse_replicas(value: &[u8]) -> Option<u32> {
+    let n: u32 = std::str::from_utf8(value).ok()?.trim().parse().ok()?;
+    (1..=MAX_REPLICAS).contains(&n).then_some(n)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FileKind {

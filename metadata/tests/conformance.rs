@@ -28,6 +28,8 @@ const SUITES: &[(&str, Suite)] = &[
     ("namespace_rename_rules", namespace_rename_rules),
     ("namespace_setattr_xattr_and_seal", namespace_setattr_xattr_and_seal),
     ("large_directories_list_in_pages", large_directories_list_in_pages),
+    ("large_layouts_seal_in_batches", large_layouts_seal_in_batches),
+    ("replica_policy_is_checked_and_inherited", replica_policy_is_checked_and_inherited),
 ];
 
 #[test]
@@ -200,6 +202,46 @@ fn large_directories_list_in_pages(name: &str, kv: Arc<dyn KvEngine>) {
     assert!(names.windows(2).all(|w| w[0].0 < w[1].0), "{name}: ordered");
 }
 
+fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
+    // 300 chunks of 64 MiB (a 19 GiB checkpoint shard): more records than
+    // one etcd transaction or response may carry.
+    let ns = ns(kv);
+    let f = ns.mknod(ROOT, b"big", &file(0o644)).unwrap();
+    let blocks = (DEFAULT_CHUNK_SIZE / BLOCK_SIZE) as usize;
+    let record = |i: u32| ChunkRecord {
+        version: 1,
+        len: DEFAULT_CHUNK_SIZE,
+        replicas: vec!["n1".into(), "n2".into()],
+        block_crcs: (0..blocks as u32).map(|b| b.wrapping_mul(2_654_435_761) ^ i).collect(),
+    };
+    ns.mark_unsealed(f.ino).unwrap();
+    let chunks: Vec<(u32, ChunkRecord)> = (0..300).map(|i| (i, record(i))).collect();
+    let size = 300 * DEFAULT_CHUNK_SIZE as u64;
+    let seal = converged_metadata::Seal { size, mtime: Timespec::now(), chunks: chunks.clone(), keep_unsealed: false };
+    ns.seal(f.ino, &seal, Durability::Durable).unwrap();
+    assert_eq!(ns.chunks(f.ino).unwrap(), chunks, "{name}: every record back, in order");
+    assert_eq!(ns.getattr(f.ino).unwrap().size, size, "{name}");
+    assert!(ns.add_replicas(f.ino, 7, 1, &["n3".into()]).unwrap(), "{name}");
+    assert!(!ns.add_replicas(f.ino, 7, 2, &["n4".into()]).unwrap(), "{name}: a stale version is refused");
+    assert_eq!(ns.chunks(f.ino).unwrap()[7].1.replicas, vec!["n1", "n2", "n3"], "{name}");
+    ns.unlink(ROOT, b"big").unwrap();
+    assert!(ns.chunks(f.ino).unwrap().is_empty() || ns.purge(f.ino).unwrap(), "{name}");
+    assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: purge drops the whole layout");
+}
+
+fn replica_policy_is_checked_and_inherited(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv);
+    let d = ns.mknod(ROOT, b"ckpt", &dir()).unwrap();
+    assert_eq!(errno(ns.setxattr(d.ino, REPLICAS_XATTR, b"zero", XattrMode::Any)), libc::EINVAL, "{name}");
+    assert_eq!(errno(ns.setxattr(d.ino, REPLICAS_XATTR, b"0", XattrMode::Any)), libc::EINVAL, "{name}");
+    ns.setxattr(d.ino, REPLICAS_XATTR, b"3", XattrMode::Any).unwrap();
+    let sub = ns.mknod(d.ino, b"run1", &dir()).unwrap();
+    let f = ns.mknod(sub.ino, b"step1.pt", &file(0o644)).unwrap();
+    assert_eq!(ns.replicas_policy(f.ino).unwrap(), Some(3), "{name}: inherited through a subdirectory");
+    let other = ns.mknod(ROOT, b"other", &file(0o644)).unwrap();
+    assert_eq!(ns.replicas_policy(other.ino).unwrap(), None, "{name}");
+}
+
 // ---- faults ----
 
 #[test]
@@ -281,4 +323,39 @@ fn etcd_detects_conflicts_and_two_nodes_share_one_namespace() {
     let inos: std::collections::BTreeSet<u64> = entries.iter().map(|(_, e)| e.ino).collect();
     assert_eq!(inos.len(), 240, "inode numbers are unique across nodes");
     assert_eq!(ns1.getattr(d.ino).unwrap().nlink, 2 + 120, "no lost link-count update");
+}
+
+#[test]
+fn etcd_write_lease_admits_one_writing_node() {
+    use converged_metadata::membership::NodeInfo;
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let node = |id: &str| {
+        let kv = Arc::new(EtcdKv::connect(&cluster.endpoints, "lease", Duration::from_secs(5)).unwrap());
+        let now = Timespec::now();
+        let info = NodeInfo {
+            id: id.into(),
+            addr: String::new(),
+            capacity: 0,
+            free: 0,
+            labels: Default::default(),
+            started: now,
+            heartbeat: now,
+        };
+        kv.membership().unwrap().register(&info, Duration::from_secs(5)).unwrap();
+        (Namespace::open(kv.clone(), 0, 0).unwrap().with_node(id), kv)
+    };
+    let (a, akv) = node("a");
+    let (b, _bkv) = node("b");
+    let f = a.mknod(ROOT, b"ckpt.pt", &file(0o644)).unwrap();
+    a.mark_unsealed(f.ino).unwrap();
+    a.mark_unsealed(f.ino).unwrap(); // a second writer on the same node is fine
+    let e = b.mark_unsealed(f.ino).unwrap_err();
+    assert_eq!(e.errno(), libc::ETXTBSY, "{e}");
+    assert!(b.unsealed().unwrap().is_empty(), "b recovers only its own marks");
+    assert_eq!(a.unsealed().unwrap(), vec![f.ino]);
+    // a dies (its membership lease is gone): b takes the write lease over.
+    akv.membership().unwrap().leave().unwrap();
+    b.mark_unsealed(f.ino).unwrap();
+    assert_eq!(b.writer(f.ino).unwrap().as_deref(), Some("b"));
+    assert!(a.unsealed().unwrap().is_empty(), "a, back, must not re-seal b's file");
 }

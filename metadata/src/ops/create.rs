@@ -3,7 +3,8 @@
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
 use crate::namespace::{check_name, get_dentry, get_dir, put_dentry, put_inode, Namespace};
-use crate::types::{Dentry, FileKind, Ino, Inode, NewNode, Timespec, SYMLINK_MAX};
+use crate::schema;
+use crate::types::{Dentry, FileKind, Ino, Inode, NewNode, Timespec, REPLICAS_XATTR, SYMLINK_MAX};
 
 impl Namespace {
     pub fn mknod(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> MetaResult<Inode> {
@@ -56,7 +57,14 @@ impl Namespace {
             };
             put_inode(txn, &inode);
             if node.unsealed && node.kind == FileKind::Regular {
-                txn.put(&crate::schema::unsealed(ino), b"");
+                txn.put(&schema::unsealed(ino), self.node.as_bytes());
+            }
+            if matches!(node.kind, FileKind::Regular | FileKind::Directory) {
+                // The replica count is inherited from the directory, like a layout policy.
+                let policy = schema::xattr(parent, REPLICAS_XATTR);
+                if let Some(v) = txn.get(&policy)? {
+                    txn.put(&schema::xattr(ino, REPLICAS_XATTR), &v);
+                }
             }
             put_dentry(txn, parent, name, &Dentry { ino, kind: node.kind });
             if is_dir {

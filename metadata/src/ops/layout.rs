@@ -1,12 +1,14 @@
 //! File layouts: chunk records, and the sealed / unsealed state of a file.
 //!
-//! A file open for writing on this node is *unsealed* (a `U` key): its
-//! checksums may be stale. Sealing records the size, mtime and fresh chunk
-//! records in one transaction and drops the `U` key.
+//! A file open for writing is *unsealed* (a `U` key holding the writing
+//! node's id): its checksums may be stale. The `U` key is also the file's
+//! write lease: while its node is live, no other node may open the file for
+//! writing. Sealing records the size, mtime and fresh chunk records and drops
+//! the `U` key.
 
-use crate::error::MetaResult;
+use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvWrite};
-use crate::namespace::{decode, get_inode, put_inode, scan_all, Namespace};
+use crate::namespace::{decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, Timespec};
 
@@ -28,37 +30,93 @@ pub(crate) fn drop_chunks_from(txn: &mut (impl KvWrite + ?Sized), ino: Ino, firs
     Ok(txn.delete_range(&schema::chunk(ino, first), &end)?)
 }
 
+/// Chunk records per etcd page or transaction: a record carries one
+/// checksum per 64 KiB block (about 5 KiB for a 64 MiB chunk), and etcd
+/// refuses requests over 1.5 MiB and transactions over 128 operations.
+const CHUNKS_PER_BATCH: usize = 64;
+
 impl Namespace {
     pub fn chunks(&self, ino: Ino) -> MetaResult<Vec<(u32, ChunkRecord)>> {
         self.read(|txn| {
-            scan_all(txn, &schema::chunks_of(ino))?
+            scan_paged(txn, &schema::chunks_of(ino), CHUNKS_PER_BATCH)?
                 .into_iter()
                 .map(|(k, v)| Ok((schema::chunk_index(&k), decode(&k, &v)?)))
                 .collect()
         })
     }
 
-    /// Mark a file as being written on this node. Must be durable before the
-    /// first byte of a sealed file changes, or a crash could leave old
-    /// checksums over new bytes.
+    /// Mark a file as being written on this node and take its write lease.
+    /// Must be durable before the first byte of a sealed file changes, or a
+    /// crash could leave old checksums over new bytes. Fails with
+    /// [`MetaError::WriteLeased`] while another live node writes the file; a
+    /// lease left by a dead node (its membership lease expired) is taken over.
     pub fn mark_unsealed(&self, ino: Ino) -> MetaResult<()> {
         self.write(Durability::Durable, |txn| {
             get_inode(txn, ino)?;
-            txn.put(&schema::unsealed(ino), b"");
+            let key = schema::unsealed(ino);
+            if let Some(holder) = txn.get(&key)? {
+                if !self.is_mine(&holder) {
+                    let holder = String::from_utf8_lossy(&holder).into_owned();
+                    if txn.get(&schema::live_node(&holder))?.is_some() {
+                        return Err(MetaError::WriteLeased { holder });
+                    }
+                    tracing::warn!(ino, %holder, "taking over the write lease of a dead node");
+                }
+            }
+            txn.put(&key, self.node.as_bytes());
             Ok(())
         })
     }
 
+    /// Add `nodes` to the replicas of chunk `index` of `ino`, if the chunk is
+    /// still at `version` (a newer seal makes the copies stale). Returns
+    /// whether the record changed.
+    pub fn add_replicas(&self, ino: Ino, index: u32, version: u64, nodes: &[String]) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| {
+            let key = schema::chunk(ino, index);
+            let Some(v) = txn.get(&key)? else { return Ok(false) };
+            let mut record: ChunkRecord = decode(&key, &v)?;
+            if record.version != version {
+                return Ok(false);
+            }
+            let before = record.replicas.len();
+            for n in nodes {
+                if !record.replicas.contains(n) {
+                    record.replicas.push(n.clone());
+                }
+            }
+            if record.replicas.len() == before {
+                return Ok(false);
+            }
+            txn.put(&key, &encode(&record));
+            Ok(true)
+        })
+    }
+
     /// Record size, mtime and chunk records; drop chunks past the end.
+    ///
+    /// A layout too large for one transaction is written in batches first;
+    /// the file stays unsealed until the last one, which records the size,
+    /// so a crash in between is repaired by re-sealing at the next mount.
     pub fn seal(&self, ino: Ino, seal: &Seal, durability: Durability) -> MetaResult<Inode> {
+        let split = seal.chunks.len().saturating_sub(CHUNKS_PER_BATCH);
+        for batch in seal.chunks[..split].chunks(CHUNKS_PER_BATCH) {
+            self.write(Durability::Buffered, |txn| {
+                get_inode(txn, ino)?;
+                for (index, record) in batch {
+                    txn.put(&schema::chunk(ino, *index), &encode(record));
+                }
+                Ok(())
+            })?;
+        }
         self.write(durability, |txn| {
             let mut inode = get_inode(txn, ino)?;
             let chunk_size = inode.chunk_size.max(1) as u64;
             let keep = seal.size.div_ceil(chunk_size);
             drop_chunks_from(txn, ino, keep)?;
-            for (index, record) in &seal.chunks {
+            for (index, record) in &seal.chunks[split..] {
                 if (*index as u64) < keep {
-                    txn.put(&schema::chunk(ino, *index), &crate::namespace::encode(record));
+                    txn.put(&schema::chunk(ino, *index), &encode(record));
                 }
             }
             if inode.size != seal.size || inode.mtime != seal.mtime {
@@ -90,8 +148,19 @@ impl Namespace {
         })
     }
 
-    /// Files that were open for writing when the daemon stopped.
+    /// Files that were open for writing on this node when its daemon stopped.
     pub fn unsealed(&self) -> MetaResult<Vec<Ino>> {
-        self.read(|txn| Ok(scan_all(txn, &schema::unsealed_all())?.iter().map(|(k, _)| schema::key_ino(k)).collect()))
+        self.read(|txn| {
+            Ok(scan_all(txn, &schema::unsealed_all())?
+                .iter()
+                .filter(|(_, v)| self.is_mine(v))
+                .map(|(k, _)| schema::key_ino(k))
+                .collect())
+        })
+    }
+
+    /// The node holding the write lease of `ino`, if any.
+    pub fn writer(&self, ino: Ino) -> MetaResult<Option<String>> {
+        self.read(|txn| Ok(txn.get(&schema::unsealed(ino))?.map(|v| String::from_utf8_lossy(&v).into_owned())))
     }
 }

@@ -18,7 +18,10 @@ pub struct Unlinked {
 }
 
 /// Drop one name of `inode` (already removed from its directory by the caller).
-pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now: Timespec) -> Unlinked {
+///
+/// `node` marks a new orphan as this node's: the node that holds it open
+/// purges it at last close, or at its next mount after a crash.
+pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now: Timespec, node: &str) -> Unlinked {
     if inode.is_dir() {
         // A directory has exactly one name; it goes with it.
         txn.delete(&schema::inode(inode.ino));
@@ -29,7 +32,7 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
     inode.ctime = now;
     let orphaned = inode.nlink == 0;
     if orphaned {
-        txn.put(&schema::orphan(inode.ino), b"");
+        txn.put(&schema::orphan(inode.ino), node.as_bytes());
     }
     put_inode(txn, &inode);
     Unlinked { ino: inode.ino, orphaned, purged: false }
@@ -69,7 +72,7 @@ impl Namespace {
             dir.mtime = now;
             dir.ctime = now;
             put_inode(txn, &dir);
-            let mut gone = drop_link(txn, inode, now);
+            let mut gone = drop_link(txn, inode, now, &self.node);
             if gone.orphaned && can_purge(gone.ino) {
                 purge_records(txn, gone.ino)?;
                 gone.purged = true;
@@ -100,7 +103,7 @@ impl Namespace {
             txn.delete(&schema::dentry(parent, name));
             let (start, end) = schema::prefix_range(&schema::xattrs_of(inode.ino));
             txn.delete_range(&start, &end)?;
-            drop_link(txn, inode, now);
+            drop_link(txn, inode, now, &self.node);
             dir.nlink -= 1;
             dir.mtime = now;
             dir.ctime = now;
@@ -131,8 +134,14 @@ impl Namespace {
         })
     }
 
-    /// Inodes left with no name (a crash while they were open).
+    /// Inodes left with no name while open on this node (a crash before last close).
     pub fn orphans(&self) -> MetaResult<Vec<Ino>> {
-        self.read(|txn| Ok(scan_all(txn, &schema::orphans())?.iter().map(|(k, _)| schema::key_ino(k)).collect()))
+        self.read(|txn| {
+            Ok(scan_all(txn, &schema::orphans())?
+                .iter()
+                .filter(|(_, v)| self.is_mine(v))
+                .map(|(k, _)| schema::key_ino(k))
+                .collect())
+        })
     }
 }

@@ -107,7 +107,7 @@ impl Namespace {
                     (false, false) => {}
                 }
                 txn.delete(&schema::dentry(newparent, newname));
-                victim = Some(drop_link(txn, dst_inode, now));
+                victim = Some(drop_link(txn, dst_inode, now, &self.node));
             }
 
             txn.delete(&schema::dentry(parent, name));

@@ -4,7 +4,7 @@ use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
 use crate::namespace::{get_inode, put_inode, scan_all, Namespace};
 use crate::schema;
-use crate::types::{Ino, Timespec, XattrMode};
+use crate::types::{parse_replicas, Ino, Timespec, XattrMode, REPLICAS_XATTR};
 
 /// Limits as on Linux: XATTR_NAME_MAX and XATTR_SIZE_MAX.
 pub const XATTR_NAME_MAX: usize = 255;
@@ -17,6 +17,9 @@ impl Namespace {
         }
         if value.len() > XATTR_SIZE_MAX {
             return Err(MetaError::XattrTooBig);
+        }
+        if name == REPLICAS_XATTR && parse_replicas(value).is_none() {
+            return Err(MetaError::Invalid("user.converged.replicas must be a count from 1 to 8"));
         }
         self.write(Durability::Buffered, |txn| {
             let mut inode = get_inode(txn, ino)?;
@@ -52,6 +55,12 @@ impl Namespace {
             }
             Ok(out)
         })
+    }
+
+    /// The replica count asked for `ino` by its `user.converged.replicas`
+    /// policy, if it has one.
+    pub fn replicas_policy(&self, ino: Ino) -> MetaResult<Option<u32>> {
+        self.read(|txn| Ok(txn.get(&schema::xattr(ino, REPLICAS_XATTR))?.and_then(|v| parse_replicas(&v))))
     }
 
     pub fn removexattr(&self, ino: Ino, name: &[u8]) -> MetaResult<()> {
