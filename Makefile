@@ -16,8 +16,9 @@ uninstall:
 	rm -f $(PREFIX)/bin/converged $(PREFIX)/bin/mount-converged
 
 # Everything the tests need besides cargo: system packages (etcd for the real
-# etcd cluster, protoc for etcd-client's build, fuse3), numpy, pjdfstest and nextest.
-SYSTEM_PACKAGES = etcd-server protobuf-compiler fuse3 util-linux
+# etcd cluster, protoc for etcd-client's build, fuse3; the verbs headers, libclang and
+# pkg-config for rdma-sys, built by transport's `rdma` feature), numpy, pjdfstest and nextest.
+SYSTEM_PACKAGES = etcd-server protobuf-compiler fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config
 test-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi

@@ -5,6 +5,8 @@
 //! serves whatever its [`ChunkService`] answers.
 
 pub mod quic;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod tls;
 pub mod wire;
 
