@@ -144,9 +144,20 @@ impl converged_transport::ChunkService for PeerChunks {
         read_exact_at(&f, &mut buf, offset).map_err(service_err)?;
         Ok(buf)
     }
-    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
+    fn write(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+        end_of_file: bool,
+    ) -> Result<(), converged_transport::ServiceError> {
         let f = self.0.open_backing(ino).map_err(|e| service_err(std::io::Error::other(e.to_string())))?;
         f.write_all_at(data, offset).map_err(service_err)?;
+        if end_of_file {
+            // A shorter new version must not leave the old tail readable
+            // (kernel passthrough reads to the backing file's end).
+            f.set_len(offset + data.len() as u64).map_err(service_err)?;
+        }
         f.sync_data().map_err(service_err)
     }
     fn delete(&self, ino: u64) -> Result<(), converged_transport::ServiceError> {

@@ -38,7 +38,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Cmd {
     /// Mount a volume; returns once the mount answers (the daemon keeps running in the background).
-    Mount(MountArgs),
+    Mount(Box<MountArgs>),
     /// Unmount a converged mount and wait for its daemon to exit.
     Umount {
         /// The mount point to unmount.
@@ -156,6 +156,24 @@ pub struct MountArgs {
     /// Failure-domain labels of this node, as `key=value,key=value` (for example rack=r1).
     #[arg(long, value_name = "LABELS", default_value = "")]
     pub labels: String,
+
+    /// Copies of each chunk (the writing node's included) for files whose directory sets no
+    /// `user.converged.replicas` policy [default: 2 with --listen, else 1].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub replicas: Option<u32>,
+
+    /// When fsync and close return: `replicated` once every replica is on stable storage,
+    /// `local` once the local copy is (replicas follow in the background).
+    #[arg(long, value_enum, default_value = "replicated")]
+    pub durability: crate::cluster::DurabilityMode,
+
+    /// The label naming a node's failure domain; replicas go to distinct domains first.
+    #[arg(long, default_value = "rack", value_name = "LABEL")]
+    pub failure_domain: String,
+
+    /// Seconds one call to a peer may take before the next replica is tried.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub peer_timeout: f64,
 
     /// Seconds without a heartbeat after which the cluster considers this node dead.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600), value_name = "SECONDS")]
@@ -430,9 +448,16 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     init_tracing(log_file.as_deref())?;
     let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
     let engine = converged_metadata::open_engine(&c.meta).with_context(|| format!("open metadata {}", c.meta_str))?;
+    // Shared metadata: a node-local cache of inodes and names, kept honest
+    // by the engine's change feed.
+    let engine = if engine.membership().is_some() {
+        converged_metadata::CachedKv::wrap(engine).context("watch the metadata for other nodes' changes")?
+    } else {
+        engine
+    };
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    let ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?;
+    let ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node_id(args));
     let core = Arc::new(Core::start(
         ns,
         CoreConfig {
@@ -445,27 +470,30 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             },
         },
     )?);
-    // The peer data plane: this node's chunks, served over QUIC with mutual TLS.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("transport")
-        .enable_all()
-        .build()
-        .context("start the transport runtime")?;
+    // The peer data plane: this node's chunks, served over QUIC with mutual
+    // TLS, and the replicas and remote reads of its own files.
     let mut addr = String::new();
-    let _transport = match (&args.listen, &args.tls_dir) {
-        (Some(listen), Some(dir)) => {
-            let tls = converged_transport::NodeTls::load(dir)?;
-            let _rt = runtime.enter();
-            let service = Arc::new(crate::chunkstore::PeerChunks(core.chunk_store()));
-            let t = converged_transport::QuicTransport::bind(*listen, &tls, service, Duration::from_secs(10))
-                .with_context(|| format!("listen on {listen}"))?;
-            addr = t.local_addr().to_string();
-            tracing::info!(%addr, node = %tls.node, "serving chunks to peers");
-            Some(t)
-        }
-        _ => None,
-    };
+    if let (Some(listen), Some(dir)) = (&args.listen, &args.tls_dir) {
+        let tls = converged_transport::NodeTls::load(dir)?;
+        let node = tls.node.clone();
+        let cluster = crate::cluster::Cluster::start(
+            crate::cluster::ClusterConfig {
+                node: node_id(args),
+                listen: *listen,
+                tls,
+                default_replicas: args.replicas.unwrap_or(2),
+                durability: args.durability,
+                failure_domain: args.failure_domain.clone(),
+                peer_timeout: Duration::from_secs_f64(args.peer_timeout.max(0.1)),
+            },
+            engine.clone(),
+            core.chunk_store(),
+        )
+        .with_context(|| format!("listen on {listen}"))?;
+        addr = cluster.local_addr().to_string();
+        tracing::info!(%addr, %node, replicas = cluster.default_replicas(), durability = ?args.durability, "serving chunks to peers");
+        core.attach_cluster(cluster);
+    }
     join_cluster(&engine, args, &c.data_dir, addr)?;
 
     // Buffered namespace commits become durable within a second (as a local
@@ -476,6 +504,8 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         .spawn(move || Core::run_flusher(weak, Duration::from_secs(1)))?;
     let weak = Arc::downgrade(&core);
     std::thread::Builder::new().name("spares".into()).spawn(move || Core::run_spares(weak))?;
+    let weak = Arc::downgrade(&core);
+    std::thread::Builder::new().name("replicator".into()).spawn(move || Core::run_replicator(weak))?;
     let adapter = FuseAdapter::new(core, Duration::from_secs_f64(args.attr_timeout), !args.verify_reads);
     let mut config = fuser::Config::default();
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
@@ -493,6 +523,8 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     config.clone_fd = true;
     let mut session = fuser::Session::new(adapter, &c.mountpoint, &config)
         .with_context(|| format!("mount {}", c.mountpoint.display()))?;
+    // Changes other nodes make evict what this kernel caches of them.
+    engine.watch(crate::fuse::kernel_invalidator(&session)?)?;
     tracing::info!(mountpoint = %c.mountpoint.display(), data_dir = %c.data_dir.display(), meta = %c.meta_str, "mounted");
 
     let mut unmounter = session.unmount_callable();

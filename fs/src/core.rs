@@ -13,7 +13,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use converged_metadata::types::*;
 use converged_metadata::{ChunkRecord, Durability, MetaError, Namespace, Seal, Unlinked};
@@ -21,7 +22,9 @@ use dashmap::DashMap;
 use parking_lot::Mutex;
 
 use crate::chunkstore::{block_crcs, read_exact_at, ChunkStore};
+use crate::cluster::{Cluster, DurabilityMode};
 use crate::error::{FsError, FsResult};
+use crate::remote::{self, Readahead, WINDOW};
 
 pub struct CoreConfig {
     pub data_dir: PathBuf,
@@ -77,7 +80,21 @@ impl Dirty {
 struct OpenInode {
     file: Arc<File>,
     state: Mutex<OpenState>,
+    /// Windows fetched from peers for chunks this node does not hold.
+    readahead: Mutex<Readahead>,
 }
+
+/// A sealed file as an open handle reads it: size and chunk records, loaded
+/// at open (close-to-open: a later open sees a later seal).
+struct Layout {
+    size: u64,
+    chunk_size: u64,
+    chunks: Vec<Option<Arc<ChunkRecord>>>,
+}
+
+/// Size and mtime of a backing file: what a publish saw, to skip the next
+/// one (and the final seal) when nothing changed since.
+type Stamp = (u64, Timespec);
 
 #[derive(Default)]
 struct OpenState {
@@ -86,8 +103,12 @@ struct OpenState {
     unsealed: bool,
     dirty: Dirty,
     orphaned: bool,
-    /// Block checksums of a sealed file, loaded on the first verified read.
-    crcs: Option<Arc<Vec<Option<ChunkRecord>>>>,
+    /// Layout of a sealed file, loaded on the first read through the daemon.
+    layout: Option<Arc<Layout>>,
+    /// What the last publish (close or fsync in a cluster) recorded.
+    published: Option<Stamp>,
+    /// Created by this open: an empty file needs no publish.
+    created_here: bool,
 }
 
 pub struct Core {
@@ -117,7 +138,15 @@ pub struct Core {
     spares_stopped: Mutex<bool>,
     /// Wakes the flusher early (a purge wants its space back).
     flush_now: (Mutex<bool>, parking_lot::Condvar),
+    /// Peers, when this node is part of a cluster.
+    cluster: OnceLock<Arc<Cluster>>,
+    /// Files whose chunks have fewer copies than their policy asks, for the
+    /// replicator (durability=local, or peers that did not answer).
+    under_replicated: (Mutex<BTreeSet<Ino>>, parking_lot::Condvar),
 }
+
+/// How long an open for writing waits for another node's write lease.
+const LEASE_WAIT: Duration = Duration::from_secs(2);
 
 /// Backing files kept ready ahead of creates.
 const SPARES: usize = 256;
@@ -162,6 +191,8 @@ impl Core {
             spares_low: parking_lot::Condvar::new(),
             spares_stopped: Mutex::new(false),
             flush_now: Default::default(),
+            cluster: OnceLock::new(),
+            under_replicated: Default::default(),
         };
         core.recover()?;
         core.keep_reserve();
@@ -180,6 +211,8 @@ impl Core {
                 Ok(inode) => {
                     let file = self.store.open_backing(*ino)?;
                     self.seal_file(&inode, &file, &Dirty::All, false, Durability::Buffered)?;
+                    // Sealed before the cluster is attached: replicas follow in the background.
+                    self.under_replicated.0.lock().insert(*ino);
                 }
                 Err(MetaError::NotFound) => {
                     self.ns.purge(*ino)?;
@@ -204,6 +237,27 @@ impl Core {
             );
         }
         Ok(())
+    }
+
+    /// Join the cluster: from now on chunks are replicated to peers and read
+    /// from them when this node does not hold them.
+    pub fn attach_cluster(&self, cluster: Arc<Cluster>) {
+        let _ = self.cluster.set(cluster);
+        self.under_replicated.1.notify_one();
+    }
+
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.get()
+    }
+
+    fn node_id(&self) -> &str {
+        &self.cfg.node_id
+    }
+
+    /// Whether this node holds a current copy of the chunk. Without a
+    /// cluster every chunk is local, whatever node id sealed it.
+    fn is_local(&self, rec: &ChunkRecord) -> bool {
+        self.cluster.get().is_none() || rec.replicas.iter().any(|r| r == self.node_id())
     }
 
     pub fn chunk_store(&self) -> Arc<ChunkStore> {
@@ -265,12 +319,16 @@ impl Core {
             if !writing {
                 // Old checksums must not outlive a crash that lands between
                 // the truncate below and the re-seal.
-                self.ns.mark_unsealed(ino)?;
+                self.take_write_lease(ino)?;
             }
             let file = match &oi {
                 Some(oi) => oi.file.clone(),
                 None => Arc::new(self.store.open_backing(ino)?),
             };
+            if !writing && size > 0 {
+                // The kept part must be here before it is re-sealed from here.
+                self.hydrate(ino, &file)?;
+            }
             file.set_len(size).map_err(|e| FsError::io("truncate backing file", e))?;
         }
         let mut inode = self.ns.setattr(ino, attr)?;
@@ -285,7 +343,7 @@ impl Core {
             let boundary = chunk_range(before.size.min(size), 0, inode.chunk_size);
             let writing = oi.as_ref().is_some_and(|oi| {
                 let mut st = oi.state.lock();
-                st.crcs = None;
+                st.layout = None;
                 if st.unsealed {
                     st.dirty.add(boundary.clone());
                 }
@@ -556,7 +614,11 @@ impl Core {
                     Some(f) => f,
                     None => self.store.open_backing(ino)?,
                 };
-                FsResult::Ok(Arc::new(OpenInode { file: Arc::new(file), state: Mutex::default() }))
+                FsResult::Ok(Arc::new(OpenInode {
+                    file: Arc::new(file),
+                    state: Mutex::default(),
+                    readahead: Mutex::default(),
+                }))
             })?;
             let oi = entry.clone();
             oi.state.lock().opens += 1;
@@ -571,26 +633,128 @@ impl Core {
                 !st.unsealed
             };
             if first_writer {
-                let marked = if created_unsealed {
-                    Ok(())
-                } else {
-                    let _order = self.seal_lock.lock();
-                    self.ns.mark_unsealed(ino)
-                };
-                if let Err(e) = marked {
+                let marked = if created_unsealed { Ok(()) } else { self.take_write_lease(ino) };
+                // Written here from now on: chunks held elsewhere come here first.
+                let hydrated = marked.map_err(FsError::from).and_then(|()| {
+                    if created_unsealed {
+                        Ok(())
+                    } else {
+                        self.hydrate(ino, &oi.file)
+                    }
+                });
+                if let Err(e) = hydrated {
                     let _ = self.release(fh);
-                    return Err(e.into());
+                    return Err(e);
                 }
                 let mut st = oi.state.lock();
                 st.unsealed = true;
-                st.crcs = None;
+                st.layout = None;
+                st.created_here = created_unsealed;
             }
         }
-        let passthrough = self.passthrough();
+        let mut passthrough = self.passthrough();
         if passthrough && writable {
             oi.state.lock().dirty = Dirty::All;
         }
+        if passthrough && !writable && self.cluster.get().is_some() && !oi.state.lock().unsealed {
+            // Close-to-open: read the layout as it is now; the kernel may
+            // read the backing file directly only if every chunk is here.
+            oi.state.lock().layout = None;
+            let layout = match self.layout(ino, &oi) {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = self.release(fh);
+                    return Err(e);
+                }
+            };
+            // ... and the backing file has the file's size: passthrough reads
+            // to the backing file's end.
+            let same_size = oi.file.metadata().is_ok_and(|m| m.len() == layout.size);
+            passthrough = same_size && layout.chunks.iter().flatten().all(|r| self.is_local(r));
+        }
         Ok(Opened { fh, backing: passthrough.then(|| oi.file.clone()) })
+    }
+
+    /// Mark `ino` unsealed, taking its write lease. The kernel releases a
+    /// file asynchronously after close(2) returns, so a writer on another
+    /// node that has just closed may still hold the lease for a moment: wait
+    /// for it a little before answering ETXTBSY.
+    fn take_write_lease(&self, ino: Ino) -> converged_metadata::MetaResult<()> {
+        let deadline = std::time::Instant::now() + LEASE_WAIT;
+        loop {
+            let r = {
+                let _order = self.seal_lock.lock();
+                self.ns.mark_unsealed(ino)
+            };
+            match r {
+                Err(MetaError::WriteLeased { .. }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Copy into `file` every chunk of `ino` this node does not hold, from
+    /// the peers that do (verified), and clear ranges that have no chunk, so
+    /// that the backing file holds the whole current file before it is
+    /// written or truncated here.
+    fn hydrate(&self, ino: Ino, file: &File) -> FsResult<()> {
+        let Some(cluster) = self.cluster.get() else { return Ok(()) };
+        let inode = self.ns.getattr(ino)?;
+        let cs = inode.chunk_size.max(1) as u64;
+        let records: std::collections::HashMap<u32, ChunkRecord> = self.ns.chunks(ino)?.into_iter().collect();
+        let mut wanted = Vec::new();
+        for index in 0..inode.size.div_ceil(cs) as u32 {
+            let chunk_start = index as u64 * cs;
+            match records.get(&index) {
+                Some(rec) if self.is_local(rec) => {}
+                Some(rec) => {
+                    let rec = Arc::new(rec.clone());
+                    let end = chunk_start + rec.len as u64;
+                    let mut off = chunk_start;
+                    while off < end {
+                        wanted.push((rec.clone(), chunk_start, off, WINDOW.min(end - off) as u32));
+                        off += WINDOW;
+                    }
+                }
+                None => {
+                    // A hole in the file: stale bytes from an older copy must not show through.
+                    // SAFETY: fallocate on our own fd.
+                    unsafe {
+                        libc::fallocate(
+                            file.as_raw_fd(),
+                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                            chunk_start as i64,
+                            cs as i64,
+                        )
+                    };
+                }
+            }
+        }
+        for batch in wanted.chunks(16) {
+            let tasks: Vec<_> = batch
+                .iter()
+                .map(|(rec, chunk_start, off, len)| {
+                    let order = cluster.read_order(&rec.replicas);
+                    let f = remote::fetch_verified(cluster.clone(), ino, rec.clone(), *chunk_start, *off, *len, order);
+                    (*off, cluster.spawn(f))
+                })
+                .collect();
+            for (off, task) in tasks {
+                let data = cluster.block_on(task).map_err(|e| FsError::Peer(e.to_string()))??;
+                file.write_all_at(&data, off).map_err(|e| FsError::io("write hydrated chunk", e))?;
+            }
+        }
+        file.set_len(inode.size).map_err(|e| FsError::io("size hydrated backing file", e))?;
+        if !wanted.is_empty() {
+            tracing::info!(
+                ino,
+                bytes = wanted.iter().map(|w| w.3 as u64).sum::<u64>(),
+                "fetched chunks held by peers before writing here"
+            );
+        }
+        Ok(())
     }
 
     /// The adapter could not set up passthrough for this handle: from now on
@@ -607,74 +771,170 @@ impl Core {
         Ok((h.ino, h.writable, oi))
     }
 
-    /// Read through the daemon, verifying each block of a sealed file.
+    /// Read through the daemon. A file being written here reads straight
+    /// from its backing file; a sealed file is read chunk by chunk, from the
+    /// local copy or from a peer, every block checked against its crc32c.
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         let (ino, _, oi) = self.handle(fh)?;
-        let file_size = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
-        if offset >= file_size || size == 0 {
-            return Ok(Vec::new());
-        }
-        let end = (offset + size as u64).min(file_size);
-        let crcs = {
-            let st = oi.state.lock();
-            if st.unsealed {
-                None
-            } else {
-                st.crcs.clone()
-            }
-        };
-        let crcs = match crcs {
-            Some(c) => Some(c),
-            None if !oi.state.lock().unsealed => Some(self.load_crcs(ino, &oi)?),
-            None => None,
-        };
-        let Some(crcs) = crcs else {
+        if oi.state.lock().unsealed {
             // Unsealed: being written here, checksums not yet computed.
-            let mut buf = vec![0u8; (end - offset) as usize];
+            let file_size = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
+            if offset >= file_size || size == 0 {
+                return Ok(Vec::new());
+            }
+            let mut buf = vec![0u8; ((offset + size as u64).min(file_size) - offset) as usize];
             read_exact_at(&oi.file, &mut buf, offset).map_err(|e| FsError::io("read backing file", e))?;
             return Ok(buf);
-        };
-        let bs = BLOCK_SIZE as u64;
-        let start = offset / bs * bs;
-        let stop = end.div_ceil(bs) * bs;
-        let stop_in_file = stop.min(file_size);
-        let mut buf = vec![0u8; (stop_in_file - start) as usize];
-        read_exact_at(&oi.file, &mut buf, start).map_err(|e| FsError::io("read backing file", e))?;
-        let inode_chunk = self.ns.chunk_size().max(1) as u64;
-        for (i, block) in buf.chunks(bs as usize).enumerate() {
-            let block_off = start + i as u64 * bs;
-            let chunk = (block_off / inode_chunk) as usize;
-            let idx = ((block_off % inode_chunk) / bs) as usize;
-            let expected = crcs.get(chunk).and_then(|c| c.as_ref()).and_then(|c| c.block_crcs.get(idx).copied());
-            let ok = match expected {
-                Some(crc) => crc32c::crc32c(block) == crc,
-                // No record: a hole, which must read as zeros.
-                None => block.iter().all(|b| *b == 0),
-            };
-            if !ok {
-                tracing::error!(ino, offset = block_off, "checksum mismatch reading local chunk; returning EIO");
-                return Err(FsError::Corrupt { ino, offset: block_off });
-            }
         }
-        let from = (offset - start) as usize;
-        let to = (end - start) as usize;
-        buf.truncate(to);
-        buf.drain(..from);
-        Ok(buf)
+        let layout = self.layout(ino, &oi)?;
+        if offset >= layout.size || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = (offset + size as u64).min(layout.size);
+        let cs = layout.chunk_size;
+        let mut out = Vec::with_capacity((end - offset) as usize);
+        let mut windows = None;
+        let mut pos = offset;
+        while pos < end {
+            let index = pos / cs;
+            let chunk_start = index * cs;
+            let to = end.min(chunk_start + cs);
+            match layout.chunks.get(index as usize).and_then(|c| c.as_ref()) {
+                // No record: a hole, which reads as zeros.
+                None => out.resize(out.len() + (to - pos) as usize, 0),
+                Some(rec) if self.is_local(rec) => {
+                    let before = out.len();
+                    match self.read_local(ino, &oi, rec, chunk_start, pos, to, &mut out) {
+                        Ok(()) => {}
+                        // A bad local copy: read another replica and repair ours.
+                        Err(FsError::Corrupt { .. }) if rec.replicas.len() > 1 && self.cluster.get().is_some() => {
+                            out.truncate(before);
+                            self.repair_from_peer(ino, &oi, rec, chunk_start, pos, to, &mut out)?;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Some(_) => {
+                    let windows = windows.get_or_insert_with(|| self.remote_windows(ino, &oi, &layout, offset, end));
+                    let cluster = self.cluster.get().expect("a chunk held elsewhere implies a cluster");
+                    for (start, w) in windows.iter() {
+                        if *start >= to || start + WINDOW <= pos {
+                            continue;
+                        }
+                        let data = w.wait(cluster.call_deadline())?;
+                        let from = pos.max(*start);
+                        let upto = to.min(start + WINDOW);
+                        let have = data.len() as u64;
+                        let a = (from - start).min(have) as usize;
+                        let b = (upto - start).min(have) as usize;
+                        out.extend_from_slice(&data[a..b]);
+                        // Past the chunk's recorded length: zeros.
+                        out.resize(out.len() + ((upto - from) as usize - (b - a)), 0);
+                    }
+                }
+            }
+            pos = to;
+        }
+        Ok(out)
     }
 
-    fn load_crcs(&self, ino: Ino, oi: &OpenInode) -> FsResult<Arc<Vec<Option<ChunkRecord>>>> {
-        let mut table: Vec<Option<ChunkRecord>> = Vec::new();
+    /// Bytes `[from, to)` of a chunk this node holds, read block-aligned and verified.
+    #[allow(clippy::too_many_arguments)]
+    fn read_local(
+        &self,
+        ino: Ino,
+        oi: &OpenInode,
+        rec: &ChunkRecord,
+        chunk_start: u64,
+        from: u64,
+        to: u64,
+        out: &mut Vec<u8>,
+    ) -> FsResult<()> {
+        let bs = BLOCK_SIZE as u64;
+        let start = from / bs * bs;
+        let stop = (to.div_ceil(bs) * bs).min(chunk_start + rec.len as u64).max(to);
+        let mut buf = vec![0u8; (stop - start) as usize];
+        read_exact_at(&oi.file, &mut buf, start).map_err(|e| FsError::io("read backing file", e))?;
+        if let Err(e) = remote::verify(ino, rec, chunk_start, start, &buf) {
+            if let FsError::Corrupt { offset, .. } = &e {
+                tracing::error!(ino, offset, "checksum mismatch reading local chunk; returning EIO");
+            }
+            return Err(e);
+        }
+        out.extend_from_slice(&buf[(from - start) as usize..(to - start) as usize]);
+        Ok(())
+    }
+
+    /// Bytes `[from, to)` of a chunk whose local copy failed its checksum,
+    /// from another replica (verified); the good blocks are written over the
+    /// bad local ones.
+    #[allow(clippy::too_many_arguments)]
+    fn repair_from_peer(
+        &self,
+        ino: Ino,
+        oi: &OpenInode,
+        rec: &ChunkRecord,
+        chunk_start: u64,
+        from: u64,
+        to: u64,
+        out: &mut Vec<u8>,
+    ) -> FsResult<()> {
+        let cluster = self.cluster.get().expect("checked by the caller");
+        let bs = BLOCK_SIZE as u64;
+        let start = from / bs * bs;
+        let stop = (to.div_ceil(bs) * bs).min(chunk_start + rec.len as u64).max(to);
+        let order = cluster.read_order(&rec.replicas);
+        let rec = Arc::new(rec.clone());
+        let fetch = remote::fetch_verified(cluster.clone(), ino, rec, chunk_start, start, (stop - start) as u32, order);
+        let data = cluster.block_on(fetch)?;
+        match oi.file.write_all_at(&data, start) {
+            Ok(()) => {
+                tracing::warn!(ino, offset = start, len = data.len(), "repaired a corrupt local range from a replica")
+            }
+            Err(e) => tracing::warn!(ino, error = %e, "could not repair a corrupt local range"),
+        }
+        out.extend_from_slice(&data[(from - start) as usize..(to - start) as usize]);
+        Ok(())
+    }
+
+    /// The peer windows covering `[offset, end)` (and readahead beyond).
+    fn remote_windows(
+        &self,
+        ino: Ino,
+        oi: &OpenInode,
+        layout: &Layout,
+        offset: u64,
+        end: u64,
+    ) -> Vec<(u64, Arc<remote::Window>)> {
+        let cluster = self.cluster.get().expect("a chunk held elsewhere implies a cluster");
+        let cs = layout.chunk_size;
+        let locate = |start: u64| {
+            let index = start / cs;
+            let rec = layout.chunks.get(index as usize)?.clone()?;
+            (!self.is_local(&rec)).then_some((rec, index * cs))
+        };
+        oi.readahead.lock().windows(cluster, ino, offset, end, layout.size, &locate)
+    }
+
+    /// The layout of a sealed file open here, loaded once per open.
+    fn layout(&self, ino: Ino, oi: &OpenInode) -> FsResult<Arc<Layout>> {
+        if let Some(l) = oi.state.lock().layout.clone() {
+            return Ok(l);
+        }
+        let inode = self.ns.getattr(ino)?;
+        let mut chunks: Vec<Option<Arc<ChunkRecord>>> = Vec::new();
         for (index, record) in self.ns.chunks(ino)? {
             let index = index as usize;
-            if table.len() <= index {
-                table.resize(index + 1, None);
+            if chunks.len() <= index {
+                chunks.resize(index + 1, None);
             }
-            table[index] = Some(record);
+            chunks[index] = Some(Arc::new(record));
         }
-        let table = Arc::new(table);
-        oi.state.lock().crcs = Some(table.clone());
-        Ok(table)
+        let layout = Arc::new(Layout { size: inode.size, chunk_size: inode.chunk_size.max(1) as u64, chunks });
+        let mut st = oi.state.lock();
+        st.layout = Some(layout.clone());
+        *oi.readahead.lock() = Readahead::default();
+        Ok(layout)
     }
 
     pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
@@ -717,25 +977,66 @@ impl Core {
     }
 
     /// fsync / fdatasync: data on stable storage, then size and mtime (and
-    /// every earlier namespace change) in a durable metadata commit.
+    /// every earlier namespace change) in a durable metadata commit. In a
+    /// cluster the file is published too: checksummed, replicated and its
+    /// layout recorded, so it survives the loss of this node.
     pub fn fsync(&self, fh: u64, datasync: bool) -> FsResult<()> {
         let (ino, _, oi) = self.handle(fh)?;
         let r = if datasync { oi.file.sync_data() } else { oi.file.sync_all() };
         r.map_err(|e| FsError::io("fsync backing file", e))?;
+        if self.cluster.get().is_some() {
+            self.publish(ino, &oi, Durability::Durable)?;
+            return Ok(self.ns.sync()?);
+        }
         let unsealed = oi.state.lock().unsealed;
         if unsealed {
-            let md = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
-            let seal = Seal {
-                size: md.len(),
-                mtime: ts_from(md.mtime(), md.mtime_nsec()),
-                chunks: Vec::new(),
-                keep_unsealed: true,
-            };
+            let (size, mtime) = stamp(&oi.file)?;
+            let seal = Seal { size, mtime, chunks: Vec::new(), keep_unsealed: true };
             self.ns.seal(ino, &seal, Durability::Durable)?;
         } else {
             self.ns.sync()?;
         }
         Ok(())
+    }
+
+    /// close(2) of a handle (FUSE flush). In a cluster a writer's close publishes the
+    /// file before close returns (close-to-open across nodes); returns
+    /// false when there is nothing to do here, so the kernel may stop asking.
+    pub fn close(&self, fh: u64) -> FsResult<bool> {
+        if self.cluster.get().is_none() {
+            return Ok(false);
+        }
+        let (ino, writable, oi) = self.handle(fh)?;
+        if writable {
+            self.publish(ino, &oi, Durability::Buffered)?;
+        }
+        Ok(true)
+    }
+
+    /// Seal what a writer has written so far without giving up the write
+    /// lease: checksums, replicas (per the durability mode) and layout. A
+    /// file unchanged since the last publish costs one stat.
+    fn publish(&self, ino: Ino, oi: &OpenInode, d: Durability) -> FsResult<()> {
+        let mut st = oi.state.lock();
+        if !st.unsealed || st.orphaned {
+            return Ok(());
+        }
+        let now = stamp(&oi.file)?;
+        if st.published == Some(now) || (st.created_here && now.0 == 0) {
+            return Ok(());
+        }
+        let inode = self.ns.getattr(ino)?;
+        let dirty = std::mem::replace(&mut st.dirty, if self.passthrough() { Dirty::All } else { Dirty::None });
+        match self.seal_file(&inode, &oi.file, &dirty, true, d) {
+            Ok(_) => {
+                st.published = Some(now);
+                Ok(())
+            }
+            Err(e) => {
+                st.dirty = Dirty::All;
+                Err(e)
+            }
+        }
     }
 
     pub fn release(&self, fh: u64) -> FsResult<()> {
@@ -753,7 +1054,9 @@ impl Core {
             let mut st = oi.state.lock();
             st.writers -= 1;
             if st.writers == 0 && st.unsealed && !st.orphaned {
-                let dirty = std::mem::take(&mut st.dirty);
+                // Published at close and unchanged since: only the mark goes.
+                let unchanged = st.published.is_some() && stamp(&oi.file).ok() == st.published;
+                let dirty = if unchanged { Dirty::None } else { std::mem::take(&mut st.dirty) };
                 result = self.ns.getattr(h.ino).map_err(FsError::from).and_then(|inode| {
                     let empty = inode.size == 0 && oi.file.metadata().is_ok_and(|m| m.len() == 0);
                     if empty {
@@ -764,7 +1067,9 @@ impl Core {
                 });
                 if result.is_ok() {
                     st.unsealed = false;
-                    st.crcs = None;
+                    st.layout = None;
+                    st.published = None;
+                    st.created_here = false;
                 } else {
                     // Still unsealed in the metadata: the next mount re-seals it.
                     st.dirty = Dirty::All;
@@ -785,7 +1090,11 @@ impl Core {
     }
 
     /// Compute checksums for the dirty chunks of `inode` from `file` and
-    /// record them with the size and mtime the backing file has.
+    /// record them with the size and mtime the backing file has. This node
+    /// is the primary of every chunk it seals; in a cluster the other
+    /// replicas are written before the record (durability=replicated) or
+    /// after it, in the background (durability=local). A chunk whose bytes
+    /// did not change keeps its record, version and replicas.
     fn seal_file(
         &self,
         inode: &Inode,
@@ -803,28 +1112,147 @@ impl Core {
             Dirty::Chunks(set) => set.iter().copied().filter(|c| *c < nchunks).collect(),
             Dirty::None => Vec::new(),
         };
-        let old: std::collections::HashMap<u32, u64> = if which.is_empty() {
-            Default::default()
-        } else {
-            self.ns.chunks(inode.ino)?.into_iter().map(|(i, r)| (i, r.version)).collect()
+        let old: std::collections::HashMap<u32, ChunkRecord> =
+            if which.is_empty() { Default::default() } else { self.ns.chunks(inode.ino)?.into_iter().collect() };
+        let cluster = self.cluster.get();
+        let want = match cluster {
+            Some(c) if !which.is_empty() => {
+                self.ns.replicas_policy(inode.ino)?.unwrap_or(c.default_replicas()).max(1) as usize
+            }
+            _ => 1,
         };
+        let replicate_now = cluster.filter(|c| want > 1 && c.durability() == DurabilityMode::Replicated);
+        let mut short = false;
         let mut chunks = Vec::with_capacity(which.len());
         for index in which {
             let start = index as u64 * cs;
             let len = (size - start).min(cs);
-            let block_crcs = block_crcs(file, start, len).map_err(|e| FsError::io("checksum backing file", e))?;
-            chunks.push((
-                index,
-                ChunkRecord {
-                    version: old.get(&index).map_or(1, |v| v + 1),
-                    len: len as u32,
-                    replicas: vec![self.cfg.node_id.clone()],
-                    block_crcs,
-                },
-            ));
+            // Bytes that go to peers are read once, and checksummed as sent.
+            let data = match replicate_now {
+                Some(_) => {
+                    let mut data = vec![0u8; len as usize];
+                    read_exact_at(file, &mut data, start).map_err(|e| FsError::io("read chunk to replicate", e))?;
+                    Some(data)
+                }
+                None => None,
+            };
+            let block_crcs = match &data {
+                Some(data) => data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect(),
+                None => block_crcs(file, start, len).map_err(|e| FsError::io("checksum backing file", e))?,
+            };
+            let previous = old.get(&index);
+            if let Some(o) = previous {
+                if o.len as u64 == len && o.block_crcs == block_crcs && o.replicas.iter().any(|r| r == self.node_id()) {
+                    short |= o.replicas.len() < want;
+                    continue;
+                }
+            }
+            let mut record = ChunkRecord {
+                version: previous.map_or(1, |o| o.version + 1),
+                len: len as u32,
+                replicas: vec![self.node_id().to_string()],
+                block_crcs,
+            };
+            if let (Some(c), Some(data)) = (replicate_now, data) {
+                let last = start + len == size;
+                let copies = c.replicate(inode.ino, index, start, Arc::new(data), last, want - 1, &record.replicas);
+                if copies.len() + 1 < want {
+                    tracing::warn!(
+                        ino = inode.ino,
+                        chunk = index,
+                        copies = copies.len() + 1,
+                        want,
+                        "chunk under-replicated: too few peers answered"
+                    );
+                }
+                record.replicas.extend(copies);
+            }
+            short |= record.replicas.len() < want;
+            chunks.push((index, record));
         }
         let seal = Seal { size, mtime: ts_from(md.mtime(), md.mtime_nsec()), chunks, keep_unsealed };
-        Ok(self.ns.seal(inode.ino, &seal, d)?)
+        let sealed = self.ns.seal(inode.ino, &seal, d)?;
+        if short {
+            self.under_replicated.0.lock().insert(inode.ino);
+            self.under_replicated.1.notify_one();
+        }
+        Ok(sealed)
+    }
+
+    /// The replicator loop: give under-replicated files the copies their
+    /// policy asks for (durability=local writes, peers that did not answer,
+    /// files re-sealed at mount).
+    pub fn run_replicator(core: std::sync::Weak<Core>) {
+        loop {
+            let Some(c) = core.upgrade() else { return };
+            let batch = {
+                let mut q = c.under_replicated.0.lock();
+                if q.is_empty() || c.cluster.get().is_none() {
+                    c.under_replicated.1.wait_for(&mut q, Duration::from_secs(1));
+                }
+                if c.cluster.get().is_none() {
+                    continue;
+                }
+                std::mem::take(&mut *q)
+            };
+            for ino in batch {
+                // A file still being written here is done at its next seal.
+                if c.open.get(&ino).is_some_and(|oi| oi.state.lock().unsealed) {
+                    continue;
+                }
+                let done = c.replicate_file(ino).unwrap_or_else(|e| {
+                    tracing::warn!(ino, error = %e, "background replication failed; retrying later");
+                    false
+                });
+                if !done {
+                    // Too few live peers, or a failure: try again later.
+                    c.under_replicated.0.lock().insert(ino);
+                    drop(c);
+                    std::thread::sleep(Duration::from_secs(5));
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Copy the chunks of `ino` that this node is primary of to more peers,
+    /// until each has as many copies as its policy asks. Returns whether
+    /// every chunk has them.
+    fn replicate_file(&self, ino: Ino) -> FsResult<bool> {
+        let Some(cluster) = self.cluster.get() else { return Ok(true) };
+        let inode = match self.ns.getattr(ino) {
+            Ok(i) => i,
+            Err(MetaError::NotFound) => return Ok(true),
+            Err(e) => return Err(e.into()),
+        };
+        let want = self.ns.replicas_policy(ino)?.unwrap_or(cluster.default_replicas()).max(1) as usize;
+        let cs = inode.chunk_size.max(1) as u64;
+        let file = match File::open(self.store.path(ino)) {
+            Ok(f) => f,
+            Err(_) => return Ok(true),
+        };
+        let mut short = false;
+        for (index, rec) in self.ns.chunks(ino)? {
+            if rec.replicas.len() >= want || rec.replicas.first().map(String::as_str) != Some(self.node_id()) {
+                continue;
+            }
+            let start = index as u64 * cs;
+            let mut data = vec![0u8; rec.len as usize];
+            read_exact_at(&file, &mut data, start).map_err(|e| FsError::io("read chunk to replicate", e))?;
+            if remote::verify(ino, &rec, start, start, &data).is_err() {
+                // Changed since this record was sealed: a newer seal follows.
+                continue;
+            }
+            let last = start + rec.len as u64 >= inode.size;
+            let missing = want - rec.replicas.len();
+            let copies = cluster.replicate(ino, index, start, Arc::new(data), last, missing, &rec.replicas);
+            short |= rec.replicas.len() + copies.len() < want;
+            if !copies.is_empty() {
+                self.ns.add_replicas(ino, index, rec.version, &copies)?;
+                tracing::debug!(ino, chunk = index, ?copies, "replicated in the background");
+            }
+        }
+        Ok(!short)
     }
 
     pub fn statfs(&self) -> FsResult<libc::statvfs> {
@@ -856,6 +1284,11 @@ impl Core {
             tracing::error!(error = %e, "final metadata sync failed");
         }
     }
+}
+
+fn stamp(file: &File) -> FsResult<Stamp> {
+    let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
+    Ok((md.len(), ts_from(md.mtime(), md.mtime_nsec())))
 }
 
 fn set_file_times(file: &File, inode: &Inode) -> FsResult<()> {

@@ -19,6 +19,9 @@ pub enum FsError {
     NotSupported(&'static str),
     #[error("invalid argument: {0}")]
     Invalid(&'static str),
+    /// No peer holding the data answered in time (or at all).
+    #[error("peer: {0}")]
+    Peer(String),
 }
 
 impl FsError {
@@ -35,6 +38,26 @@ impl FsError {
             FsError::BadHandle(_) => libc::EBADF,
             FsError::NotSupported(_) => libc::EOPNOTSUPP,
             FsError::Invalid(_) => libc::EINVAL,
+            FsError::Peer(_) => libc::EIO,
+        }
+    }
+
+    /// The same failure for a second waiter (errors are not `Clone`: I/O
+    /// errors keep their errno and message).
+    pub fn duplicate(&self) -> FsError {
+        match self {
+            FsError::Meta(e) => FsError::Peer(e.to_string()),
+            FsError::Corrupt { ino, offset } => FsError::Corrupt { ino: *ino, offset: *offset },
+            FsError::Io { what, source } => FsError::Io {
+                what: what.clone(),
+                source: source
+                    .raw_os_error()
+                    .map_or_else(|| io::Error::other(source.to_string()), io::Error::from_raw_os_error),
+            },
+            FsError::BadHandle(fh) => FsError::BadHandle(*fh),
+            FsError::NotSupported(s) => FsError::NotSupported(s),
+            FsError::Invalid(s) => FsError::Invalid(s),
+            FsError::Peer(s) => FsError::Peer(s.clone()),
         }
     }
 
@@ -44,7 +67,7 @@ impl FsError {
             FsError::Meta(e) => e.is_fault(),
             FsError::Corrupt { .. } => true,
             FsError::Io { source, .. } => source.raw_os_error() != Some(libc::ENOSPC),
-            FsError::BadHandle(_) => true,
+            FsError::BadHandle(_) | FsError::Peer(_) => true,
             FsError::NotSupported(_) | FsError::Invalid(_) => false,
         }
     }

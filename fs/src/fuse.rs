@@ -43,6 +43,43 @@ impl FuseAdapter {
 }
 
 /// Log once, at the error's own level, and turn it into an errno.
+/// A change feed subscriber that drops what the kernel caches about records
+/// another node changed: the attributes and pages of a changed inode or
+/// layout, the entry of a changed name. Notifications go out from a thread
+/// of their own, never from a request handler (the kernel may wait on a
+/// request in flight before it applies one).
+pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Result<converged_metadata::ChangeFeed> {
+    let notifier = session.notifier();
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    std::thread::Builder::new().name("invalidate".into()).spawn(move || {
+        for key in rx {
+            let ino_at = |at: usize| key.get(at..at + 8).map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")));
+            // ENOENT: the kernel holds nothing for it. Anything else is worth a line.
+            let r = match key.first() {
+                Some(b'I' | b'C') => match ino_at(1) {
+                    Some(ino) => notifier.inval_inode(INodeNo(ino), 0, 0),
+                    None => Ok(()),
+                },
+                Some(b'D') => match ino_at(1) {
+                    Some(parent) => notifier.inval_entry(INodeNo(parent), OsStr::from_bytes(&key[9..])),
+                    None => Ok(()),
+                },
+                _ => Ok(()),
+            };
+            if let Err(e) = r {
+                if e.raw_os_error() != Some(libc::ENOENT) {
+                    tracing::debug!(error = %e, "kernel cache invalidation failed");
+                }
+            }
+        }
+    })?;
+    Ok(std::sync::Arc::new(move |key: &[u8]| {
+        if matches!(key.first(), Some(b'I' | b'C' | b'D')) {
+            let _ = tx.send(key.to_vec());
+        }
+    }))
+}
+
 fn errno(op: &'static str, e: FsError) -> Errno {
     if e.is_fault() {
         tracing::warn!(op, error = %e, "request failed");
@@ -409,11 +446,16 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        // Writes are write-through and report their own errors, so close(2)
-        // has nothing to flush: ENOSYS tells the kernel to stop sending
-        // FLUSH, saving a round trip on every close.
-        reply.error(Errno::ENOSYS);
+    fn flush(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        let _s = debug_span!("flush", ino = ino.0, fh = fh.0).entered();
+        match self.core.close(fh.0) {
+            Ok(true) => reply.ok(),
+            // On a single node writes are write-through and report their own
+            // errors, so close(2) has nothing to flush: ENOSYS tells the
+            // kernel to stop sending FLUSH, saving a round trip per close.
+            Ok(false) => reply.error(Errno::ENOSYS),
+            Err(e) => reply.error(errno("flush", e)),
+        }
     }
 
     fn release(

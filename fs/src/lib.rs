@@ -3,6 +3,9 @@
 
 pub mod chunkstore;
 pub mod cli;
+pub mod cluster;
 pub mod core;
 pub mod error;
 mod fuse;
+pub mod placement;
+mod remote;

@@ -127,4 +127,16 @@ pub trait KvEngine: Send + Sync + 'static {
     fn membership(&self) -> Option<&dyn crate::membership::Membership> {
         None
     }
+    /// Call `on_change` with the key of every change other clients commit,
+    /// soon after they commit it; an empty key means changes may have been
+    /// missed (the feed reconnected) and every cached key is suspect.
+    /// Returns false when the engine has no such feed: an embedded engine
+    /// has no other clients.
+    fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
+        let _ = on_change;
+        Ok(false)
+    }
 }
+
+/// A subscriber to [`KvEngine::watch`].
+pub type ChangeFeed = std::sync::Arc<dyn Fn(&[u8]) + Send + Sync>;

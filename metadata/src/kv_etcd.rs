@@ -9,12 +9,15 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
 
 use crate::kv::{
-    merge_pending, pending_deletes, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites,
+    merge_pending, pending_deletes, ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites,
 };
 use crate::membership::{Member, Membership, NodeInfo};
 use crate::schema;
@@ -29,7 +32,13 @@ pub struct EtcdKv {
     timeout: Duration,
     /// This node's lease: id, keep-alive channel, node id.
     lease: parking_lot::Mutex<Option<Lease>>,
+    /// Revisions of this client's own commits, so the change feed can skip
+    /// them (this node already knows what it changed).
+    own: Arc<parking_lot::Mutex<std::collections::VecDeque<i64>>>,
 }
+
+/// Own revisions remembered for the change feed.
+const OWN_REVISIONS: usize = 4096;
 
 struct Lease {
     id: i64,
@@ -63,7 +72,14 @@ impl EtcdKv {
                 Ok::<_, etcd_client::Error>(client)
             })
             .map_err(|e| KvError::Backend { msg: format!("etcd at {}: {e}", urls.join(",")), retryable: false })?;
-        Ok(Self { rt, client, prefix: format!("{volume}/").into_bytes(), timeout, lease: Default::default() })
+        Ok(Self {
+            rt,
+            client,
+            prefix: format!("{volume}/").into_bytes(),
+            timeout,
+            lease: Default::default(),
+            own: Default::default(),
+        })
     }
 
     fn key(&self, k: &[u8]) -> Vec<u8> {
@@ -225,6 +241,13 @@ impl KvWrite for EtcdWrite<'_> {
         let mut c = kv.client.kv_client();
         let resp = kv.run(c.txn(txn))?;
         if resp.succeeded() {
+            if let Some(h) = resp.header() {
+                let mut own = kv.own.lock();
+                own.push_back(h.revision());
+                if own.len() > OWN_REVISIONS {
+                    own.pop_front();
+                }
+            }
             Ok(())
         } else {
             Err(KvError::Conflict)
@@ -255,6 +278,50 @@ impl KvEngine for EtcdKv {
     }
     fn membership(&self) -> Option<&dyn Membership> {
         Some(self)
+    }
+    /// One etcd watch over the volume's prefix, re-established when it
+    /// breaks (then subscribers hear an empty key: start over).
+    fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
+        let client = self.client.clone();
+        let prefix = self.prefix.clone();
+        let own = self.own.clone();
+        self.rt.spawn(async move {
+            let mut from = 0;
+            loop {
+                let mut opts = WatchOptions::new().with_prefix();
+                if from > 0 {
+                    opts = opts.with_start_revision(from);
+                }
+                let mut watch = client.watch_client();
+                match watch.watch(prefix.clone(), Some(opts)).await {
+                    Ok(mut stream) => {
+                        while let Ok(Some(resp)) = stream.message().await {
+                            if resp.canceled() {
+                                // Compacted past `from`: changes were missed.
+                                from = 0;
+                                on_change(b"");
+                                break;
+                            }
+                            for ev in resp.events() {
+                                let Some(kv) = ev.kv() else { continue };
+                                from = from.max(kv.mod_revision() + 1);
+                                if own.lock().contains(&kv.mod_revision()) {
+                                    continue;
+                                }
+                                if let Some(key) = kv.key().strip_prefix(prefix.as_slice()) {
+                                    on_change(key);
+                                }
+                            }
+                        }
+                        tracing::warn!("etcd watch ended; reconnecting");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "etcd watch failed; retrying"),
+                }
+                on_change(b"");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        Ok(true)
     }
 }
 

@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod kv;
+pub mod kv_cache;
 pub mod kv_etcd;
 pub mod kv_fault;
 pub mod kv_mem;
@@ -21,7 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::{MetaError, MetaResult};
-pub use kv::{Durability, KvEngine, KvError};
+pub use kv::{ChangeFeed, Durability, KvEngine, KvError};
+pub use kv_cache::CachedKv;
 pub use kv_etcd::EtcdKv;
 pub use kv_mem::MemKv;
 pub use kv_redb::RedbKv;

@@ -18,7 +18,7 @@ impl ChunkService for Nothing {
     fn read(&self, _: u64, _: u64, _: u32) -> Result<Vec<u8>, ServiceError> {
         Err(ServiceError { errno: 2, msg: "none".into() })
     }
-    fn write(&self, _: u64, _: u64, _: &[u8]) -> Result<(), ServiceError> {
+    fn write(&self, _: u64, _: u64, _: &[u8], _: bool) -> Result<(), ServiceError> {
         Ok(())
     }
     fn delete(&self, _: u64) -> Result<(), ServiceError> {

@@ -19,7 +19,7 @@ impl ChunkService for Zeros {
     fn read(&self, _ino: u64, _offset: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
         Ok(self.0[..len as usize].to_vec())
     }
-    fn write(&self, _: u64, _: u64, _: &[u8]) -> Result<(), ServiceError> {
+    fn write(&self, _: u64, _: u64, _: &[u8], _: bool) -> Result<(), ServiceError> {
         Ok(())
     }
     fn delete(&self, _: u64) -> Result<(), ServiceError> {

@@ -19,7 +19,8 @@ pub trait ChunkService: Send + Sync + 'static {
     /// Up to `len` bytes of `ino` from `offset` (fewer at the end of the data).
     fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, ServiceError>;
     /// Store `data` at `offset` of `ino`, on stable storage when it returns.
-    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<(), ServiceError>;
+    /// With `end_of_file`, the file ends there: anything beyond is dropped.
+    fn write(&self, ino: u64, offset: u64, data: &[u8], end_of_file: bool) -> Result<(), ServiceError>;
     /// Drop everything stored for `ino`.
     fn delete(&self, ino: u64) -> Result<(), ServiceError>;
     /// crc32c of each 64 KiB block of `[offset, offset + len)`.

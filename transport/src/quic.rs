@@ -158,11 +158,20 @@ impl QuicTransport {
         Ok(self.call(peer, Request::Read { ino, offset, len }, &[]).await?.1)
     }
 
-    pub async fn write(&self, peer: &Peer, ino: u64, offset: u64, data: &[u8]) -> Result<(), TransportError> {
+    /// Store `data` at `offset` of `ino` on `peer`, on its stable storage
+    /// when this returns; `end_of_file` truncates the peer's copy after it.
+    pub async fn write(
+        &self,
+        peer: &Peer,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+        end_of_file: bool,
+    ) -> Result<(), TransportError> {
         let len = u32::try_from(data.len()).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or_else(|| {
             TransportError::Protocol { peer: peer.node.clone(), err: WireError::PayloadTooLarge(u32::MAX) }
         })?;
-        self.call(peer, Request::Write { ino, offset, len }, data).await.map(|_| ())
+        self.call(peer, Request::Write { ino, offset, len, end_of_file }, data).await.map(|_| ())
     }
 
     pub async fn delete(&self, peer: &Peer, ino: u64) -> Result<(), TransportError> {
@@ -271,10 +280,13 @@ async fn answer(req: Request, recv: &mut quinn::RecvStream, service: Arc<dyn Chu
             }))
             .await
         }
-        Request::Write { ino, offset, len } => {
+        Request::Write { ino, offset, len, end_of_file } => {
             let mut data = vec![0u8; len as usize];
             recv.read_exact(&mut data).await.map_err(io_error)?;
-            blocking(Box::new(move || service.write(ino, offset, &data).map(|()| (Response::Done, Vec::new())))).await
+            blocking(Box::new(move || {
+                service.write(ino, offset, &data, end_of_file).map(|()| (Response::Done, Vec::new()))
+            }))
+            .await
         }
         Request::Delete { ino } => {
             blocking(Box::new(move || service.delete(ino).map(|()| (Response::Done, Vec::new())))).await

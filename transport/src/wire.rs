@@ -21,11 +21,13 @@ pub enum Request {
         offset: u64,
         len: u32,
     },
-    /// `len` payload bytes follow the frame.
+    /// `len` payload bytes follow the frame. `end_of_file`: the file ends
+    /// with these bytes, so the replica drops anything it holds beyond them.
     Write {
         ino: u64,
         offset: u64,
         len: u32,
+        end_of_file: bool,
     },
     Delete {
         ino: u64,
@@ -157,11 +159,8 @@ mod tests {
                 offset,
                 len
             }),
-            (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD).prop_map(|(ino, offset, len)| Request::Write {
-                ino,
-                offset,
-                len
-            }),
+            (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD, any::<bool>())
+                .prop_map(|(ino, offset, len, end_of_file)| Request::Write { ino, offset, len, end_of_file }),
             any::<u64>().prop_map(|ino| Request::Delete { ino }),
             (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD as u64).prop_map(|(ino, offset, len)| Request::Checksums {
                 ino,

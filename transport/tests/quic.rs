@@ -22,11 +22,11 @@ impl ChunkService for MemChunks {
         let end = (start + len as usize).min(f.len());
         Ok(f[start..end].to_vec())
     }
-    fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<(), ServiceError> {
+    fn write(&self, ino: u64, offset: u64, data: &[u8], end_of_file: bool) -> Result<(), ServiceError> {
         let mut m = self.0.lock();
         let f = m.entry(ino).or_default();
         let end = offset as usize + data.len();
-        if f.len() < end {
+        if f.len() < end || end_of_file {
             f.resize(end, 0);
         }
         f[offset as usize..end].copy_from_slice(data);
@@ -67,7 +67,7 @@ async fn peers_with_cluster_certificates_move_chunks() {
     let peer2 = Peer { addr: n2.local_addr(), node: "n2".into() };
 
     let data = pattern(5 << 20);
-    n1.write(&peer2, 7, 0, &data).await.unwrap();
+    n1.write(&peer2, 7, 0, &data, true).await.unwrap();
     assert_eq!(store2.0.lock()[&7], data, "bytes landed on n2");
     assert_eq!(n1.read(&peer2, 7, 0, 5 << 20).await.unwrap(), data);
     assert_eq!(n1.read(&peer2, 7, 1_000_000, 4096).await.unwrap(), data[1_000_000..1_004_096]);
@@ -103,7 +103,7 @@ async fn a_peer_from_another_ca_is_refused() {
     let ca = ClusterCa::generate("cluster A").unwrap();
     let rogue_ca = ClusterCa::generate("cluster A").unwrap();
     let store = Arc::new(MemChunks::default());
-    store.write(1, 0, b"secret").unwrap();
+    store.write(1, 0, b"secret", true).unwrap();
     let server = node(&ca.issue("n2").unwrap(), store);
     let peer = Peer { addr: server.local_addr(), node: "n2".into() };
 
@@ -130,7 +130,7 @@ async fn a_peer_from_another_ca_is_refused() {
 async fn garbage_on_a_stream_resets_only_that_stream() {
     let ca = ClusterCa::generate("cluster").unwrap();
     let store = Arc::new(MemChunks::default());
-    store.write(3, 0, b"intact").unwrap();
+    store.write(3, 0, b"intact", true).unwrap();
     let server = node(&ca.issue("n2").unwrap(), store);
     let peer = Peer { addr: server.local_addr(), node: "n2".into() };
 

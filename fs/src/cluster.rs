@@ -1,0 +1,274 @@
+//! The node's view of its peers: who is live (from membership), where they
+//! listen, and the chunk calls to them over the transport: replicate a chunk
+//! to the nodes placement picks, fetch a range from a node holding it.
+//!
+//! It owns no namespace state: callers pass the chunk records they read and
+//! record the replicas that were written. Every call has a deadline; a peer
+//! that failed one is tried last for a while, so a dead node that still has
+//! a lease costs one timeout, not one per request.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use converged_metadata::membership::NodeInfo;
+use converged_metadata::KvEngine;
+use converged_transport::{NodeTls, Peer, QuicTransport, TransportError};
+use parking_lot::Mutex;
+
+use crate::chunkstore::{ChunkStore, PeerChunks};
+use crate::error::{FsError, FsResult};
+use crate::placement::{self, Candidate};
+
+/// When `fsync` and `close` return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DurabilityMode {
+    /// After every replica is on stable storage (the default).
+    Replicated,
+    /// After the local copy; replicas are written in the background.
+    Local,
+}
+
+pub struct ClusterConfig {
+    pub node: String,
+    pub listen: SocketAddr,
+    pub tls: NodeTls,
+    /// Copies of each chunk when a directory sets no policy.
+    pub default_replicas: u32,
+    pub durability: DurabilityMode,
+    /// The label that names a node's failure domain (`rack`).
+    pub failure_domain: String,
+    /// Deadline of one peer call.
+    pub peer_timeout: Duration,
+}
+
+pub struct Cluster {
+    cfg: ClusterConfig,
+    rt: tokio::runtime::Runtime,
+    transport: Arc<QuicTransport>,
+    engine: Arc<dyn KvEngine>,
+    members: Mutex<(Option<Instant>, Vec<NodeInfo>)>,
+    /// Peers that failed a call recently, and when.
+    suspects: Mutex<HashMap<String, Instant>>,
+}
+
+/// How long the live-node list is reused before asking membership again.
+const MEMBERS_TTL: Duration = Duration::from_secs(1);
+/// How long a peer that failed a call is tried after the others.
+const SUSPECT_FOR: Duration = Duration::from_secs(30);
+
+fn peer_err(e: TransportError) -> FsError {
+    FsError::Peer(e.to_string())
+}
+
+impl Cluster {
+    /// Start serving `store` to peers on `cfg.listen` and return the handle
+    /// the core uses to reach them.
+    pub fn start(cfg: ClusterConfig, engine: Arc<dyn KvEngine>, store: Arc<ChunkStore>) -> anyhow::Result<Arc<Self>> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("transport")
+            .enable_all()
+            .build()?;
+        let transport = {
+            let _enter = rt.enter();
+            QuicTransport::bind(cfg.listen, &cfg.tls, Arc::new(PeerChunks(store)), cfg.peer_timeout)?
+        };
+        Ok(Arc::new(Cluster {
+            cfg,
+            rt,
+            transport: Arc::new(transport),
+            engine,
+            members: Mutex::new((None, Vec::new())),
+            suspects: Mutex::default(),
+        }))
+    }
+
+    pub fn node(&self) -> &str {
+        &self.cfg.node
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.transport.local_addr()
+    }
+
+    pub fn default_replicas(&self) -> u32 {
+        self.cfg.default_replicas
+    }
+
+    pub fn durability(&self) -> DurabilityMode {
+        self.cfg.durability
+    }
+
+    /// How long a reader waits for a range before giving up: every replica
+    /// tried once, each with its own deadline.
+    pub fn call_deadline(&self) -> Duration {
+        self.cfg.peer_timeout * 3 + Duration::from_secs(1)
+    }
+
+    /// Live nodes other than this one that serve chunks.
+    pub fn live_peers(&self) -> Vec<NodeInfo> {
+        let mut m = self.members.lock();
+        if m.0.is_none_or(|t| t.elapsed() > MEMBERS_TTL) {
+            match self.engine.membership().map(|ms| ms.members()) {
+                Some(Ok(all)) => {
+                    m.1 = all.into_iter().filter(|x| x.alive).map(|x| x.info).collect();
+                    m.0 = Some(Instant::now());
+                }
+                Some(Err(e)) => tracing::warn!(error = %e, "cannot read cluster membership; using the last list"),
+                None => {}
+            }
+        }
+        m.1.iter().filter(|n| n.id != self.cfg.node && !n.addr.is_empty()).cloned().collect()
+    }
+
+    fn domain_of(&self, n: &NodeInfo) -> String {
+        n.labels.get(&self.cfg.failure_domain).cloned().unwrap_or_else(|| format!("node:{}", n.id))
+    }
+
+    /// This node's failure domain, as placement counts it.
+    fn own_domain(&self) -> String {
+        let me = self.members.lock().1.iter().find(|n| n.id == self.cfg.node).cloned();
+        match me {
+            Some(n) => self.domain_of(&n),
+            None => format!("node:{}", self.cfg.node),
+        }
+    }
+
+    fn suspect(&self, node: &str) -> bool {
+        self.suspects.lock().get(node).is_some_and(|t| t.elapsed() < SUSPECT_FOR)
+    }
+
+    fn mark(&self, node: &str, ok: bool) {
+        let mut s = self.suspects.lock();
+        if ok {
+            s.remove(node);
+        } else {
+            s.insert(node.to_string(), Instant::now());
+        }
+    }
+
+    fn peer(n: &NodeInfo) -> Option<Peer> {
+        Some(Peer { addr: n.addr.parse().ok()?, node: n.id.clone() })
+    }
+
+    /// Copy `[offset, offset + data.len())` of `ino` to `want` peers chosen by
+    /// placement for chunk `index` (none of `holders`, which have it already),
+    /// each on stable storage before this returns, falling back along the
+    /// ranking when a peer fails. Returns the nodes that took the copy (fewer
+    /// than `want` when too few answered).
+    #[allow(clippy::too_many_arguments)]
+    pub fn replicate(
+        &self,
+        ino: u64,
+        index: u32,
+        offset: u64,
+        data: Arc<Vec<u8>>,
+        end_of_file: bool,
+        want: usize,
+        holders: &[String],
+    ) -> Vec<String> {
+        if want == 0 {
+            return Vec::new();
+        }
+        let peers: Vec<NodeInfo> = self.live_peers().into_iter().filter(|p| !holders.contains(&p.id)).collect();
+        let candidates: Vec<Candidate> = peers
+            .iter()
+            .map(|n| Candidate { id: n.id.clone(), weight: n.free as f64, domain: self.domain_of(n) })
+            .collect();
+        let mut ranked: Vec<NodeInfo> = placement::rank(ino, index, &self.own_domain(), &candidates)
+            .into_iter()
+            .filter_map(|c| peers.iter().find(|p| p.id == c.id).cloned())
+            .collect();
+        // Peers that failed lately go last, keeping their order otherwise.
+        ranked.sort_by_key(|n| self.suspect(&n.id));
+        let mut done = Vec::new();
+        let mut next = 0;
+        while done.len() < want && next < ranked.len() {
+            // One round: as many peers in parallel as copies are still missing.
+            let round: Vec<NodeInfo> = ranked[next..].iter().take(want - done.len()).cloned().collect();
+            next += round.len();
+            let tasks: Vec<_> = round
+                .into_iter()
+                .map(|n| {
+                    let t = self.transport.clone();
+                    let data = data.clone();
+                    self.rt.spawn(async move {
+                        let r = match Self::peer(&n) {
+                            Some(p) => t.write(&p, ino, offset, &data, end_of_file).await,
+                            None => Err(TransportError::Connect { peer: n.id.clone(), msg: "bad address".into() }),
+                        };
+                        (n.id, r)
+                    })
+                })
+                .collect();
+            for task in tasks {
+                match self.rt.block_on(task) {
+                    Ok((id, Ok(()))) => {
+                        self.mark(&id, true);
+                        done.push(id);
+                    }
+                    Ok((id, Err(e))) => {
+                        tracing::warn!(ino, chunk = index, peer = %id, error = %e, "replica write failed; trying another node");
+                        self.mark(&id, false);
+                    }
+                    Err(e) => tracing::error!(error = %e, "replication task failed"),
+                }
+            }
+        }
+        done
+    }
+
+    /// The peers to read a range from, given the chunk's replica list: live
+    /// ones only, lately healthy ones first. Asks membership, so it must be
+    /// called outside the transport runtime.
+    pub fn read_order(&self, holders: &[String]) -> Vec<Peer> {
+        let peers = self.live_peers();
+        let mut order: Vec<&NodeInfo> =
+            holders.iter().filter(|h| **h != self.cfg.node).filter_map(|h| peers.iter().find(|p| p.id == *h)).collect();
+        order.sort_by_key(|n| self.suspect(&n.id));
+        order.into_iter().filter_map(Self::peer).collect()
+    }
+
+    /// Read `[offset, offset + len)` of `ino` from the first of `order` that
+    /// answers. Bytes past the end of the peer's data read as zeros.
+    /// Checking them is the caller's.
+    pub async fn fetch(self: Arc<Self>, ino: u64, offset: u64, len: u32, order: Vec<Peer>) -> FsResult<Vec<u8>> {
+        if order.is_empty() {
+            return Err(FsError::Peer("no live node holds this range".into()));
+        }
+        let mut last = None;
+        for peer in order {
+            match self.transport.read(&peer, ino, offset, len).await {
+                Ok(mut data) => {
+                    self.mark(&peer.node, true);
+                    data.resize(len as usize, 0);
+                    return Ok(data);
+                }
+                Err(e) => {
+                    tracing::warn!(ino, offset, peer = %peer.node, error = %e, "peer read failed; trying the next replica");
+                    self.mark(&peer.node, false);
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.map(peer_err).unwrap_or_else(|| FsError::Peer("no reachable replica".into())))
+    }
+
+    /// Run `fut` on the transport runtime and wait for it.
+    pub fn block_on<T>(&self, fut: impl std::future::Future<Output = T>) -> T {
+        self.rt.block_on(fut)
+    }
+
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        fut: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        self.rt.spawn(fut)
+    }
+
+    pub fn shutdown(&self) {
+        self.transport.close();
+    }
+}

@@ -1,0 +1,149 @@
+//! Reading chunks this node does not hold: ranges fetched from a peer in
+//! windows, every block checked against the chunk record's crc32c before a
+//! byte is returned, and a readahead of the next windows for sequential
+//! readers so that the network stays busy while the reader copies.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use converged_metadata::types::BLOCK_SIZE;
+use converged_metadata::ChunkRecord;
+use parking_lot::{Condvar, Mutex};
+
+use converged_transport::Peer;
+
+use crate::cluster::Cluster;
+use crate::error::{FsError, FsResult};
+
+/// Bytes fetched per peer request.
+pub const WINDOW: u64 = 4 << 20;
+/// Windows fetched ahead of a sequential reader (32 MiB in flight).
+pub const READAHEAD: u64 = 8;
+
+/// Check each block of `bytes`, which start at `offset` of the file (block
+/// aligned), against the record of the chunk starting at `chunk_start`.
+pub fn verify(ino: u64, rec: &ChunkRecord, chunk_start: u64, offset: u64, bytes: &[u8]) -> FsResult<()> {
+    let bs = BLOCK_SIZE as u64;
+    for (i, block) in bytes.chunks(bs as usize).enumerate() {
+        let at = offset + i as u64 * bs;
+        let idx = ((at - chunk_start) / bs) as usize;
+        let ok = match rec.block_crcs.get(idx) {
+            Some(crc) => crc32c::crc32c(block) == *crc,
+            None => block.iter().all(|b| *b == 0),
+        };
+        if !ok {
+            return Err(FsError::Corrupt { ino, offset: at });
+        }
+    }
+    Ok(())
+}
+
+/// Fetch `[offset, offset + len)` of `ino`, inside one chunk, from the
+/// first node of `order` that answers, and verify it.
+pub async fn fetch_verified(
+    cluster: Arc<Cluster>,
+    ino: u64,
+    rec: Arc<ChunkRecord>,
+    chunk_start: u64,
+    offset: u64,
+    len: u32,
+    order: Vec<Peer>,
+) -> FsResult<Vec<u8>> {
+    let data = cluster.fetch(ino, offset, len, order).await?;
+    if let Err(e) = verify(ino, &rec, chunk_start, offset, &data) {
+        tracing::error!(ino, offset, replicas = ?rec.replicas, "checksum mismatch on data from a peer; returning EIO");
+        return Err(e);
+    }
+    Ok(data)
+}
+
+/// One window being fetched or fetched.
+pub struct Window {
+    result: Mutex<Option<Result<Arc<Vec<u8>>, FsError>>>,
+    ready: Condvar,
+}
+
+impl Window {
+    fn new() -> Arc<Self> {
+        Arc::new(Window { result: Mutex::new(None), ready: Condvar::new() })
+    }
+
+    fn set(&self, r: FsResult<Vec<u8>>) {
+        *self.result.lock() = Some(r.map(Arc::new));
+        self.ready.notify_all();
+    }
+
+    /// Wait for the bytes; `deadline` is a safety net over the per-peer deadlines.
+    pub fn wait(&self, deadline: Duration) -> FsResult<Arc<Vec<u8>>> {
+        let mut r = self.result.lock();
+        let until = std::time::Instant::now() + deadline;
+        while r.is_none() {
+            if self.ready.wait_until(&mut r, until).timed_out() {
+                return Err(FsError::Peer(format!("no answer from any replica within {deadline:?}")));
+            }
+        }
+        match r.as_ref().expect("set above") {
+            Ok(d) => Ok(d.clone()),
+            Err(e) => Err(e.duplicate()),
+        }
+    }
+}
+
+/// What a file handle fetched remotely: windows by start offset, and where a
+/// sequential reader is expected next.
+#[derive(Default)]
+pub struct Readahead {
+    windows: HashMap<u64, Arc<Window>>,
+    next: u64,
+}
+
+/// Where window `start` lies: its chunk record and the chunk's first byte.
+pub type Locate<'a> = &'a dyn Fn(u64) -> Option<(Arc<ChunkRecord>, u64)>;
+
+impl Readahead {
+    /// The windows covering `[offset, end)`, started if need be, and the
+    /// next [`READAHEAD`] windows when the reader is sequential. `locate`
+    /// gives the chunk record of a window, or `None` when no peer is needed
+    /// there (a hole, a local chunk, past the end).
+    pub fn windows(
+        &mut self,
+        cluster: &Arc<Cluster>,
+        ino: u64,
+        offset: u64,
+        end: u64,
+        size: u64,
+        locate: Locate<'_>,
+    ) -> Vec<(u64, Arc<Window>)> {
+        let sequential = offset == self.next || offset == 0;
+        self.next = end;
+        let first = offset / WINDOW * WINDOW;
+        // Windows behind the reader will not be read again by a sequential reader.
+        self.windows.retain(|start, _| *start + 2 * WINDOW > first);
+        let last_needed = end.div_ceil(WINDOW) * WINDOW;
+        let ahead = if sequential { READAHEAD * WINDOW } else { 0 };
+        let stop = (last_needed + ahead).min(size.div_ceil(WINDOW) * WINDOW);
+        let mut out = Vec::new();
+        let mut start = first;
+        while start < stop {
+            if let Some((rec, chunk_start)) = locate(start) {
+                let chunk_end = chunk_start + rec.len as u64;
+                let w = self.windows.entry(start).or_insert_with(|| {
+                    let w = Window::new();
+                    let len = (start + WINDOW).min(chunk_end).saturating_sub(start) as u32;
+                    let (c, w2) = (cluster.clone(), w.clone());
+                    let order = cluster.read_order(&rec.replicas);
+                    cluster.spawn(
+                        async move { w2.set(fetch_verified(c, ino, rec, chunk_start, start, len, order).await) },
+                    );
+                    w
+                });
+                if start < last_needed {
+                    out.push((start, w.clone()));
+                }
+            }
+            start += WINDOW;
+        }
+        out
+    }
+}

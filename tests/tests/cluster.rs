@@ -1,0 +1,254 @@
+//! Three nodes on loopback sharing one volume: a real 3-member etcd for the
+//! namespace, each daemon serving its SSD to the others over QUIC with mutual
+//! TLS. What one node closes, the others read byte for byte; a node killed
+//! after fsync loses nothing; a node that stops answering costs its own
+//! chunks, promptly, and nothing else.
+
+mod common;
+#[path = "../../metadata/tests/etcd_cluster/mod.rs"]
+mod etcd_cluster;
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+struct Cluster {
+    _etcd: etcd_cluster::EtcdCluster,
+    _certs: tempfile::TempDir,
+    nodes: Vec<Mount>,
+}
+
+impl Cluster {
+    /// `n` nodes named n1..nN; `extra` goes to every mount.
+    fn start(n: usize, extra: &[&str]) -> Option<Self> {
+        let etcd = etcd_cluster::EtcdCluster::start()?;
+        let certs = tempfile::tempdir().unwrap();
+        let ca = certs.path().join("ca");
+        let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let uri = format!("etcd://{}/vol", etcd.endpoints.join(","));
+        let mut nodes = Vec::new();
+        for i in 1..=n {
+            let id = format!("n{i}");
+            let tls = ca.join(&id);
+            if i > 1 {
+                let out = converged()
+                    .args(["cluster", "issue-cert", "--node", &id, "--ca"])
+                    .arg(&ca)
+                    .arg("--out")
+                    .arg(&tls)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            }
+            let mut args = vec![
+                "--meta",
+                &uri,
+                "--listen",
+                "127.0.0.1:0",
+                "--tls-dir",
+                tls.to_str().unwrap(),
+                "--lease-ttl",
+                "3",
+                "--peer-timeout",
+                "2",
+            ];
+            args.extend_from_slice(extra);
+            nodes.push(Mount::with_args(&args));
+        }
+        Some(Cluster { _etcd: etcd, _certs: certs, nodes })
+    }
+
+    fn node(&self, i: usize) -> &Mount {
+        &self.nodes[i]
+    }
+
+    /// The backing file of `ino` in node `i`'s data dir.
+    fn backing(&self, i: usize, ino: u64) -> PathBuf {
+        self.nodes[i].data.join("chunks").join(format!("{ino:016x}"))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for (i, n) in self.nodes.iter().enumerate() {
+                let log = n.log();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                eprintln!("---- log of n{} (last lines) ----", i + 1);
+                for l in tail.into_iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
+fn setxattr(path: &std::path::Path, name: &str, value: &[u8]) {
+    let n = std::ffi::CString::new(name).unwrap();
+    // SAFETY: setxattr(2) with valid pointers.
+    let rc = unsafe { libc::setxattr(cstr(path).as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    assert_eq!(rc, 0, "setxattr {name}: errno {}", errno());
+}
+
+/// Equal bytes, or a short report of where they differ.
+fn same(got: &[u8], want: &[u8], what: &str) {
+    if got != want {
+        let first = got.iter().zip(want).position(|(a, b)| a != b);
+        panic!("{what}: {} bytes read, {} expected, first difference at {first:?}", got.len(), want.len());
+    }
+}
+
+/// Poll `f` until it is true or `secs` pass (cross-node changes arrive by watch).
+fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "not within {secs}s: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn three_nodes_share_files_close_to_open() {
+    let Some(c) = Cluster::start(3, &[]) else { return };
+    let (a, b, cc) = (c.node(0), c.node(1), c.node(2));
+
+    // Write on A, close, read identical bytes on B and C: 150 MiB is three
+    // chunks, each on A and on one peer, so B and C each read some chunks
+    // locally and some from a peer.
+    let data = pattern(150 << 20, 7);
+    fs::create_dir(a.path("datasets")).unwrap();
+    fs::write(a.path("datasets/shard-0000.tar"), &data).unwrap();
+    for n in [b, cc] {
+        let got = fs::read(n.path("datasets/shard-0000.tar")).unwrap();
+        assert!(got.len() == data.len() && got == data, "bytes differ on {}", n.mnt.display());
+    }
+    let ino = fs::metadata(a.path("datasets/shard-0000.tar")).unwrap().ino();
+    let copies = (0..3).filter(|i| c.backing(*i, ino).exists()).count();
+    assert!(copies >= 2, "replicas=2 by default: found {copies} backing files");
+
+    // A directory policy of 3 replicas, inherited: every node holds the file.
+    fs::create_dir(a.path("ckpt")).unwrap();
+    setxattr(&a.path("ckpt"), "user.converged.replicas", b"3");
+    fs::create_dir(a.path("ckpt/run1")).unwrap();
+    let small = pattern(3 << 20, 8);
+    fs::write(a.path("ckpt/run1/weights.bin"), &small).unwrap();
+    let ino = fs::metadata(a.path("ckpt/run1/weights.bin")).unwrap().ino();
+    for i in 0..3 {
+        let held = fs::read(c.backing(i, ino)).unwrap_or_default();
+        assert!(held == small, "node {i} holds a full copy");
+    }
+
+    // Rename and unlink on B are seen on A.
+    fs::rename(b.path("datasets/shard-0000.tar"), b.path("datasets/shard-0001.tar")).unwrap();
+    fs::write(b.path("datasets/notes"), b"scratch").unwrap();
+    fs::remove_file(b.path("datasets/notes")).unwrap();
+    eventually(5, "rename seen on A", || {
+        !a.path("datasets/shard-0000.tar").exists() && a.path("datasets/shard-0001.tar").exists()
+    });
+    assert!(!a.path("datasets/notes").exists());
+    same(&fs::read(a.path("datasets/shard-0001.tar")).unwrap(), &data, "datasets/shard-0001.tar on a");
+
+    // The torch.save pattern on A: tmp file, fsync, rename, fsync the
+    // directory; B opens the final name and reads the new bytes.
+    let step = pattern((5 << 20) + 12345, 9);
+    {
+        let mut f = fs::File::create(a.path("ckpt/run1/step100.pt.tmp")).unwrap();
+        f.write_all(&step).unwrap();
+        f.sync_all().unwrap();
+    }
+    fs::rename(a.path("ckpt/run1/step100.pt.tmp"), a.path("ckpt/run1/step100.pt")).unwrap();
+    fs::File::open(a.path("ckpt/run1")).unwrap().sync_all().unwrap();
+    eventually(5, "checkpoint visible on B", || b.path("ckpt/run1/step100.pt").exists());
+    same(&fs::read(b.path("ckpt/run1/step100.pt")).unwrap(), &step, "ckpt/run1/step100.pt on b");
+
+    // Overwrite in place on A; B's next open sees the new bytes.
+    let step2 = pattern(4 << 20, 10);
+    fs::write(a.path("ckpt/run1/step100.pt"), &step2).unwrap();
+    eventually(5, "new size seen on B", || {
+        fs::metadata(b.path("ckpt/run1/step100.pt")).is_ok_and(|m| m.len() == step2.len() as u64)
+    });
+    same(&fs::read(b.path("ckpt/run1/step100.pt")).unwrap(), &step2, "ckpt/run1/step100.pt on b");
+
+    // One writing node per file: while A writes, B may read but not write.
+    let mut w = fs::OpenOptions::new().write(true).open(a.path("ckpt/run1/step100.pt")).unwrap();
+    w.write_all(b"x").unwrap();
+    let e = fs::OpenOptions::new().write(true).open(b.path("ckpt/run1/step100.pt")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ETXTBSY), "{e}");
+    assert!(fs::File::open(b.path("ckpt/run1/step100.pt")).is_ok(), "readers anywhere are fine");
+    drop(w);
+    // Released at close: B may write now, and what B writes A reads.
+    fs::OpenOptions::new().write(true).open(b.path("ckpt/run1/step100.pt")).unwrap().write_all(b"B").unwrap();
+    eventually(5, "B's write seen on A", || fs::read(a.path("ckpt/run1/step100.pt")).is_ok_and(|d| d[0] == b'B'));
+    let got = fs::read(a.path("ckpt/run1/step100.pt")).unwrap();
+    same(&got[1..], &step2[1..], "the rest of the file came along to B and back");
+}
+
+#[test]
+fn killed_node_loses_no_fsynced_byte_and_comes_back() {
+    let Some(mut c) = Cluster::start(3, &[]) else { return };
+    // Only on A (replicas=1): readable elsewhere only while A serves.
+    fs::create_dir(c.node(0).path("solo")).unwrap();
+    setxattr(&c.node(0).path("solo"), "user.converged.replicas", b"1");
+    let solo = pattern(2 << 20, 11);
+    fs::write(c.node(0).path("solo/a-only.bin"), &solo).unwrap();
+
+    // fsync returns, then A dies before close: B and C read every byte.
+    let data = pattern((70 << 20) + 4321, 12);
+    let mut f = fs::File::create(c.node(0).path("ckpt.pt")).unwrap();
+    f.write_all(&data).unwrap();
+    f.sync_all().unwrap();
+    c.nodes[0].crash();
+    drop(f);
+    for i in [1, 2] {
+        let got = fs::read(c.node(i).path("ckpt.pt")).unwrap();
+        assert!(got == data, "node {i} reads the fsynced checkpoint from replicas");
+    }
+    // A's own file is out of reach while A is down: EIO, not a hang.
+    let t = Instant::now();
+    let e = fs::read(c.node(1).path("solo/a-only.bin")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+
+    // A comes back and serves again.
+    c.nodes[0].mount();
+    same(&fs::read(c.node(0).path("ckpt.pt")).unwrap(), &data, "ckpt.pt on node 0");
+    eventually(10, "A serves its chunks again", || {
+        fs::read(c.node(1).path("solo/a-only.bin")).is_ok_and(|d| d == solo)
+    });
+}
+
+#[test]
+fn a_stopped_node_costs_only_its_own_chunks_promptly() {
+    let Some(c) = Cluster::start(3, &[]) else { return };
+    let (a, b, cc) = (c.node(0), c.node(1), c.node(2));
+    fs::create_dir(cc.path("only-c")).unwrap();
+    setxattr(&cc.path("only-c"), "user.converged.replicas", b"1");
+    let only_c = pattern(6 << 20, 13);
+    fs::write(cc.path("only-c/part.bin"), &only_c).unwrap();
+    let shared = pattern(6 << 20, 14);
+    fs::create_dir(a.path("both")).unwrap();
+    setxattr(&a.path("both"), "user.converged.replicas", b"2");
+    fs::write(a.path("both/part.bin"), &shared).unwrap();
+    same(&fs::read(b.path("only-c/part.bin")).unwrap(), &only_c, "C serves while it runs");
+
+    // C stops answering (its process is frozen, as a node cut off would be).
+    let pid = cc.daemon_pid();
+    // SAFETY: kill(2).
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let t = Instant::now();
+    let e = fs::read(a.path("only-c/part.bin")).unwrap_err();
+    let waited = t.elapsed();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(waited < Duration::from_secs(20), "EIO took {waited:?}: a deadline, not a hang");
+    // What A and B hold is still served.
+    same(&fs::read(b.path("both/part.bin")).unwrap(), &shared, "both/part.bin on b");
+    same(&fs::read(a.path("both/part.bin")).unwrap(), &shared, "both/part.bin on a");
+    // SAFETY: kill(2).
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    eventually(15, "C serves again", || fs::read(a.path("only-c/part.bin")).is_ok_and(|d| d == only_c));
+}
