@@ -19,6 +19,9 @@ use converged_metadata::{MetaUri, Namespace};
 use crate::core::{Core, CoreConfig};
 use crate::fuse::FuseAdapter;
 
+/// Copies of each chunk in a cluster when neither the mount nor a directory says otherwise.
+const DEFAULT_CLUSTER_REPLICAS: u32 = 2;
+
 /// Printed by a background daemon on its stdout once the mount answers.
 const READY: &str = "converged: mount ready";
 
@@ -53,6 +56,9 @@ pub enum Cmd {
     /// Cluster certificates: peers talk QUIC with mutual TLS from a cluster CA.
     #[command(subcommand)]
     Cluster(ClusterCmd),
+    /// Try a cluster on one machine: start etcd and N nodes on loopback, each with its own
+    /// mount point, until Ctrl-C.
+    DevCluster(crate::devcluster::DevClusterArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -336,6 +342,41 @@ fn status(meta: &str) -> anyhow::Result<()> {
     }
     let live = members.iter().filter(|m| m.alive).count();
     println!("{live} live, {} dead", members.len() - live);
+
+    if members.is_empty() {
+        return Ok(());
+    }
+    // Chunk health: copies on live nodes against each file's policy.
+    let alive: std::collections::HashSet<&str> =
+        members.iter().filter(|m| m.alive).map(|m| m.info.id.as_str()).collect();
+    let ns = Namespace::open(engine.clone(), 0, 0)?;
+    let mut policy: std::collections::HashMap<u64, usize> = Default::default();
+    let (mut total, mut under, mut lost, mut bytes) = (0u64, 0u64, 0u64, 0u64);
+    let mut policy_err = None;
+    ns.for_each_chunk(|ino, _, rec| {
+        let want = *policy.entry(ino).or_insert_with(|| match ns.replicas_policy(ino) {
+            Ok(p) => p.unwrap_or(DEFAULT_CLUSTER_REPLICAS) as usize,
+            Err(e) => {
+                policy_err = Some(e);
+                DEFAULT_CLUSTER_REPLICAS as usize
+            }
+        });
+        let copies = rec.replicas.iter().filter(|r| alive.contains(r.as_str())).count();
+        total += 1;
+        bytes += rec.len as u64;
+        if copies == 0 {
+            lost += 1;
+        } else if copies < want {
+            under += 1;
+        }
+    })?;
+    if let Some(e) = policy_err {
+        return Err(e.into());
+    }
+    println!(
+        "{total} chunks ({} GiB): {under} under-replicated, {lost} with no live copy (policy: user.converged.replicas, default {DEFAULT_CLUSTER_REPLICAS})",
+        bytes >> 30
+    );
     Ok(())
 }
 
@@ -481,7 +522,7 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
                 node: node_id(args),
                 listen: *listen,
                 tls,
-                default_replicas: args.replicas.unwrap_or(2),
+                default_replicas: args.replicas.unwrap_or(DEFAULT_CLUSTER_REPLICAS),
                 durability: args.durability,
                 failure_domain: args.failure_domain.clone(),
                 peer_timeout: Duration::from_secs_f64(args.peer_timeout.max(0.1)),
@@ -597,6 +638,15 @@ fn spawn_daemon(args: &MountArgs, c: &Checked, exe_prefix: &[OsString]) -> anyho
         cmd.arg("--listen").arg(l.to_string()).arg("--tls-dir").arg(t);
     }
     cmd.arg("--labels").arg(&args.labels).arg("--lease-ttl").arg(args.lease_ttl.to_string());
+    if let Some(r) = args.replicas {
+        cmd.arg("--replicas").arg(r.to_string());
+    }
+    cmd.arg("--durability")
+        .arg(clap::ValueEnum::to_possible_value(&args.durability).expect("not skipped").get_name())
+        .arg("--failure-domain")
+        .arg(&args.failure_domain)
+        .arg("--peer-timeout")
+        .arg(args.peer_timeout.to_string());
     cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
     // SAFETY: setsid is async-signal-safe; the daemon leaves our session so a
     // closing terminal does not take it down.
@@ -658,6 +708,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         Cmd::Umount { mountpoint } => umount(&mountpoint),
         Cmd::Cluster(cmd) => cluster(cmd),
         Cmd::Status { meta } => status(&meta),
+        Cmd::DevCluster(args) => crate::devcluster::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

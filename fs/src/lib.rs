@@ -5,6 +5,7 @@ pub mod chunkstore;
 pub mod cli;
 pub mod cluster;
 pub mod core;
+pub mod devcluster;
 pub mod error;
 mod fuse;
 pub mod placement;

@@ -104,6 +104,11 @@ pub fn chunks_of(ino: Ino) -> Vec<u8> {
     with_ino(CHUNK, ino)
 }
 
+/// Every chunk record of the volume.
+pub fn all_chunks() -> Vec<u8> {
+    vec![CHUNK]
+}
+
 pub fn chunk_index(key: &[u8]) -> u32 {
     u32::from_be_bytes(key[9..13].try_into().expect("chunk key is 13 bytes"))
 }

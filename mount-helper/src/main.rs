@@ -39,8 +39,11 @@ fn ignored(opt: &str) -> bool {
         || opt.starts_with("comment=")
 }
 
-const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,verify_reads][,threads=N][,attr_timeout=S][,log_file=F][,node_id=ID]]
-SOURCE is `local` (embedded metadata in the data dir) or a metadata URI such as redb:///nvme/converged/meta.redb";
+const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,verify_reads][,threads=N][,attr_timeout=S][,log_file=F][,node_id=ID]
+                                                 [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local]
+                                                 [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S]]
+SOURCE is `local` (embedded metadata in the data dir) or a metadata URI such as redb:///nvme/converged/meta.redb
+or etcd://m1:2379,m2:2379,m3:2379/vol1 (a cluster volume; options as for `converged mount`)";
 
 fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
     let mut positional = Vec::new();
@@ -85,7 +88,10 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "threads" => out.extend(["--threads".into(), need(value)?.into()]),
             "attr_timeout" => out.extend(["--attr-timeout".into(), need(value)?.into()]),
             "log_file" => out.extend(["--log-file".into(), need(value)?.into()]),
-            "node_id" => out.extend(["--node-id".into(), need(value)?.into()]),
+            "node_id" | "listen" | "tls_dir" | "lease_ttl" | "replicas" | "durability" | "failure_domain"
+            | "peer_timeout" => out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()]),
+            // Commas separate mount options, so labels are joined with `+` here.
+            "labels" => out.extend(["--labels".into(), need(value)?.replace('+', ",").into()]),
             "ro" => return Err("read-only mounts are not supported yet".into()),
             _ if ignored(opt) => {}
             _ => return Err(format!("unknown mount option {opt:?}")),
@@ -150,6 +156,25 @@ mod tests {
                 "converged:local"
             ])
         );
+    }
+
+    #[test]
+    fn cluster_fstab_line_translates() {
+        // etcd://m1:2379,m2:2379/vol1 /mnt/data converged data_dir=/nvme/c,listen=0.0.0.0:7400,... 0 0
+        let opts = "data_dir=/nvme/c,listen=0.0.0.0:7400,tls_dir=/etc/converged/n1,node_id=n1,labels=rack=r1+zone=z2,durability=local";
+        let out = translate(&s(&["etcd://m1:2379,m2:2379/vol1", "/mnt/data", "-o", opts])).unwrap();
+        let out: Vec<String> = out.into_iter().map(|o| o.into_string().unwrap()).collect();
+        let joined = out.join(" ");
+        for want in [
+            "--listen 0.0.0.0:7400",
+            "--tls-dir /etc/converged/n1",
+            "--node-id n1",
+            "--labels rack=r1,zone=z2",
+            "--durability local",
+            "--meta etcd://m1:2379,m2:2379/vol1",
+        ] {
+            assert!(joined.contains(want), "{want} missing from {joined}");
+        }
     }
 
     #[test]

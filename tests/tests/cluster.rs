@@ -20,6 +20,7 @@ struct Cluster {
     _etcd: etcd_cluster::EtcdCluster,
     _certs: tempfile::TempDir,
     nodes: Vec<Mount>,
+    meta: String,
 }
 
 impl Cluster {
@@ -60,7 +61,7 @@ impl Cluster {
             args.extend_from_slice(extra);
             nodes.push(Mount::with_args(&args));
         }
-        Some(Cluster { _etcd: etcd, _certs: certs, nodes })
+        Some(Cluster { _etcd: etcd, _certs: certs, nodes, meta: uri })
     }
 
     fn node(&self, i: usize) -> &Mount {
@@ -71,6 +72,12 @@ impl Cluster {
     fn backing(&self, i: usize, ino: u64) -> PathBuf {
         self.nodes[i].data.join("chunks").join(format!("{ino:016x}"))
     }
+}
+
+fn status(c: &Cluster) -> String {
+    let out = converged().args(["status", "--meta", &c.meta]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 impl Drop for Cluster {
@@ -214,12 +221,36 @@ fn killed_node_loses_no_fsynced_byte_and_comes_back() {
     assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
     assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
 
+    // status sees A dead, its lone chunk without a live copy, and the
+    // checkpoint's chunks down to one live copy.
+    eventually(10, "status reports A dead", || status(&c).contains("2 live, 1 dead"));
+    let s = status(&c);
+    assert!(s.contains("2 under-replicated, 1 with no live copy"), "{s}");
+
     // A comes back and serves again.
     c.nodes[0].mount();
     same(&fs::read(c.node(0).path("ckpt.pt")).unwrap(), &data, "ckpt.pt on node 0");
     eventually(10, "A serves its chunks again", || {
         fs::read(c.node(1).path("solo/a-only.bin")).is_ok_and(|d| d == solo)
     });
+}
+
+#[test]
+fn a_corrupt_local_copy_is_read_from_a_replica_and_repaired() {
+    // --verify-reads: every read goes through the daemon's checks.
+    let Some(c) = Cluster::start(2, &["--verify-reads"]) else { return };
+    let data = pattern(3 << 20, 15);
+    fs::write(c.node(0).path("weights.bin"), &data).unwrap();
+    let ino = fs::metadata(c.node(0).path("weights.bin")).unwrap().ino();
+    // Flip a byte of A's own copy behind the daemon's back.
+    let backing = c.backing(0, ino);
+    let mut raw = fs::read(&backing).unwrap();
+    raw[(1 << 20) + 5] ^= 0xff;
+    fs::write(&backing, &raw).unwrap();
+    drop_caches();
+    same(&fs::read(c.node(0).path("weights.bin")).unwrap(), &data, "A reads good bytes from B");
+    assert!(c.node(0).log().contains("repaired a corrupt local range"), "{}", c.node(0).log());
+    same(&fs::read(&backing).unwrap(), &data, "A's copy is repaired");
 }
 
 #[test]

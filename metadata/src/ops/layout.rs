@@ -45,6 +45,25 @@ impl Namespace {
         })
     }
 
+    /// Visit every chunk record of the volume, in inode order, one page per
+    /// read (for `status` and background scans).
+    pub fn for_each_chunk(&self, mut f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<()> {
+        let (mut start, end) = schema::prefix_range(&schema::all_chunks());
+        loop {
+            let page = self.read(|txn| Ok(txn.scan(&start, &end, CHUNKS_PER_BATCH)?))?;
+            for (k, v) in &page {
+                f(schema::key_ino(k), schema::chunk_index(k), &decode(k, v)?);
+            }
+            match page.last() {
+                Some((last, _)) if page.len() == CHUNKS_PER_BATCH => {
+                    start = last.clone();
+                    start.push(0);
+                }
+                _ => return Ok(()),
+            }
+        }
+    }
+
     /// Mark a file as being written on this node and take its write lease.
     /// Must be durable before the first byte of a sealed file changes, or a
     /// crash could leave old checksums over new bytes. Fails with
