@@ -153,25 +153,11 @@ impl Cluster {
         Some(Peer { addr: n.addr.parse().ok()?, node: n.id.clone() })
     }
 
-    /// Copy `[offset, offset + data.len())` of `ino` to `want` peers chosen by
-    /// placement for chunk `index` (none of `holders`, which have it already),
-    /// each on stable storage before this returns, falling back along the
-    /// ranking when a peer fails. Returns the nodes that took the copy (fewer
-    /// than `want` when too few answered).
-    #[allow(clippy::too_many_arguments)]
-    pub fn replicate(
-        &self,
-        ino: u64,
-        index: u32,
-        offset: u64,
-        data: Arc<Vec<u8>>,
-        end_of_file: bool,
-        want: usize,
-        holders: &[String],
-    ) -> Vec<String> {
-        if want == 0 {
-            return Vec::new();
-        }
+    /// The live peers that may take a copy of chunk `index` of `ino`, best
+    /// first: placement's ranking without the nodes in `holders` (which
+    /// have it already), peers that failed lately last. Asks membership, so
+    /// it must be called outside the transport runtime.
+    pub fn plan(&self, ino: u64, index: u32, holders: &[String]) -> Vec<NodeInfo> {
         let peers: Vec<NodeInfo> = self.live_peers().into_iter().filter(|p| !holders.contains(&p.id)).collect();
         let candidates: Vec<Candidate> = peers
             .iter()
@@ -181,8 +167,25 @@ impl Cluster {
             .into_iter()
             .filter_map(|c| peers.iter().find(|p| p.id == c.id).cloned())
             .collect();
-        // Peers that failed lately go last, keeping their order otherwise.
         ranked.sort_by_key(|n| self.suspect(&n.id));
+        ranked
+    }
+
+    /// Copy `[offset, offset + data.len())` of `ino` to `want` nodes of
+    /// `ranked` (from [`Cluster::plan`]), each on stable storage before this
+    /// returns, falling back along the ranking when a peer fails. Returns the
+    /// nodes that took the copy (fewer than `want` when too few answered).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn push(
+        self: Arc<Self>,
+        ino: u64,
+        index: u32,
+        offset: u64,
+        data: Arc<Vec<u8>>,
+        end_of_file: bool,
+        want: usize,
+        ranked: Vec<NodeInfo>,
+    ) -> Vec<String> {
         let mut done = Vec::new();
         let mut next = 0;
         while done.len() < want && next < ranked.len() {
@@ -194,7 +197,7 @@ impl Cluster {
                 .map(|n| {
                     let t = self.transport.clone();
                     let data = data.clone();
-                    self.rt.spawn(async move {
+                    tokio::spawn(async move {
                         let r = match Self::peer(&n) {
                             Some(p) => t.write(&p, ino, offset, &data, end_of_file).await,
                             None => Err(TransportError::Connect { peer: n.id.clone(), msg: "bad address".into() }),
@@ -204,7 +207,7 @@ impl Cluster {
                 })
                 .collect();
             for task in tasks {
-                match self.rt.block_on(task) {
+                match task.await {
                     Ok((id, Ok(()))) => {
                         self.mark(&id, true);
                         done.push(id);

@@ -145,6 +145,9 @@ pub struct Core {
     under_replicated: (Mutex<BTreeSet<Ino>>, parking_lot::Condvar),
 }
 
+/// Chunks whose replica writes may be in flight at once while sealing.
+const REPLICATION_WINDOW: usize = 3;
+
 /// How long an open for writing waits for another node's write lease.
 const LEASE_WAIT: Duration = Duration::from_secs(2);
 
@@ -1123,7 +1126,25 @@ impl Core {
         };
         let replicate_now = cluster.filter(|c| want > 1 && c.durability() == DurabilityMode::Replicated);
         let mut short = false;
-        let mut chunks = Vec::with_capacity(which.len());
+        let mut chunks: Vec<(u32, ChunkRecord)> = Vec::with_capacity(which.len());
+        // Replica writes in flight (position in `chunks`, task): the next
+        // chunk is read and checksummed while earlier ones cross the network.
+        let mut inflight = std::collections::VecDeque::new();
+        let land = |chunks: &mut Vec<(u32, ChunkRecord)>, (at, task): (usize, tokio::task::JoinHandle<Vec<String>>)| {
+            let c = replicate_now.expect("only replicating chunks are in flight");
+            let copies = c.block_on(task).unwrap_or_default();
+            let (index, record) = &mut chunks[at];
+            if copies.len() + 1 < want {
+                tracing::warn!(
+                    ino = inode.ino,
+                    chunk = *index,
+                    copies = copies.len() + 1,
+                    want,
+                    "chunk under-replicated: too few peers answered"
+                );
+            }
+            record.replicas.extend(copies);
+        };
         for index in which {
             let start = index as u64 * cs;
             let len = (size - start).min(cs);
@@ -1147,29 +1168,27 @@ impl Core {
                     continue;
                 }
             }
-            let mut record = ChunkRecord {
+            let record = ChunkRecord {
                 version: previous.map_or(1, |o| o.version + 1),
                 len: len as u32,
                 replicas: vec![self.node_id().to_string()],
                 block_crcs,
             };
             if let (Some(c), Some(data)) = (replicate_now, data) {
+                let ranked = c.plan(inode.ino, index, &record.replicas);
                 let last = start + len == size;
-                let copies = c.replicate(inode.ino, index, start, Arc::new(data), last, want - 1, &record.replicas);
-                if copies.len() + 1 < want {
-                    tracing::warn!(
-                        ino = inode.ino,
-                        chunk = index,
-                        copies = copies.len() + 1,
-                        want,
-                        "chunk under-replicated: too few peers answered"
-                    );
-                }
-                record.replicas.extend(copies);
+                let push = c.clone().push(inode.ino, index, start, Arc::new(data), last, want - 1, ranked);
+                inflight.push_back((chunks.len(), c.spawn(push)));
             }
-            short |= record.replicas.len() < want;
             chunks.push((index, record));
+            while inflight.len() >= REPLICATION_WINDOW {
+                land(&mut chunks, inflight.pop_front().expect("not empty"));
+            }
         }
+        while let Some(f) = inflight.pop_front() {
+            land(&mut chunks, f);
+        }
+        short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
         let seal = Seal { size, mtime: ts_from(md.mtime(), md.mtime_nsec()), chunks, keep_unsealed };
         let sealed = self.ns.seal(inode.ino, &seal, d)?;
         if short {
@@ -1245,7 +1264,9 @@ impl Core {
             }
             let last = start + rec.len as u64 >= inode.size;
             let missing = want - rec.replicas.len();
-            let copies = cluster.replicate(ino, index, start, Arc::new(data), last, missing, &rec.replicas);
+            let ranked = cluster.plan(ino, index, &rec.replicas);
+            let copies =
+                cluster.block_on(cluster.clone().push(ino, index, start, Arc::new(data), last, missing, ranked));
             short |= rec.replicas.len() + copies.len() < want;
             if !copies.is_empty() {
                 self.ns.add_replicas(ino, index, rec.version, &copies)?;

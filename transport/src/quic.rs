@@ -81,6 +81,7 @@ impl QuicTransport {
         // default 1452-byte ceiling makes bulk chunk transfer CPU-bound.
         config.max_udp_payload_size(65527).map_err(|e| TransportError::Endpoint(std::io::Error::other(e)))?;
         let socket = std::net::UdpSocket::bind(addr).map_err(TransportError::Endpoint)?;
+        socket_buffers(&socket);
         let runtime = quinn::default_runtime()
             .ok_or_else(|| TransportError::Endpoint(std::io::Error::other("no async runtime")))?;
         let mut endpoint =
@@ -135,7 +136,7 @@ impl QuicTransport {
             let data = match resp {
                 Response::Data { len } => {
                     let mut data = vec![0u8; len as usize];
-                    recv.read_exact(&mut data).await.map_err(|e| stream_err(peer, e))?;
+                    read_payload(&mut recv, &mut data).await.map_err(|e| stream_err(peer, e))?;
                     data
                 }
                 Response::Error { errno, ref msg } => {
@@ -191,6 +192,32 @@ impl QuicTransport {
     }
 }
 
+/// Socket buffers for bursts of 64 KiB datagrams: the kernel's default
+/// (about 200 KiB) holds three of them, and every datagram dropped there
+/// is a loss that halves the congestion window. Root may exceed
+/// net.core.rmem_max (the FORCE options); otherwise the kernel caps it.
+fn socket_buffers(socket: &std::net::UdpSocket) {
+    use std::os::fd::AsRawFd;
+    const BYTES: libc::c_int = 16 << 20;
+    for (force, plain) in [(libc::SO_RCVBUFFORCE, libc::SO_RCVBUF), (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)] {
+        let set = |opt| {
+            // SAFETY: setsockopt on our own socket with a c_int value.
+            unsafe {
+                libc::setsockopt(
+                    socket.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&BYTES as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                ) == 0
+            }
+        };
+        if !set(force) {
+            set(plain);
+        }
+    }
+}
+
 /// Windows sized for 64 MiB chunks in flight, path MTU discovery allowed up
 /// to jumbo datagrams (the initial MTU stays at the default: large initial
 /// values were seen to stall handshakes), and no GSO, which loses to large
@@ -242,9 +269,26 @@ async fn serve_stream(
         Ok(r) => r,
         Err(e) => (Response::Error { errno: e.errno, msg: e.msg }, Vec::new()),
     };
-    if send.write_all(&resp.encode()).await.is_ok() && send.write_all(&payload).await.is_ok() {
+    // The payload is handed to quinn as it is: no copy into its send buffer.
+    if send.write_all(&resp.encode()).await.is_ok() && send.write_chunk(bytes::Bytes::from(payload)).await.is_ok() {
         let _ = send.finish();
     }
+}
+
+/// Fill `buf` from the stream, taking quinn's received chunks as they are
+/// (one copy, into `buf`) rather than through its read buffer.
+async fn read_payload(recv: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<(), String> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match recv.read_chunk(buf.len() - filled, true).await.map_err(|e| e.to_string())? {
+            Some(chunk) => {
+                buf[filled..filled + chunk.bytes.len()].copy_from_slice(&chunk.bytes);
+                filled += chunk.bytes.len();
+            }
+            None => return Err(format!("stream ended after {filled} of {} bytes", buf.len())),
+        }
+    }
+    Ok(())
 }
 
 async fn read_request(recv: &mut quinn::RecvStream) -> Result<Request, String> {
@@ -282,7 +326,7 @@ async fn answer(req: Request, recv: &mut quinn::RecvStream, service: Arc<dyn Chu
         }
         Request::Write { ino, offset, len, end_of_file } => {
             let mut data = vec![0u8; len as usize];
-            recv.read_exact(&mut data).await.map_err(io_error)?;
+            read_payload(recv, &mut data).await.map_err(io_error)?;
             blocking(Box::new(move || {
                 service.write(ino, offset, &data, end_of_file).map(|()| (Response::Done, Vec::new()))
             }))

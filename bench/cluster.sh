@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# Cluster benchmark on one machine: `converged dev-cluster --nodes 2` (a
+# one-member etcd and two nodes on loopback, data dirs on the disk under
+# test), against the raw disk and a plain TCP copy measured in the same run.
+#
+#   sudo bench/cluster.sh
+#   sudo SIZE=512m NFILES=2000 bench/cluster.sh      # quick check
+#   sudo SAVE=1 bench/cluster.sh                     # also write bench/results/cluster-<date>.txt
+#
+# What it prints, each with its ratio:
+#   replicated write   fio seq write + fsync on n1 (replicas=2: n2 holds a copy
+#                      on stable storage before fsync returns) / the same on raw
+#   remote seq read    cold fio seq read on n2 of a file whose chunks are on n1
+#                      only (replicas=1) / a plain TCP copy of the same bytes
+#                      over loopback (bench/scripts/tcp_copy.py, sendfile)
+#   create, stat       fio create and cached stat on the etcd-backed mount,
+#                      against the raw directory and the issue's floors
+#
+# Environment (defaults in brackets):
+#   BENCH_DIR   work directory, on the disk under test [/var/tmp/converged-cluster-bench]
+#   SIZE        size of the sequential file, fio syntax [2g]
+#   NFILES      files created and stat-ed [5000]
+#   STAT_LOOPS  stat passes over the NFILES files [10]
+#   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
+#   SAVE        1: also save the table under bench/results/ [0]
+#
+# Needs root, fio, python3 and etcd (/usr/bin/etcd, Debian etcd-server).
+set -euo pipefail
+
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$SCRIPT_DIR/.." && pwd)
+FIO_DIR=$SCRIPT_DIR/fio
+
+BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-cluster-bench}
+SIZE=${SIZE:-2g}
+NFILES=${NFILES:-5000}
+STAT_LOOPS=${STAT_LOOPS:-10}
+DEFAULT_CONVERGED=$REPO/target/release/converged
+CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
+SAVE=${SAVE:-0}
+
+die() { echo "cluster-bench: $*" >&2; exit 1; }
+log() { echo "== $*" >&2; }
+
+[[ $(id -u) -eq 0 ]] || die "run as root (drop_caches and FUSE mounts need it): sudo $0"
+command -v fio >/dev/null || die "fio not found (apt-get install fio)"
+command -v python3 >/dev/null || die "python3 not found"
+[[ -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
+[[ $SIZE =~ ^[1-9][0-9]*[kKmMgGtT]?$ ]] || die "SIZE=$SIZE: expected a number with an optional k/m/g/t suffix"
+for v in NFILES STAT_LOOPS; do
+    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
+done
+case $BENCH_DIR in /*) ;; *) die "BENCH_DIR must be an absolute path" ;; esac
+[[ $BENCH_DIR != *[[:space:]]* ]] || die "BENCH_DIR must not contain white space"
+
+if [[ ! -x $CONVERGED ]]; then
+    [[ $CONVERGED == "$DEFAULT_CONVERGED" ]] || die "CONVERGED=$CONVERGED is not an executable"
+    log "building converged (cargo build --release -p converged-fs)"
+    (cd "$REPO" && cargo build --release -p converged-fs) || die "build failed"
+fi
+
+mkdir -p "$BENCH_DIR"
+BENCH_DIR=$(cd "$BENCH_DIR" && pwd -P)
+[[ $BENCH_DIR != / ]] || die "BENCH_DIR must not be /"
+RAW=$BENCH_DIR/raw
+DEV=$BENCH_DIR/dev
+JSON=$BENCH_DIR/json
+N1=$DEV/n1/mnt
+N2=$DEV/n2/mnt
+
+DEV_PID=
+cleanup() {
+    local rc=$?
+    trap - EXIT INT TERM
+    set +e
+    if [[ -n $DEV_PID ]] && kill -0 "$DEV_PID" 2>/dev/null; then
+        log "stopping dev-cluster"
+        kill -TERM "$DEV_PID"
+        wait "$DEV_PID"
+    fi
+    for n in n1 n2; do
+        [[ -f $DEV/$n/data/converged.log ]] && cp "$DEV/$n/data/converged.log" "$JSON/$n.log"
+    done
+    rm -rf "$RAW" "$DEV"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+rm -rf "$RAW" "$DEV" "$JSON"
+mkdir -p "$RAW" "$JSON"
+
+drop_caches() {
+    sync
+    echo 3 > /proc/sys/vm/drop_caches
+    fio --name=warm --ioengine=null --size=1m --output=/dev/null >/dev/null
+}
+
+run_fio() { # JOB TAG DIR [FIO OPTION...]
+    local job=$1 tag=$2 dir=$3
+    shift 3
+    log "$tag: fio $job.fio in $dir"
+    DIR=$dir SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS RAND_IOS=1 \
+        fio --output-format=json --output="$JSON/$tag.json" "$@" "$FIO_DIR/$job.fio" \
+        || die "fio $job.fio failed against $dir (see $JSON/$tag.json)"
+}
+
+log "starting dev-cluster (2 nodes) in $DEV"
+mkfifo "$JSON/dev.out"
+"$CONVERGED" dev-cluster --nodes 2 --dir "$DEV" > "$JSON/dev.out" 2>"$JSON/dev.err" &
+DEV_PID=$!
+exec 3<"$JSON/dev.out"
+while IFS= read -r -u 3 line; do
+    echo "   $line" >&2
+    [[ $line == "dev-cluster ready"* ]] && break
+done
+kill -0 "$DEV_PID" 2>/dev/null || die "dev-cluster failed: $(cat "$JSON/dev.err")"
+# Keep draining its output so it never blocks on a full pipe.
+cat <&3 >/dev/null &
+
+# Replicated write: replicas=2 (the cluster default) against raw.
+mkdir "$N1/rep"
+for side in raw conv; do
+    drop_caches
+    if [[ $side == raw ]]; then run_fio seqwrite write-raw "$RAW"; else run_fio seqwrite write-rep "$N1/rep"; fi
+done
+
+# Remote read: a file with one copy, on n1, read cold on n2; then the plain
+# TCP copy of the raw file (same size, same disk), cold too.
+mkdir "$N1/solo"
+setfattr -n user.converged.replicas -v 1 "$N1/solo" 2>/dev/null \
+    || python3 -c "import os,sys; os.setxattr(sys.argv[1], 'user.converged.replicas', b'1')" "$N1/solo"
+run_fio seqwrite write-solo "$N1/solo"
+drop_caches
+run_fio seqread read-remote "$N2/solo"
+drop_caches
+log "tcp: plain TCP copy of $RAW/seqfile over loopback"
+python3 "$SCRIPT_DIR/scripts/tcp_copy.py" "$RAW/seqfile" > "$JSON/tcp.json"
+drop_caches
+run_fio seqread read-raw "$RAW"
+
+# Metadata on etcd: create, then cached stat (the kernel answers within the
+# attr timeout; the etcd watch evicts what other nodes change).
+mkdir "$RAW/meta" "$N1/meta"
+for side in raw conv; do
+    d=$RAW/meta; [[ $side == conv ]] && d=$N1/meta
+    drop_caches
+    run_fio create "create-$side" "$d"
+    run_fio stat "layout-$side" "$d" --create_only=1
+    drop_caches
+    run_fio stat "stat-$side" "$d"
+done
+
+REPORT=$JSON/table.txt
+{
+    echo "converged cluster benchmark (dev-cluster, 2 nodes on loopback), $(date '+%Y-%m-%d %H:%M:%S %z')"
+    echo "host $(hostname), kernel $(uname -r), $(nproc) CPUs, $(free -g | awk '/^Mem:/ { print $2 }') GiB RAM, $(fio --version), $(/usr/bin/etcd --version | head -n 1)"
+    rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
+    git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
+    echo "converged $("$CONVERGED" --version | awk '{ print $2 }') ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR"
+    echo "SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS"
+    echo
+    python3 - "$JSON" "$SIZE" "$NFILES" <<'PY'
+import json, sys
+
+jdir, size, nfiles = sys.argv[1:4]
+
+def stats(tag):
+    with open(f"{jdir}/{tag}.json") as f:
+        text = f.read()
+    job = json.loads(text[text.index("{"):])["jobs"][0]
+    if job.get("error"):
+        sys.exit(f"fio job {tag} reported error {job['error']}")
+    return job[max(("read", "write"), key=lambda d: job[d]["total_ios"])]
+
+def bw(tag):
+    st = stats(tag)
+    return st["io_bytes"] * 1000.0 / st["runtime"]
+
+def ops(tag):
+    st = stats(tag)
+    return st["total_ios"] * 1000.0 / st["runtime"]
+
+with open(f"{jdir}/tcp.json") as f:
+    tcp = json.load(f)
+tcp_bw = tcp["bytes"] / tcp["seconds"]
+
+gb = lambda v: f"{v / 1e9:.2f} GB/s"
+op = lambda v: f"{v:,.0f} ops/s"
+rows = [
+    (f"replicated write {size} + fsync", "raw disk", bw("write-raw"), bw("write-rep"), gb, "", None),
+    ("remote seq read (n1 -> n2)", "TCP copy", tcp_bw, bw("read-remote"), gb, ">= 0.50x", 0.5),
+    ("remote seq read (n1 -> n2)", "raw disk", bw("read-raw"), bw("read-remote"), gb, "", None),
+    (f"create ({nfiles} files, etcd)", "raw dir", ops("create-raw"), ops("create-conv"), op, ">= 2,000 ops/s", 2000),
+    ("stat, cached (etcd)", "raw dir", ops("stat-raw"), ops("stat-conv"), op, ">= 50,000 ops/s", 50000),
+]
+print(f"{'test':<34}{'against':<10}{'baseline':<16}{'converged':<16}{'ratio':<8}target")
+for label, against, base, conv, f, target, floor in rows:
+    ratio = conv / base
+    met = ""
+    if floor is not None:
+        ok = ratio >= floor if floor < 10 else conv >= floor
+        met = f"{target} " + ("met" if ok else "MISSED")
+    print(f"{label:<34}{against:<10}{f(base):<16}{f(conv):<16}{f'{ratio:.2f}x':<8}{met}".rstrip())
+PY
+} > "$REPORT"
+echo
+cat "$REPORT"
+if [[ $SAVE == 1 ]]; then
+    mkdir -p "$SCRIPT_DIR/results"
+    out=$SCRIPT_DIR/results/cluster-$(date +%Y-%m-%d-%H%M%S).txt
+    cp "$REPORT" "$out"
+    echo "saved to $out"
+fi
