@@ -21,6 +21,8 @@
 #   SIZE        size of the sequential file, fio syntax [2g]
 #   NFILES      files created and stat-ed [5000]
 #   STAT_LOOPS  stat passes over the NFILES files [10]
+#   MOUNT_OPTS  extra options for every node's mount, space separated (e.g. "--threads=32") []
+#   JOBS        processes creating NFILES/JOBS files each, for the parallel create [16]
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   SAVE        1: also save the table under bench/results/ [0]
 #
@@ -35,6 +37,8 @@ BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-cluster-bench}
 SIZE=${SIZE:-2g}
 NFILES=${NFILES:-5000}
 STAT_LOOPS=${STAT_LOOPS:-10}
+JOBS=${JOBS:-16}
+MOUNT_OPTS=${MOUNT_OPTS:-}
 DEFAULT_CONVERGED=$REPO/target/release/converged
 CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
 SAVE=${SAVE:-0}
@@ -47,7 +51,7 @@ command -v fio >/dev/null || die "fio not found (apt-get install fio)"
 command -v python3 >/dev/null || die "python3 not found"
 [[ -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
 [[ $SIZE =~ ^[1-9][0-9]*[kKmMgGtT]?$ ]] || die "SIZE=$SIZE: expected a number with an optional k/m/g/t suffix"
-for v in NFILES STAT_LOOPS; do
+for v in NFILES STAT_LOOPS JOBS; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
 done
 case $BENCH_DIR in /*) ;; *) die "BENCH_DIR must be an absolute path" ;; esac
@@ -101,14 +105,16 @@ run_fio() { # JOB TAG DIR [FIO OPTION...]
     local job=$1 tag=$2 dir=$3
     shift 3
     log "$tag: fio $job.fio in $dir"
-    DIR=$dir SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS RAND_IOS=1 \
+    DIR=$dir SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS RAND_IOS=1 JOBS=$JOBS NFILES_PER_JOB=$((NFILES / JOBS)) \
         fio --output-format=json --output="$JSON/$tag.json" "$@" "$FIO_DIR/$job.fio" \
         || die "fio $job.fio failed against $dir (see $JSON/$tag.json)"
 }
 
 log "starting dev-cluster (2 nodes) in $DEV"
 mkfifo "$JSON/dev.out"
-"$CONVERGED" dev-cluster --nodes 2 --dir "$DEV" > "$JSON/dev.out" 2>"$JSON/dev.err" &
+DEV_ARGS=()
+for o in $MOUNT_OPTS; do DEV_ARGS+=("--mount-opt=$o"); done
+"$CONVERGED" dev-cluster --nodes 2 --dir "$DEV" "${DEV_ARGS[@]}" > "$JSON/dev.out" 2>"$JSON/dev.err" &
 DEV_PID=$!
 exec 3<"$JSON/dev.out"
 while IFS= read -r -u 3 line; do
@@ -151,6 +157,13 @@ for side in raw conv; do
     drop_caches
     run_fio stat "stat-$side" "$d"
 done
+mkdir "$RAW/pmeta" "$N1/pmeta"
+for side in raw conv; do
+    d=$RAW/pmeta; [[ $side == conv ]] && d=$N1/pmeta
+    for ((j = 0; j < JOBS; j++)); do mkdir -p "$d/j$j"; done
+    drop_caches
+    run_fio create-parallel "pcreate-$side" "$d"
+done
 
 REPORT=$JSON/table.txt
 {
@@ -159,12 +172,12 @@ REPORT=$JSON/table.txt
     rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
     git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
     echo "converged $("$CONVERGED" --version | awk '{ print $2 }') ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR"
-    echo "SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS"
+    echo "SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS JOBS=$JOBS"
     echo
-    python3 - "$JSON" "$SIZE" "$NFILES" <<'PY'
+    python3 - "$JSON" "$SIZE" "$NFILES" "$JOBS" <<'PY'
 import json, sys
 
-jdir, size, nfiles = sys.argv[1:4]
+jdir, size, nfiles, jobs = sys.argv[1:5]
 
 def stats(tag):
     with open(f"{jdir}/{tag}.json") as f:
@@ -193,6 +206,7 @@ rows = [
     ("remote seq read (n1 -> n2)", "TCP copy", tcp_bw, bw("read-remote"), gb, ">= 0.50x", 0.5),
     ("remote seq read (n1 -> n2)", "raw disk", bw("read-raw"), bw("read-remote"), gb, "", None),
     (f"create ({nfiles} files, etcd)", "raw dir", ops("create-raw"), ops("create-conv"), op, ">= 2,000 ops/s", 2000),
+    (f"create, {jobs} at once (etcd)", "raw dir", ops("pcreate-raw"), ops("pcreate-conv"), op, ">= 2,000 ops/s", 2000),
     ("stat, cached (etcd)", "raw dir", ops("stat-raw"), ops("stat-conv"), op, ">= 50,000 ops/s", 50000),
 ]
 print(f"{'test':<34}{'against':<10}{'baseline':<16}{'converged':<16}{'ratio':<8}target")

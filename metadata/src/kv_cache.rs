@@ -1,4 +1,4 @@
-//! `CachedKv`: a node-local read cache of inode and dentry records in front
+//! `CachedKv`: a node-local read cache of inode, dentry and xattr records in front
 //! of a shared engine (etcd), kept honest by the engine's change feed.
 //!
 //! Read-only lookups and getattrs are served from memory; read-write
@@ -30,10 +30,10 @@ pub struct CachedKv {
     subscribers: Arc<Mutex<Vec<ChangeFeed>>>,
 }
 
-/// Only inode (`I`) and dentry (`D`) records are cached: they are what
-/// lookup and getattr read, and what other nodes' changes touch.
+/// Only inode (`I`), dentry (`D`) and xattr (`X`) records are cached: they
+/// are what lookup, getattr, getxattr and a create's replica policy read.
 fn cacheable(key: &[u8]) -> bool {
-    matches!(key.first(), Some(b'I' | b'D'))
+    matches!(key.first(), Some(b'I' | b'D' | b'X'))
 }
 
 impl CachedKv {

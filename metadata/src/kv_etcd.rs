@@ -97,11 +97,37 @@ impl EtcdKv {
         })
     }
 
-    /// Get one key at `rev` (0: latest). Returns (value, mod revision, revision read at).
-    fn get_at(&self, key: &[u8], rev: i64) -> KvResult<(Option<Vec<u8>>, i64, i64)> {
+    /// One range read at `rev` (0: latest). A serializable read is served
+    /// by whichever member answers, without a round of consensus: right for
+    /// reads a commit will validate (their mod revisions are compared) and
+    /// for reads at a pinned revision. A member that has not reached `rev`
+    /// yet refuses; then the read goes through the leader.
+    fn get_raw(
+        &self,
+        key: Vec<u8>,
+        mut opts: GetOptions,
+        rev: i64,
+        serializable: bool,
+    ) -> KvResult<etcd_client::GetResponse> {
+        if rev > 0 {
+            opts = opts.with_revision(rev);
+        }
         let mut c = self.client.kv_client();
-        let opts = if rev > 0 { GetOptions::new().with_revision(rev) } else { GetOptions::new() };
-        let resp = self.run(c.get(self.key(key), Some(opts)))?;
+        if serializable {
+            match self.run(c.get(key.clone(), Some(opts.clone().with_serializable()))) {
+                Ok(r) => return Ok(r),
+                Err(e) if rev > 0 => {
+                    tracing::debug!(error = %e, "serializable read refused; reading through the leader")
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.run(c.get(key, Some(opts)))
+    }
+
+    /// Get one key at `rev` (0: latest). Returns (value, mod revision, revision read at).
+    fn get_at(&self, key: &[u8], rev: i64, serializable: bool) -> KvResult<(Option<Vec<u8>>, i64, i64)> {
+        let resp = self.get_raw(self.key(key), GetOptions::new(), rev, serializable)?;
         let at = resp.header().map_or(rev, |h| h.revision());
         Ok(match resp.kvs().first() {
             Some(kv) => (Some(kv.value().to_vec()), kv.mod_revision(), at),
@@ -109,13 +135,9 @@ impl EtcdKv {
         })
     }
 
-    fn scan_at(&self, start: &[u8], end: &[u8], limit: usize, rev: i64) -> KvResult<(Pairs, i64)> {
-        let mut c = self.client.kv_client();
-        let mut opts = GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
-        if rev > 0 {
-            opts = opts.with_revision(rev);
-        }
-        let resp = self.run(c.get(self.key(start), Some(opts)))?;
+    fn scan_at(&self, start: &[u8], end: &[u8], limit: usize, rev: i64, serializable: bool) -> KvResult<(Pairs, i64)> {
+        let opts = GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
+        let resp = self.get_raw(self.key(start), opts, rev, serializable)?;
         let at = resp.header().map_or(rev, |h| h.revision());
         let n = self.prefix.len();
         Ok((resp.kvs().iter().map(|kv| (kv.key()[n..].to_vec(), kv.value().to_vec())).collect(), at))
@@ -129,12 +151,12 @@ struct EtcdRead<'a> {
 
 impl KvRead for EtcdRead<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        let (v, _, at) = self.kv.get_at(key, self.rev)?;
+        let (v, _, at) = self.kv.get_at(key, self.rev, self.rev > 0)?;
         self.rev = at;
         Ok(v)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let (v, at) = self.kv.scan_at(start, end, limit, self.rev)?;
+        let (v, at) = self.kv.scan_at(start, end, limit, self.rev, self.rev > 0)?;
         self.rev = at;
         Ok(v)
     }
@@ -164,7 +186,7 @@ impl KvRead for EtcdWrite<'_> {
         if self.range_deleted(key) {
             return Ok(None);
         }
-        let (v, mod_rev, at) = self.kv.get_at(key, self.rev)?;
+        let (v, mod_rev, at) = self.kv.get_at(key, self.rev, self.rev > 0)?;
         self.rev = at;
         self.reads.insert(key.to_vec(), mod_rev);
         Ok(v)
@@ -172,7 +194,7 @@ impl KvRead for EtcdWrite<'_> {
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let extra = pending_deletes(&self.pending, start, end);
         let want = if self.deleted_ranges.is_empty() { limit.saturating_add(extra) } else { usize::MAX >> 1 };
-        let (found, at) = self.kv.scan_at(start, end, want, self.rev)?;
+        let (found, at) = self.kv.scan_at(start, end, want, self.rev, self.rev > 0)?;
         self.rev = at;
         self.scanned.push((start.to_vec(), end.to_vec()));
         let base: Vec<_> = found.into_iter().filter(|(k, _)| !self.range_deleted(k)).collect();
@@ -221,7 +243,7 @@ impl KvWrite for EtcdWrite<'_> {
             // then delete the range's keys one by one instead.
             let overlaps = self.pending.range(s.clone()..e.clone()).next().is_some();
             if overlaps {
-                let (keys, _) = kv.scan_at(s, e, usize::MAX >> 1, self.rev)?;
+                let (keys, _) = kv.scan_at(s, e, usize::MAX >> 1, self.rev, true)?;
                 for (k, _) in keys {
                     if !self.pending.contains_key(&k) {
                         ops.push(TxnOp::delete(kv.key(&k), None));
@@ -377,7 +399,7 @@ impl Membership for EtcdKv {
         let decode = |v: &[u8]| postcard::from_bytes::<NodeInfo>(v).map_err(KvError::backend);
         let range = |p: &[u8]| {
             let (s, e) = schema::prefix_range(p);
-            self.scan_at(&s, &e, 100_000, 0).map(|(kvs, _)| kvs)
+            self.scan_at(&s, &e, 100_000, 0, false).map(|(kvs, _)| kvs)
         };
         let live: BTreeMap<Vec<u8>, Vec<u8>> =
             range(schema::LIVE_NODES)?.into_iter().map(|(k, v)| (k[1..].to_vec(), v)).collect();

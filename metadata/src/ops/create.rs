@@ -19,6 +19,15 @@ impl Namespace {
         }
         let ino = self.alloc_ino()?;
         let chunk_size = self.chunk_size();
+        // The directory's replica policy, inherited by the new node. Read
+        // outside the transaction (from the node's cache on a cluster): a
+        // policy changed at this very moment applies from the next create.
+        let policy = match node.kind {
+            FileKind::Regular | FileKind::Directory => {
+                self.read(|txn| Ok(txn.get(&schema::xattr(parent, REPLICAS_XATTR))?))?
+            }
+            _ => None,
+        };
         self.write(Durability::Buffered, |txn| {
             let mut dir = get_dir(txn, parent)?;
             if dir.nlink == 0 {
@@ -59,12 +68,8 @@ impl Namespace {
             if node.unsealed && node.kind == FileKind::Regular {
                 txn.put(&schema::unsealed(ino), self.node.as_bytes());
             }
-            if matches!(node.kind, FileKind::Regular | FileKind::Directory) {
-                // The replica count is inherited from the directory, like a layout policy.
-                let policy = schema::xattr(parent, REPLICAS_XATTR);
-                if let Some(v) = txn.get(&policy)? {
-                    txn.put(&schema::xattr(ino, REPLICAS_XATTR), &v);
-                }
+            if let Some(v) = &policy {
+                txn.put(&schema::xattr(ino, REPLICAS_XATTR), v);
             }
             put_dentry(txn, parent, name, &Dentry { ino, kind: node.kind });
             if is_dir {

@@ -1,0 +1,39 @@
+//! Transactions per second against an etcd endpoint, from N threads:
+//! the ceiling a mount's creates meet. `cargo run --release -p
+//! converged-metadata --example etcd_rate -- 127.0.0.1:2379 16 2000`
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use converged_metadata::kv::{Durability, KvEngine};
+use converged_metadata::EtcdKv;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let endpoint = args.first().cloned().unwrap_or_else(|| "127.0.0.1:2379".into());
+    let threads: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(16);
+    let total: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(2000);
+    let kv = Arc::new(EtcdKv::connect(&[endpoint], "rate", Duration::from_secs(5)).unwrap());
+    for reads in [0, 3] {
+        let t0 = Instant::now();
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let kv = kv.clone();
+                std::thread::spawn(move || {
+                    for i in 0..total / threads {
+                        let mut txn = kv.write_txn().unwrap();
+                        for r in 0..reads {
+                            txn.get(format!("r{t}-{r}").as_bytes()).unwrap();
+                        }
+                        txn.put(format!("k{reads}-{t}-{i}").as_bytes(), b"v");
+                        txn.commit(Durability::Durable).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        println!("{threads} threads, {reads} reads + 1 put per txn: {:.0} txn/s", total as f64 / secs);
+    }
+}
