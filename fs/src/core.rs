@@ -92,6 +92,23 @@ struct Layout {
     chunks: Vec<Option<Arc<ChunkRecord>>>,
 }
 
+/// Bytes `[from, to)` of a file, inside the chunk that starts at `chunk_start`.
+struct Part<'a> {
+    rec: &'a ChunkRecord,
+    chunk_start: u64,
+    from: u64,
+    to: u64,
+}
+
+impl Part<'_> {
+    /// The block-aligned range to read and verify, clipped to the chunk's data.
+    fn blocks(&self) -> (u64, u64) {
+        let bs = BLOCK_SIZE as u64;
+        let stop = (self.to.div_ceil(bs) * bs).min(self.chunk_start + self.rec.len as u64).max(self.to);
+        (self.from / bs * bs, stop)
+    }
+}
+
 /// Size and mtime of a backing file: what a publish saw, to skip the next
 /// one (and the final seal) when nothing changed since.
 type Stamp = (u64, Timespec);
@@ -807,12 +824,13 @@ impl Core {
                 None => out.resize(out.len() + (to - pos) as usize, 0),
                 Some(rec) if self.is_local(rec) => {
                     let before = out.len();
-                    match self.read_local(ino, &oi, rec, chunk_start, pos, to, &mut out) {
+                    let part = Part { rec, chunk_start, from: pos, to };
+                    match self.read_local(ino, &oi, &part, &mut out) {
                         Ok(()) => {}
                         // A bad local copy: read another replica and repair ours.
                         Err(FsError::Corrupt { .. }) if rec.replicas.len() > 1 && self.cluster.get().is_some() => {
                             out.truncate(before);
-                            self.repair_from_peer(ino, &oi, rec, chunk_start, pos, to, &mut out)?;
+                            self.repair_from_peer(ino, &oi, &part, &mut out)?;
                         }
                         Err(e) => return Err(e),
                     }
@@ -842,50 +860,27 @@ impl Core {
     }
 
     /// Bytes `[from, to)` of a chunk this node holds, read block-aligned and verified.
-    #[allow(clippy::too_many_arguments)]
-    fn read_local(
-        &self,
-        ino: Ino,
-        oi: &OpenInode,
-        rec: &ChunkRecord,
-        chunk_start: u64,
-        from: u64,
-        to: u64,
-        out: &mut Vec<u8>,
-    ) -> FsResult<()> {
-        let bs = BLOCK_SIZE as u64;
-        let start = from / bs * bs;
-        let stop = (to.div_ceil(bs) * bs).min(chunk_start + rec.len as u64).max(to);
+    fn read_local(&self, ino: Ino, oi: &OpenInode, part: &Part<'_>, out: &mut Vec<u8>) -> FsResult<()> {
+        let (start, stop) = part.blocks();
         let mut buf = vec![0u8; (stop - start) as usize];
         read_exact_at(&oi.file, &mut buf, start).map_err(|e| FsError::io("read backing file", e))?;
-        if let Err(e) = remote::verify(ino, rec, chunk_start, start, &buf) {
+        if let Err(e) = remote::verify(ino, part.rec, part.chunk_start, start, &buf) {
             if let FsError::Corrupt { offset, .. } = &e {
                 tracing::error!(ino, offset, "checksum mismatch reading local chunk; returning EIO");
             }
             return Err(e);
         }
-        out.extend_from_slice(&buf[(from - start) as usize..(to - start) as usize]);
+        out.extend_from_slice(&buf[(part.from - start) as usize..(part.to - start) as usize]);
         Ok(())
     }
 
     /// Bytes `[from, to)` of a chunk whose local copy failed its checksum,
     /// from another replica (verified); the good blocks are written over the
     /// bad local ones.
-    #[allow(clippy::too_many_arguments)]
-    fn repair_from_peer(
-        &self,
-        ino: Ino,
-        oi: &OpenInode,
-        rec: &ChunkRecord,
-        chunk_start: u64,
-        from: u64,
-        to: u64,
-        out: &mut Vec<u8>,
-    ) -> FsResult<()> {
+    fn repair_from_peer(&self, ino: Ino, oi: &OpenInode, part: &Part<'_>, out: &mut Vec<u8>) -> FsResult<()> {
         let cluster = self.cluster.get().expect("checked by the caller");
-        let bs = BLOCK_SIZE as u64;
-        let start = from / bs * bs;
-        let stop = (to.div_ceil(bs) * bs).min(chunk_start + rec.len as u64).max(to);
+        let (start, stop) = part.blocks();
+        let (rec, chunk_start, from, to) = (part.rec, part.chunk_start, part.from, part.to);
         let order = cluster.read_order(&rec.replicas);
         let rec = Arc::new(rec.clone());
         let fetch = remote::fetch_verified(cluster.clone(), ino, rec, chunk_start, start, (stop - start) as u32, order);
