@@ -1055,14 +1055,21 @@ impl Core {
                 // Published at close and unchanged since: only the mark goes.
                 let unchanged = st.published.is_some() && stamp(&oi.file).ok() == st.published;
                 let dirty = if unchanged { Dirty::None } else { std::mem::take(&mut st.dirty) };
-                result = self.ns.getattr(h.ino).map_err(FsError::from).and_then(|inode| {
-                    let empty = inode.size == 0 && oi.file.metadata().is_ok_and(|m| m.len() == 0);
-                    if empty {
-                        self.unseal_later.lock().push(h.ino);
-                        return Ok(());
-                    }
-                    self.seal_file(&inode, &oi.file, &dirty, false, Durability::Buffered).map(|_| ())
-                });
+                let backing_empty = oi.file.metadata().is_ok_and(|m| m.len() == 0);
+                result = if st.created_here && backing_empty {
+                    // Created here and never written: recorded with size 0
+                    // at create, nothing to read back or checksum.
+                    self.unseal_later.lock().push(h.ino);
+                    Ok(())
+                } else {
+                    self.ns.getattr(h.ino).map_err(FsError::from).and_then(|inode| {
+                        if inode.size == 0 && backing_empty {
+                            self.unseal_later.lock().push(h.ino);
+                            return Ok(());
+                        }
+                        self.seal_file(&inode, &oi.file, &dirty, false, Durability::Buffered).map(|_| ())
+                    })
+                };
                 if result.is_ok() {
                     st.unsealed = false;
                     st.layout = None;

@@ -18,8 +18,8 @@ use crate::error::{FsError, FsResult};
 
 /// Bytes fetched per peer request.
 pub const WINDOW: u64 = 4 << 20;
-/// Windows fetched ahead of a sequential reader (32 MiB in flight).
-pub const READAHEAD: u64 = 8;
+/// Windows fetched ahead of a sequential reader (64 MiB in flight).
+pub const READAHEAD: u64 = 16;
 
 /// Check each block of `bytes`, which start at `offset` of the file (block
 /// aligned), against the record of the chunk starting at `chunk_start`.
