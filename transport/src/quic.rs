@@ -52,9 +52,15 @@ pub struct Peer {
     pub node: String,
 }
 
+/// Connections kept to each peer.
+const CONNECTIONS: usize = 2;
+
 pub struct QuicTransport {
     endpoint: quinn::Endpoint,
-    conns: Mutex<HashMap<Peer, quinn::Connection>>,
+    /// Connections per peer: [`CONNECTIONS`] of them, used in turn, so the
+    /// packet work of parallel requests spreads over the runtime's threads.
+    conns: Mutex<HashMap<(Peer, usize), quinn::Connection>>,
+    next: std::sync::atomic::AtomicUsize,
     timeout: Duration,
 }
 
@@ -93,7 +99,7 @@ impl QuicTransport {
                 tokio::spawn(serve_connection(incoming, service.clone()));
             }
         });
-        Ok(Self { endpoint, conns: Mutex::default(), timeout })
+        Ok(Self { endpoint, conns: Mutex::default(), next: Default::default(), timeout })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -101,7 +107,9 @@ impl QuicTransport {
     }
 
     async fn connection(&self, peer: &Peer) -> Result<quinn::Connection, TransportError> {
-        if let Some(c) = self.conns.lock().get(peer) {
+        let slot = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % CONNECTIONS;
+        let key = (peer.clone(), slot);
+        if let Some(c) = self.conns.lock().get(&key) {
             if c.close_reason().is_none() {
                 return Ok(c.clone());
             }
@@ -114,7 +122,7 @@ impl QuicTransport {
             .map_err(|e| connect_err(&e))?
             .await
             .map_err(|e| connect_err(&e))?;
-        self.conns.lock().insert(peer.clone(), conn.clone());
+        self.conns.lock().insert(key, conn.clone());
         Ok(conn)
     }
 
