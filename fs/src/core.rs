@@ -983,8 +983,12 @@ impl Core {
         let r = if datasync { oi.file.sync_data() } else { oi.file.sync_all() };
         r.map_err(|e| FsError::io("fsync backing file", e))?;
         if self.cluster.get().is_some() {
-            self.publish(ino, &oi, Durability::Durable)?;
-            return Ok(self.ns.sync()?);
+            // A durable seal carries every earlier namespace change; only
+            // when there was nothing to publish is a separate sync needed.
+            if !self.publish(ino, &oi, Durability::Durable)? {
+                self.ns.sync()?;
+            }
+            return Ok(());
         }
         let unsealed = oi.state.lock().unsealed;
         if unsealed {
@@ -1013,22 +1017,23 @@ impl Core {
 
     /// Seal what a writer has written so far without giving up the write
     /// lease: checksums, replicas (per the durability mode) and layout. A
-    /// file unchanged since the last publish costs one stat.
-    fn publish(&self, ino: Ino, oi: &OpenInode, d: Durability) -> FsResult<()> {
+    /// file unchanged since the last publish costs one stat. Returns whether
+    /// it committed a seal.
+    fn publish(&self, ino: Ino, oi: &OpenInode, d: Durability) -> FsResult<bool> {
         let mut st = oi.state.lock();
         if !st.unsealed || st.orphaned {
-            return Ok(());
+            return Ok(false);
         }
         let now = stamp(&oi.file)?;
         if st.published == Some(now) || (st.created_here && now.0 == 0) {
-            return Ok(());
+            return Ok(false);
         }
         let inode = self.ns.getattr(ino)?;
         let dirty = std::mem::replace(&mut st.dirty, if self.passthrough() { Dirty::All } else { Dirty::None });
         match self.seal_file(&inode, &oi.file, &dirty, true, d) {
             Ok(_) => {
                 st.published = Some(now);
-                Ok(())
+                Ok(true)
             }
             Err(e) => {
                 st.dirty = Dirty::All;
