@@ -756,13 +756,11 @@ impl Core {
             let tasks: Vec<_> = batch
                 .iter()
                 .map(|(rec, chunk_start, off, len)| {
-                    let order = cluster.read_order(&rec.replicas);
-                    let f = remote::fetch_verified(cluster.clone(), ino, rec.clone(), *chunk_start, *off, *len, order);
-                    (*off, cluster.spawn(f))
+                    (*off, remote::fetch(cluster, ino, rec.clone(), *chunk_start, *off, *len))
                 })
                 .collect();
             for (off, task) in tasks {
-                let data = cluster.block_on(task).map_err(|e| FsError::Peer(e.to_string()))??;
+                let data = remote::wait(cluster, task)?;
                 file.write_all_at(&data, off).map_err(|e| FsError::io("write hydrated chunk", e))?;
             }
         }
@@ -881,10 +879,8 @@ impl Core {
         let cluster = self.cluster.get().expect("checked by the caller");
         let (start, stop) = part.blocks();
         let (rec, chunk_start, from, to) = (part.rec, part.chunk_start, part.from, part.to);
-        let order = cluster.read_order(&rec.replicas);
-        let rec = Arc::new(rec.clone());
-        let fetch = remote::fetch_verified(cluster.clone(), ino, rec, chunk_start, start, (stop - start) as u32, order);
-        let data = cluster.block_on(fetch)?;
+        let task = remote::fetch(cluster, ino, Arc::new(rec.clone()), chunk_start, start, (stop - start) as u32);
+        let data = remote::wait(cluster, task)?;
         match oi.file.write_all_at(&data, start) {
             Ok(()) => {
                 tracing::warn!(ino, offset = start, len = data.len(), "repaired a corrupt local range from a replica")

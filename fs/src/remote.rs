@@ -11,8 +11,6 @@ use converged_metadata::types::BLOCK_SIZE;
 use converged_metadata::ChunkRecord;
 use parking_lot::{Condvar, Mutex};
 
-use converged_transport::Peer;
-
 use crate::cluster::Cluster;
 use crate::error::{FsError, FsResult};
 
@@ -39,23 +37,34 @@ pub fn verify(ino: u64, rec: &ChunkRecord, chunk_start: u64, offset: u64, bytes:
     Ok(())
 }
 
-/// Fetch `[offset, offset + len)` of `ino`, inside one chunk, from the
-/// first node of `order` that answers, and verify it.
-pub async fn fetch_verified(
-    cluster: Arc<Cluster>,
+/// Start fetching `[offset, offset + len)` of `ino`, inside the chunk of
+/// `rec` that starts at `chunk_start`, from the first holder that answers,
+/// and verify it. The holders are chosen here, on the caller's thread,
+/// because choosing asks membership (a blocking call the transport runtime
+/// must not make).
+pub fn fetch(
+    cluster: &Arc<Cluster>,
     ino: u64,
     rec: Arc<ChunkRecord>,
     chunk_start: u64,
     offset: u64,
     len: u32,
-    order: Vec<Peer>,
-) -> FsResult<Vec<u8>> {
-    let data = cluster.fetch(ino, offset, len, order).await?;
-    if let Err(e) = verify(ino, &rec, chunk_start, offset, &data) {
-        tracing::error!(ino, offset, replicas = ?rec.replicas, "checksum mismatch on data from a peer; returning EIO");
-        return Err(e);
-    }
-    Ok(data)
+) -> tokio::task::JoinHandle<FsResult<Vec<u8>>> {
+    let order = cluster.read_order(&rec.replicas);
+    let c = cluster.clone();
+    cluster.spawn(async move {
+        let data = c.fetch(ino, offset, len, order).await?;
+        if let Err(e) = verify(ino, &rec, chunk_start, offset, &data) {
+            tracing::error!(ino, offset, replicas = ?rec.replicas, "checksum mismatch on data from a peer; returning EIO");
+            return Err(e);
+        }
+        Ok(data)
+    })
+}
+
+/// Wait for a [`fetch`] from outside the transport runtime.
+pub fn wait(cluster: &Cluster, task: tokio::task::JoinHandle<FsResult<Vec<u8>>>) -> FsResult<Vec<u8>> {
+    cluster.block_on(task).map_err(|e| FsError::Peer(e.to_string()))?
 }
 
 /// One window being fetched or fetched.
@@ -131,11 +140,10 @@ impl Readahead {
                 let w = self.windows.entry(start).or_insert_with(|| {
                     let w = Window::new();
                     let len = (start + WINDOW).min(chunk_end).saturating_sub(start) as u32;
-                    let (c, w2) = (cluster.clone(), w.clone());
-                    let order = cluster.read_order(&rec.replicas);
-                    cluster.spawn(
-                        async move { w2.set(fetch_verified(c, ino, rec, chunk_start, start, len, order).await) },
-                    );
+                    let task = fetch(cluster, ino, rec, chunk_start, start, len);
+                    let w2 = w.clone();
+                    cluster
+                        .spawn(async move { w2.set(task.await.unwrap_or_else(|e| Err(FsError::Peer(e.to_string())))) });
                     w
                 });
                 if start < last_needed {
