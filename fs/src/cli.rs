@@ -47,12 +47,24 @@ pub enum Cmd {
         /// The mount point to unmount.
         mountpoint: PathBuf,
     },
-    /// Show the nodes of a volume (live or dead, capacity, labels).
+    /// Show a file's tiers (where its chunks are, its backfill state and object), or, with
+    /// --meta, the nodes of a volume (live or dead, capacity, labels) and chunk health.
     Status {
+        /// A file or directory on a converged mount: its chunks, tier and backfill state, and
+        /// this node's backfill backlog.
+        #[arg(required_unless_present = "meta")]
+        path: Option<PathBuf>,
         /// Metadata URI of the volume, as given to `mount --meta`.
         #[arg(long, value_name = "URI")]
-        meta: String,
+        meta: Option<String>,
     },
+    /// Make the objects under a bucket prefix appear as files under a directory of a mount,
+    /// without copying: listed on first access, fetched (and kept on the SSDs) when read.
+    /// Keys that are not valid POSIX names are skipped and listed here.
+    Import(crate::admin::ImportArgs),
+    /// Warm files onto the SSDs: fetch every chunk a node lacks from peers or the object store,
+    /// with a progress bar. Run it again after an interruption and it resumes.
+    Stage(crate::admin::StageArgs),
     /// Cluster certificates: peers talk QUIC with mutual TLS from a cluster CA.
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -185,6 +197,42 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600), value_name = "SECONDS")]
     pub lease_ttl: u64,
 
+    /// Back every file with an object store: `s3://bucket/prefix`, `gs://bucket/prefix`,
+    /// `az://container/prefix` or `file:///dir`. Each closed file is uploaded as one object at
+    /// `<prefix>/<path>`; backed chunks may then be evicted from the SSDs. S3 credentials come
+    /// from the usual AWS_* variables.
+    #[arg(long, value_name = "URI")]
+    pub object_store: Option<String>,
+
+    /// S3-compatible endpoint for s3:// stores and imports (path-style requests), for example
+    /// http://127.0.0.1:9000 [default: AWS_ENDPOINT_URL, else AWS].
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
+
+    /// How long a closed file must stay unchanged before it is uploaded (`500ms`, `5s`, `2m`).
+    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = parse_duration)]
+    pub backfill_delay: Duration,
+
+    /// Files uploaded in parallel (each large file also uploads its parts in parallel).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub backfill_workers: u16,
+
+    /// Keep a file's object when the file is deleted (by default the object goes too).
+    #[arg(long)]
+    pub keep_deleted_objects: bool,
+
+    /// Percent of the data disk in use above which backed chunks are evicted.
+    #[arg(long, default_value_t = 90.0, value_name = "PERCENT")]
+    pub evict_high: f64,
+
+    /// Percent of the data disk in use that eviction brings usage down to.
+    #[arg(long, default_value_t = 80.0, value_name = "PERCENT")]
+    pub evict_low: f64,
+
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
+
     /// Source name shown by mount(8) and df.
     #[arg(long, hide = true)]
     pub source: Option<String>,
@@ -240,10 +288,40 @@ fn check(args: &MountArgs) -> anyhow::Result<Checked> {
             bail!("--node-id {id} does not match the certificate in {}, which is for node {}", dir.display(), tls.node);
         }
     }
+    if let Some(uri) = &args.object_store {
+        crate::objects::Location::parse(uri).map_err(|e| anyhow::anyhow!("--object-store: {e}"))?;
+    }
+    let pct = |v: f64| v.is_finite() && (1.0..=99.0).contains(&v);
+    if !pct(args.evict_high) || !pct(args.evict_low) || args.evict_low >= args.evict_high {
+        bail!(
+            "--evict-low ({}) and --evict-high ({}) must be percentages between 1 and 99, low below high",
+            args.evict_low,
+            args.evict_high
+        );
+    }
     if !(args.attr_timeout.is_finite() && (0.0..=3600.0).contains(&args.attr_timeout)) {
         bail!("--attr-timeout must be between 0 and 3600 seconds, got {}", args.attr_timeout);
     }
     Ok(Checked { mountpoint, data_dir, meta, meta_str })
+}
+
+/// `500ms`, `5s`, `2m`, `1h`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (try 500ms, 5s, 2m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        other => return Err(format!("unknown duration unit {other:?} (use ms, s, m or h)")),
+    };
+    if !secs.is_finite() || !(0.0..=86_400.0 * 7.0).contains(&secs) {
+        return Err(format!("{s:?} is out of range (0 to 7 days)"));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 fn parse_labels(s: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
@@ -498,7 +576,32 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     };
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    let ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node_id(args));
+    let tier = match &args.object_store {
+        Some(uri) => {
+            let opts = crate::objects::StoreOptions { s3_endpoint: args.s3_endpoint.clone() };
+            let objects =
+                crate::objects::ObjectTier::open(uri, opts).with_context(|| format!("--object-store {uri}"))?;
+            // Mount even while the store is down: the backlog waits for it.
+            if let Err(e) = objects.probe(objects.home()) {
+                tracing::warn!(error = %e, "object store not reachable yet; backfill will retry");
+            }
+            Some(Arc::new(crate::backfill::Tiering::new(
+                objects,
+                crate::backfill::TierConfig {
+                    backfill_delay: args.backfill_delay,
+                    keep_deleted: args.keep_deleted_objects,
+                    evict_high: args.evict_high / 100.0,
+                    evict_low: args.evict_low / 100.0,
+                    workers: args.backfill_workers as usize,
+                },
+            )))
+        }
+        None => None,
+    };
+    let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node_id(args));
+    if tier.is_some() {
+        ns = ns.with_tier();
+    }
     let core = Arc::new(Core::start(
         ns,
         CoreConfig {
@@ -536,6 +639,21 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         core.attach_cluster(cluster);
     }
     join_cluster(&engine, args, &c.data_dir, addr)?;
+    if let Some(t) = &tier {
+        core.attach_tier(t.clone());
+        core.resume_backfill()?;
+        for i in 0..t.cfg.workers {
+            let weak = Arc::downgrade(&core);
+            std::thread::Builder::new().name(format!("backfill-{i}")).spawn(move || Core::run_backfill(weak))?;
+        }
+        let weak = Arc::downgrade(&core);
+        std::thread::Builder::new().name("evictor".into()).spawn(move || Core::run_evictor(weak))?;
+        tracing::info!(store = %t.objects.home().url(), delay = ?t.cfg.backfill_delay, "backfilling to the object store");
+    }
+    if let Some(addr) = args.metrics {
+        let bound = crate::metrics::serve(addr, Arc::downgrade(&core)).with_context(|| format!("--metrics {addr}"))?;
+        tracing::info!(%bound, "serving Prometheus metrics at /metrics");
+    }
 
     // Buffered namespace commits become durable within a second (as a local
     // filesystem's journal commit); fsync makes them durable at once.
@@ -590,6 +708,9 @@ fn run_daemon(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         if let Err(e) = m.leave() {
             tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");
         }
+    }
+    if let Some(t) = &tier {
+        t.stop();
     }
     tracing::info!(mountpoint = %c.mountpoint.display(), "unmounted");
     Ok(())
@@ -647,6 +768,26 @@ fn spawn_daemon(args: &MountArgs, c: &Checked, exe_prefix: &[OsString]) -> anyho
         .arg(&args.failure_domain)
         .arg("--peer-timeout")
         .arg(args.peer_timeout.to_string());
+    if let Some(o) = &args.object_store {
+        cmd.arg("--object-store").arg(o);
+    }
+    if let Some(e) = &args.s3_endpoint {
+        cmd.arg("--s3-endpoint").arg(e);
+    }
+    cmd.arg("--backfill-delay")
+        .arg(format!("{}ms", args.backfill_delay.as_millis()))
+        .arg("--backfill-workers")
+        .arg(args.backfill_workers.to_string())
+        .arg("--evict-high")
+        .arg(args.evict_high.to_string())
+        .arg("--evict-low")
+        .arg(args.evict_low.to_string());
+    if args.keep_deleted_objects {
+        cmd.arg("--keep-deleted-objects");
+    }
+    if let Some(m) = &args.metrics {
+        cmd.arg("--metrics").arg(m.to_string());
+    }
     cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
     // SAFETY: setsid is async-signal-safe; the daemon leaves our session so a
     // closing terminal does not take it down.
@@ -707,7 +848,11 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         },
         Cmd::Umount { mountpoint } => umount(&mountpoint),
         Cmd::Cluster(cmd) => cluster(cmd),
-        Cmd::Status { meta } => status(&meta),
+        Cmd::Status { path: Some(p), meta: None } => crate::admin::status_path(&p),
+        Cmd::Status { path: None, meta: Some(m) } => status(&m),
+        Cmd::Status { .. } => Err(anyhow::anyhow!("give either a PATH on a mount or --meta URI, not both")),
+        Cmd::Import(a) => crate::admin::import(a),
+        Cmd::Stage(a) => crate::admin::stage(a),
         Cmd::DevCluster(args) => crate::devcluster::run(args),
     };
     match result {

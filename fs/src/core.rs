@@ -21,6 +21,7 @@ use converged_metadata::{ChunkRecord, Durability, MetaError, Namespace, Seal, Un
 use dashmap::DashMap;
 use parking_lot::Mutex;
 
+use crate::backfill::Tiering;
 use crate::chunkstore::{block_crcs, read_exact_at, ChunkStore};
 use crate::cluster::{Cluster, DurabilityMode};
 use crate::error::{FsError, FsResult};
@@ -90,6 +91,9 @@ struct Layout {
     size: u64,
     chunk_size: u64,
     chunks: Vec<Option<Arc<ChunkRecord>>>,
+    /// The object holding the file's current bytes, when it is backed:
+    /// chunks with no copy (and chunks with no record) are read from it.
+    object: Option<Arc<TierRecord>>,
 }
 
 /// Bytes `[from, to)` of a file, inside the chunk that starts at `chunk_start`.
@@ -160,6 +164,8 @@ pub struct Core {
     /// Files whose chunks have fewer copies than their policy asks, for the
     /// replicator (durability=local, or peers that did not answer).
     under_replicated: (Mutex<BTreeSet<Ino>>, parking_lot::Condvar),
+    /// The object store tier, when the mount has one.
+    tier: OnceLock<Arc<Tiering>>,
 }
 
 /// Chunks whose replica writes may be in flight at once while sealing.
@@ -213,6 +219,7 @@ impl Core {
             flush_now: Default::default(),
             cluster: OnceLock::new(),
             under_replicated: Default::default(),
+            tier: OnceLock::new(),
         };
         core.recover()?;
         core.keep_reserve();
@@ -270,14 +277,45 @@ impl Core {
         self.cluster.get()
     }
 
+    /// Back files with the object store: backfill, import, eviction.
+    pub fn attach_tier(&self, tier: Arc<Tiering>) {
+        let _ = self.tier.set(tier);
+    }
+
+    pub fn tiering(&self) -> Option<&Arc<Tiering>> {
+        self.tier.get()
+    }
+
+    /// Run `f` while no handle is open on `ino` and none can open; `None`
+    /// when the file is open.
+    pub(crate) fn while_closed<T>(&self, ino: Ino, f: impl FnOnce() -> T) -> Option<T> {
+        match self.open.entry(ino) {
+            dashmap::Entry::Vacant(_guard) => Some(f()),
+            dashmap::Entry::Occupied(_) => None,
+        }
+    }
+
+    pub(crate) fn is_being_written(&self, ino: Ino) -> bool {
+        self.open.get(&ino).is_some_and(|oi| oi.state.lock().unsealed)
+    }
+
+    pub(crate) fn data_dir(&self) -> &std::path::Path {
+        &self.cfg.data_dir
+    }
+
     fn node_id(&self) -> &str {
         &self.cfg.node_id
     }
 
     /// Whether this node holds a current copy of the chunk. Without a
-    /// cluster every chunk is local, whatever node id sealed it.
-    fn is_local(&self, rec: &ChunkRecord) -> bool {
-        self.cluster.get().is_none() || rec.replicas.iter().any(|r| r == self.node_id())
+    /// cluster every chunk with a replica is local, whatever node id sealed it.
+    /// A chunk with no replica at all was evicted (or never fetched, when
+    /// imported): its bytes are in the object store only.
+    pub(crate) fn is_local(&self, rec: &ChunkRecord) -> bool {
+        match self.cluster.get() {
+            None => !rec.replicas.is_empty(),
+            Some(_) => rec.replicas.iter().any(|r| r == self.node_id()),
+        }
     }
 
     pub fn chunk_store(&self) -> Arc<ChunkStore> {
@@ -321,7 +359,24 @@ impl Core {
     }
 
     pub fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
-        self.overlay(self.ns.lookup(parent, name)?)
+        match self.ns.lookup(parent, name) {
+            // An imported directory not listed yet: list it, then look again.
+            Err(MetaError::NotFound) if self.tier.get().is_some() && self.materialize(parent)? => {
+                self.overlay(self.ns.lookup(parent, name)?)
+            }
+            Ok(inode) if inode.kind == FileKind::Regular && self.tier.get().is_some() => {
+                // An imported object replaced in its bucket shows its new size at once.
+                match self.check_import(inode.ino) {
+                    Ok(true) => self.overlay(self.ns.getattr(inode.ino)?),
+                    Ok(false) => self.overlay(inode),
+                    Err(e) => {
+                        tracing::warn!(ino = inode.ino, error = %e, "could not check an imported object");
+                        self.overlay(inode)
+                    }
+                }
+            }
+            r => self.overlay(r?),
+        }
     }
 
     pub fn getattr(&self, ino: Ino) -> FsResult<Attr> {
@@ -411,6 +466,20 @@ impl Core {
     pub fn rename(&self, parent: Ino, name: &[u8], newparent: Ino, newname: &[u8], mode: RenameMode) -> FsResult<()> {
         if let Some(victim) = self.ns.rename(parent, name, newparent, newname, mode)? {
             self.forget_orphan(victim)?;
+        }
+        if let Some(t) = self.tier.get() {
+            // Backed objects move to the new key in the background.
+            let mut moved = vec![self.ns.lookup(newparent, newname)?];
+            if mode == RenameMode::Exchange {
+                moved.push(self.ns.lookup(parent, name)?);
+            }
+            for inode in moved {
+                match inode.kind {
+                    FileKind::Directory => t.enqueue_subtree(inode.ino),
+                    FileKind::Regular => t.enqueue(inode.ino, Duration::ZERO),
+                    _ => {}
+                }
+            }
         }
         Ok(())
     }
@@ -539,7 +608,13 @@ impl Core {
         let mut inos = std::mem::take(&mut *self.unseal_later.lock());
         // A file opened for writing again since it closed empty keeps its mark.
         inos.retain(|ino| self.open.get(ino).is_none_or(|oi| !oi.state.lock().unsealed));
-        Ok(self.ns.clear_unsealed(&inos)?)
+        self.ns.clear_unsealed(&inos)?;
+        if let Some(t) = self.tier.get() {
+            for ino in inos {
+                t.enqueue(ino, t.cfg.backfill_delay);
+            }
+        }
+        Ok(())
     }
 
     /// Re-create the metadata reserve once the disk has room again.
@@ -561,10 +636,23 @@ impl Core {
     // ---- xattrs ----
 
     pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
-        Ok(self.ns.setxattr(ino, name, value, mode)?)
+        match name {
+            STAGE_XATTR => {
+                let n = parse_replicas(value).ok_or(FsError::Invalid("stage: replica count must be 1..=8"))?;
+                self.stage_file(ino, n)
+            }
+            IMPORT_XATTR => self.start_import(ino, value, mode),
+            TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR => Err(FsError::Invalid("read-only attribute")),
+            _ => Ok(self.ns.setxattr(ino, name, value, mode)?),
+        }
     }
     pub fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
-        Ok(self.ns.getxattr(ino, name)?)
+        match name {
+            TIER_XATTR => self.describe_tier(ino),
+            LAYOUT_XATTR => self.describe_layout(ino),
+            BACKFILL_XATTR => self.describe_backfill(),
+            _ => Ok(self.ns.getxattr(ino, name)?),
+        }
     }
     pub fn listxattr(&self, ino: Ino) -> FsResult<Vec<u8>> {
         Ok(self.ns.listxattr(ino)?)
@@ -587,6 +675,9 @@ impl Core {
     /// (entry offset, name, dentry); `.` and `..` are offsets 1 and 2.
     pub fn readdir(&self, ino: Ino, fh: u64, offset: u64) -> FsResult<Listing> {
         if offset == 0 || !self.dirs.contains_key(&fh) {
+            if self.tier.get().is_some() {
+                self.materialize(ino)?;
+            }
             let dir = self.ns.getattr(ino)?;
             let mut entries = vec![
                 (b".".to_vec(), Dentry { ino, kind: FileKind::Directory }),
@@ -676,7 +767,18 @@ impl Core {
         if passthrough && writable {
             oi.state.lock().dirty = Dirty::All;
         }
-        if passthrough && !writable && self.cluster.get().is_some() && !oi.state.lock().unsealed {
+        if !writable && self.tier.get().is_some() && !oi.state.lock().unsealed {
+            match self.check_import(ino) {
+                Ok(true) => oi.state.lock().layout = None,
+                Ok(false) => {}
+                Err(e) => {
+                    let _ = self.release(fh);
+                    return Err(e);
+                }
+            }
+        }
+        let partial = self.cluster.get().is_some() || self.tier.get().is_some();
+        if passthrough && !writable && partial && !oi.state.lock().unsealed {
             // Close-to-open: read the layout as it is now; the kernel may
             // read the backing file directly only if every chunk is here.
             oi.state.lock().layout = None;
@@ -720,16 +822,27 @@ impl Core {
     /// that the backing file holds the whole current file before it is
     /// written or truncated here.
     fn hydrate(&self, ino: Ino, file: &File) -> FsResult<()> {
-        let Some(cluster) = self.cluster.get() else { return Ok(()) };
+        if self.cluster.get().is_none() && self.tier.get().is_none() {
+            return Ok(());
+        }
+        self.fetch_missing(ino, file)
+    }
+
+    /// Copy into `file` every chunk of `ino` this node lacks: from the peers
+    /// that hold it, or else from the object store (verified either way),
+    /// and clear ranges that have no chunk.
+    pub(crate) fn fetch_missing(&self, ino: Ino, file: &File) -> FsResult<()> {
         let inode = self.ns.getattr(ino)?;
         let cs = inode.chunk_size.max(1) as u64;
         let records: std::collections::HashMap<u32, ChunkRecord> = self.ns.chunks(ino)?.into_iter().collect();
+        let object = self.backed_object(ino)?;
         let mut wanted = Vec::new();
+        let mut from_object = 0u64;
         for index in 0..inode.size.div_ceil(cs) as u32 {
             let chunk_start = index as u64 * cs;
             match records.get(&index) {
                 Some(rec) if self.is_local(rec) => {}
-                Some(rec) => {
+                Some(rec) if !rec.replicas.is_empty() && self.cluster.get().is_some() => {
                     let rec = Arc::new(rec.clone());
                     let end = chunk_start + rec.len as u64;
                     let mut off = chunk_start;
@@ -737,6 +850,14 @@ impl Core {
                         wanted.push((rec.clone(), chunk_start, off, WINDOW.min(end - off) as u32));
                         off += WINDOW;
                     }
+                }
+                Some(_) | None if object.is_some() => {
+                    let obj = object.as_ref().expect("checked");
+                    let rec = self.fetch_object_chunk(ino, file, inode.size, cs, index, obj, false)?;
+                    from_object += rec.len as u64;
+                }
+                Some(_) => {
+                    return Err(FsError::Peer(format!("chunk {index} of inode {ino} has no copy anywhere")));
                 }
                 None => {
                     // A hole in the file: stale bytes from an older copy must not show through.
@@ -752,6 +873,13 @@ impl Core {
                 }
             }
         }
+        if from_object > 0 {
+            tracing::info!(ino, bytes = from_object, "fetched chunks from the object store before writing here");
+        }
+        let Some(cluster) = self.cluster.get() else {
+            file.set_len(inode.size).map_err(|e| FsError::io("size hydrated backing file", e))?;
+            return Ok(());
+        };
         for batch in wanted.chunks(16) {
             let tasks: Vec<_> = batch
                 .iter()
@@ -817,7 +945,22 @@ impl Core {
             let index = pos / cs;
             let chunk_start = index * cs;
             let to = end.min(chunk_start + cs);
-            match layout.chunks.get(index as usize).and_then(|c| c.as_ref()) {
+            if let Some(t) = self.tier.get() {
+                t.touch(ino, index as u32);
+            }
+            let rec = layout.chunks.get(index as usize).and_then(|c| c.as_ref());
+            let in_object_only = match rec {
+                None => layout.object.is_some(),
+                Some(rec) => rec.replicas.is_empty() && layout.object.is_some(),
+            };
+            match rec {
+                _ if in_object_only => {
+                    let obj = layout.object.as_ref().expect("checked");
+                    let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, false)?;
+                    // Local from now on: the next read of this open uses the new layout.
+                    oi.state.lock().layout = None;
+                    self.read_local(ino, &oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
+                }
                 // No record: a hole, which reads as zeros.
                 None => out.resize(out.len() + (to - pos) as usize, 0),
                 Some(rec) if self.is_local(rec) => {
@@ -829,6 +972,14 @@ impl Core {
                         Err(FsError::Corrupt { .. }) if rec.replicas.len() > 1 && self.cluster.get().is_some() => {
                             out.truncate(before);
                             self.repair_from_peer(ino, &oi, &part, &mut out)?;
+                        }
+                        // ... or fetch it again from the object store.
+                        Err(FsError::Corrupt { .. }) if layout.object.is_some() => {
+                            out.truncate(before);
+                            let obj = layout.object.as_ref().expect("checked");
+                            let rec =
+                                self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, true)?;
+                            self.read_local(ino, &oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
                         }
                         Err(e) => return Err(e),
                     }
@@ -855,6 +1006,79 @@ impl Core {
             pos = to;
         }
         Ok(out)
+    }
+
+    /// The tier record of `ino` when its object holds the current bytes.
+    pub(crate) fn backed_object(&self, ino: Ino) -> FsResult<Option<TierRecord>> {
+        if self.tier.get().is_none() {
+            return Ok(None);
+        }
+        Ok(self.ns.tier(ino)?.filter(|r| matches!(r.state, TierState::Backed | TierState::ReKeying)))
+    }
+
+    /// Fetch chunk `index` of `ino` from its object into `file` (this
+    /// node's backing file), verified against the chunk's checksums when it
+    /// has them (computed here when it does not: an imported object), and
+    /// record the copy. The object must still carry the ETag it had when
+    /// listed or uploaded: a changed object is refused, never mixed in.
+    /// With `force`, a local copy recorded as present is fetched again.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fetch_object_chunk(
+        &self,
+        ino: Ino,
+        file: &File,
+        size: u64,
+        cs: u64,
+        index: u32,
+        obj: &TierRecord,
+        force: bool,
+    ) -> FsResult<ChunkRecord> {
+        let t = self.tier.get().ok_or(FsError::Invalid("no object store"))?;
+        let lock = t.fetching.entry((ino, index)).or_default().clone();
+        let _one = lock.lock();
+        let current = self.ns.chunk(ino, index)?;
+        if let Some(r) = &current {
+            if self.is_local(r) && !force {
+                return Ok(r.clone());
+            }
+        }
+        let start = index as u64 * cs;
+        let len = current.as_ref().map_or_else(|| size.saturating_sub(start).min(cs), |r| r.len as u64);
+        let key = match &obj.source {
+            Some(_) => obj.key.clone(),
+            None => t.objects.home().key(&obj.key),
+        };
+        let data = t.objects.get_range(obj.source.as_deref(), &key, obj.etag.as_deref(), start, start + len)?;
+        if data.len() as u64 != len {
+            return Err(FsError::Object(crate::objects::ObjectError::Changed {
+                key,
+                etag: format!("{} bytes where {len} were expected", data.len()),
+            }));
+        }
+        let crcs: Vec<u32> = data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect();
+        if let Some(r) = &current {
+            if !r.block_crcs.is_empty() && r.block_crcs != crcs {
+                tracing::error!(ino, chunk = index, %key, "object bytes do not match the sealed checksums; refused");
+                return Err(FsError::Corrupt { ino, offset: start });
+            }
+        }
+        file.write_all_at(&data, start).map_err(|e| FsError::io("write fetched chunk", e))?;
+        if file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len() < size {
+            file.set_len(size).map_err(|e| FsError::io("size backing file", e))?;
+        }
+        // Recorded as here only once it is on stable storage.
+        file.sync_data().map_err(|e| FsError::io("sync fetched chunk", e))?;
+        let version = current.as_ref().map(|r| r.version);
+        self.ns.record_fetched(ino, index, version, len as u32, &crcs)?;
+        t.stats.fetched_bytes.fetch_add(len, Ordering::Relaxed);
+        t.fetching.remove(&(ino, index));
+        tracing::debug!(ino, chunk = index, bytes = len, "fetched from the object store");
+        Ok(ChunkRecord {
+            version: version.unwrap_or(1),
+            len: len as u32,
+            replicas: vec![self.node_id().to_string()],
+            block_crcs: crcs,
+        })
     }
 
     /// Bytes `[from, to)` of a chunk this node holds, read block-aligned and verified.
@@ -905,7 +1129,7 @@ impl Core {
         let locate = |start: u64| {
             let index = start / cs;
             let rec = layout.chunks.get(index as usize)?.clone()?;
-            (!self.is_local(&rec)).then_some((rec, index * cs))
+            (!self.is_local(&rec) && !rec.replicas.is_empty()).then_some((rec, index * cs))
         };
         oi.readahead.lock().windows(cluster, ino, offset, end, layout.size, &locate)
     }
@@ -924,7 +1148,8 @@ impl Core {
             }
             chunks[index] = Some(Arc::new(record));
         }
-        let layout = Arc::new(Layout { size: inode.size, chunk_size: inode.chunk_size.max(1) as u64, chunks });
+        let object = self.backed_object(ino)?.map(Arc::new);
+        let layout = Arc::new(Layout { size: inode.size, chunk_size: inode.chunk_size.max(1) as u64, chunks, object });
         let mut st = oi.state.lock();
         st.layout = Some(layout.clone());
         *oi.readahead.lock() = Readahead::default();
@@ -936,7 +1161,18 @@ impl Core {
         if !writable {
             return Err(FsError::io("write", std::io::Error::from_raw_os_error(libc::EBADF)));
         }
-        oi.file.write_all_at(data, offset).map_err(|e| FsError::io("write backing file", e))?;
+        if let Err(e) = oi.file.write_all_at(data, offset) {
+            // A disk full of backed data makes room instead of failing.
+            let t = self.tier.get().filter(|_| e.raw_os_error() == Some(libc::ENOSPC));
+            let freed = match t {
+                Some(t) => self.evict_until(t, t.cfg.evict_low)?,
+                None => 0,
+            };
+            if freed == 0 {
+                return Err(FsError::io("write backing file", e));
+            }
+            oi.file.write_all_at(data, offset).map_err(|e| FsError::io("write backing file", e))?;
+        }
         let chunk_size = self.ns.chunk_size();
         oi.state.lock().dirty.add(chunk_range(offset, data.len() as u64, chunk_size));
         Ok(data.len() as u32)
@@ -1194,6 +1430,9 @@ impl Core {
         short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
         let seal = Seal { size, mtime: ts_from(md.mtime(), md.mtime_nsec()), chunks, keep_unsealed };
         let sealed = self.ns.seal(inode.ino, &seal, d)?;
+        if let Some(t) = self.tier.get() {
+            t.enqueue(inode.ino, t.cfg.backfill_delay);
+        }
         if short {
             self.under_replicated.0.lock().insert(inode.ino);
             self.under_replicated.1.notify_one();
@@ -1241,13 +1480,23 @@ impl Core {
     /// until each has as many copies as its policy asks. Returns whether
     /// every chunk has them.
     fn replicate_file(&self, ino: Ino) -> FsResult<bool> {
+        self.replicate_file_to(ino, None)
+    }
+
+    /// [`Core::replicate_file`] to `copies` copies instead of the policy's,
+    /// pushing every chunk this node holds (not only those it is primary of):
+    /// staging with `--replicas`.
+    pub(crate) fn replicate_file_to(&self, ino: Ino, copies: Option<usize>) -> FsResult<bool> {
         let Some(cluster) = self.cluster.get() else { return Ok(true) };
         let inode = match self.ns.getattr(ino) {
             Ok(i) => i,
             Err(MetaError::NotFound) => return Ok(true),
             Err(e) => return Err(e.into()),
         };
-        let want = self.ns.replicas_policy(ino)?.unwrap_or(cluster.default_replicas()).max(1) as usize;
+        let want = match copies {
+            Some(n) => n.max(1),
+            None => self.ns.replicas_policy(ino)?.unwrap_or(cluster.default_replicas()).max(1) as usize,
+        };
         let cs = inode.chunk_size.max(1) as u64;
         let file = match File::open(self.store.path(ino)) {
             Ok(f) => f,
@@ -1255,7 +1504,11 @@ impl Core {
         };
         let mut short = false;
         for (index, rec) in self.ns.chunks(ino)? {
-            if rec.replicas.len() >= want || rec.replicas.first().map(String::as_str) != Some(self.node_id()) {
+            let ours = match copies {
+                Some(_) => self.is_local(&rec),
+                None => rec.replicas.first().map(String::as_str) == Some(self.node_id()),
+            };
+            if rec.replicas.len() >= want || !ours {
                 continue;
             }
             let start = index as u64 * cs;

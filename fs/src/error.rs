@@ -19,6 +19,9 @@ pub enum FsError {
     NotSupported(&'static str),
     #[error("invalid argument: {0}")]
     Invalid(&'static str),
+    /// The object store failed, or an object changed behind converged's back.
+    #[error(transparent)]
+    Object(#[from] crate::objects::ObjectError),
     /// No peer holding the data answered in time (or at all).
     #[error("peer: {0}")]
     Peer(String),
@@ -39,6 +42,7 @@ impl FsError {
             FsError::NotSupported(_) => libc::EOPNOTSUPP,
             FsError::Invalid(_) => libc::EINVAL,
             FsError::Peer(_) => libc::EIO,
+            FsError::Object(_) => libc::EIO,
         }
     }
 
@@ -58,6 +62,7 @@ impl FsError {
             FsError::NotSupported(s) => FsError::NotSupported(s),
             FsError::Invalid(s) => FsError::Invalid(s),
             FsError::Peer(s) => FsError::Peer(s.clone()),
+            FsError::Object(e) => FsError::Peer(e.to_string()),
         }
     }
 
@@ -67,7 +72,7 @@ impl FsError {
             FsError::Meta(e) => e.is_fault(),
             FsError::Corrupt { .. } => true,
             FsError::Io { source, .. } => source.raw_os_error() != Some(libc::ENOSPC),
-            FsError::BadHandle(_) | FsError::Peer(_) => true,
+            FsError::BadHandle(_) | FsError::Peer(_) | FsError::Object(_) => true,
             FsError::NotSupported(_) | FsError::Invalid(_) => false,
         }
     }

@@ -1,12 +1,19 @@
 //! converged node daemon: the FUSE adapter, the filesystem core, the local
 //! chunk store and the command line.
 
+pub mod admin;
+pub mod backfill;
 pub mod chunkstore;
 pub mod cli;
 pub mod cluster;
 pub mod core;
 pub mod devcluster;
 pub mod error;
+pub mod evict;
 mod fuse;
+pub mod import;
+pub mod metrics;
+pub mod objects;
 pub mod placement;
 mod remote;
+pub mod stage;

@@ -30,10 +30,11 @@ pub struct CachedKv {
     subscribers: Arc<Mutex<Vec<ChangeFeed>>>,
 }
 
-/// Only inode (`I`), dentry (`D`) and xattr (`X`) records are cached: they
-/// are what lookup, getattr, getxattr and a create's replica policy read.
+/// Only inode (`I`), dentry (`D`), xattr (`X`) and tier (`T`) records are
+/// cached: they are what lookup, getattr, getxattr, a create's replica
+/// policy and an import's freshness check read.
 fn cacheable(key: &[u8]) -> bool {
-    matches!(key.first(), Some(b'I' | b'D' | b'X'))
+    matches!(key.first(), Some(b'I' | b'D' | b'X' | b'T'))
 }
 
 impl CachedKv {

@@ -40,7 +40,9 @@ pub struct Namespace {
     /// Several nodes share the engine (it has membership): marks written by
     /// another node belong to it. On a single node every mark is ours, even
     /// when the node id changed between mounts.
-    clustered: bool,
+    pub(crate) clustered: bool,
+    /// Files are backfilled to an object store: seals mark them dirty.
+    pub(crate) tiered: bool,
 }
 
 pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -142,6 +144,7 @@ impl Namespace {
             on_no_space: OnceLock::new(),
             node: String::new(),
             clustered,
+            tiered: false,
         };
         let volume = ns.write(Durability::Durable, |txn| {
             if let Some(v) = txn.get(schema::VOLUME)? {
@@ -164,6 +167,7 @@ impl Namespace {
                 ctime: now,
                 rdev: 0,
                 parent: ROOT_INO,
+                name: Vec::new(),
                 chunk_size: 0,
                 target: None,
             };
@@ -186,6 +190,12 @@ impl Namespace {
         self
     }
 
+    /// Track every file's backfill state (the mount has an object store).
+    pub fn with_tier(mut self) -> Self {
+        self.tiered = true;
+        self
+    }
+
     pub fn node(&self) -> &str {
         &self.node
     }
@@ -193,6 +203,11 @@ impl Namespace {
     /// Whether a mark (unsealed or orphan) with this value was written by this node.
     pub(crate) fn is_mine(&self, mark: &[u8]) -> bool {
         !self.clustered || mark.is_empty() || mark == self.node.as_bytes()
+    }
+
+    /// Whether a node id recorded in the metadata is this node (always, on a single node).
+    pub fn is_mine_node(&self, node: &str) -> bool {
+        self.is_mine(node.as_bytes())
     }
 
     pub fn engine(&self) -> &dyn KvEngine {

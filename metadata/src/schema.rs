@@ -14,6 +14,8 @@
 //! | `O` ino                    | node id              | orphan: unlinked while open on that node     |
 //! | `U` ino                    | node id              | unsealed: open for writing on that node; its |
 //! |                            |                      | checksums are stale; the file's write lease  |
+//! | `T` ino                    | [`TierRecord`]       | backfill state and object key of a file      |
+//! | `G` ino                    | [`GarbageObject`]    | object of a purged file, to delete           |
 //! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //!
@@ -27,6 +29,8 @@
 //! [`Dentry`]: crate::types::Dentry
 //! [`ChunkRecord`]: crate::types::ChunkRecord
 //! [`NodeInfo`]: crate::membership::NodeInfo
+//! [`TierRecord`]: crate::types::TierRecord
+//! [`GarbageObject`]: crate::types::GarbageObject
 
 use crate::types::Ino;
 
@@ -38,6 +42,8 @@ const XATTR: u8 = b'X';
 const CHUNK: u8 = b'C';
 const ORPHAN: u8 = b'O';
 const UNSEALED: u8 = b'U';
+const TIER: u8 = b'T';
+const GARBAGE: u8 = b'G';
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -129,6 +135,22 @@ pub fn unsealed_all() -> Vec<u8> {
     vec![UNSEALED]
 }
 
+pub fn tier(ino: Ino) -> Vec<u8> {
+    with_ino(TIER, ino)
+}
+
+pub fn tier_all() -> Vec<u8> {
+    vec![TIER]
+}
+
+pub fn garbage(ino: Ino) -> Vec<u8> {
+    with_ino(GARBAGE, ino)
+}
+
+pub fn garbage_all() -> Vec<u8> {
+    vec![GARBAGE]
+}
+
 pub fn known_node(id: &str) -> Vec<u8> {
     [b"K", id.as_bytes()].concat()
 }
@@ -140,7 +162,7 @@ pub fn live_node(id: &str) -> Vec<u8> {
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 
-/// The inode number in an `I`, `O` or `U` key.
+/// The inode number in an `I`, `O`, `U`, `T` or `G` key.
 pub fn key_ino(key: &[u8]) -> Ino {
     u64::from_be_bytes(key[1..9].try_into().expect("inode key is 9 bytes"))
 }

@@ -16,6 +16,17 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Directory policy: how many copies of each chunk its new files keep
 /// (inherited by new children). Absent: the node's default.
 pub const REPLICAS_XATTR: &[u8] = b"user.converged.replicas";
+/// Read-only view of a file's object tier state (`converged status` reads it).
+pub const TIER_XATTR: &[u8] = b"user.converged.tier";
+/// Set on a directory to import the objects under a URL into it; present
+/// until the directory has been listed.
+pub const IMPORT_XATTR: &[u8] = b"user.converged.import";
+/// Set on a file to stage it: fetch its chunks onto the SSDs (value: replica count).
+pub const STAGE_XATTR: &[u8] = b"user.converged.stage";
+/// Read-only: where a file's chunks are (node ids per chunk, or `object`).
+pub const LAYOUT_XATTR: &[u8] = b"user.converged.layout";
+/// Read-only, on any directory: this node's backfill backlog.
+pub const BACKFILL_XATTR: &[u8] = b"user.converged.backfill";
 /// Most replicas a policy may ask for.
 pub const MAX_REPLICAS: u32 = 8;
 
@@ -80,9 +91,13 @@ pub struct Inode {
     pub mtime: Timespec,
     pub ctime: Timespec,
     pub rdev: u32,
-    /// For directories: the parent, so rename can refuse to move a directory
-    /// under itself. Zero otherwise.
+    /// The directory holding the inode's name: for directories, so rename
+    /// can refuse to move one under itself; for files, with `name`, so the
+    /// object tier can find the file's path (its object key).
     pub parent: Ino,
+    /// The name the inode was created or last renamed under. A hard link's
+    /// other names do not change it.
+    pub name: Vec<u8>,
     /// For regular files: chunk size of this file's layout.
     pub chunk_size: u32,
     /// For symlinks: the target.
@@ -112,6 +127,70 @@ pub struct ChunkRecord {
     pub replicas: Vec<String>,
     /// crc32c of each [`BLOCK_SIZE`] block of the chunk (the last one short).
     pub block_crcs: Vec<u32>,
+}
+
+/// Where a file stands against the object store: the backfill state machine.
+///
+/// ```text
+///   seal ──▶ Dirty ──(quiet for the delay)──▶ Uploading ──(completed, no seal since)──▶ Backed
+///              ▲                                  │                                      │ rename
+///              └────(sealed again / failed)───────┘                                      ▼
+///              ▲                                                                      ReKeying
+///              └──────────────────────────── seal ───────────────────────────────────────┘ (copied: Backed)
+/// ```
+/// A `Backed` file's chunks may be evicted from the SSDs: the object holds
+/// every byte of the current version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TierState {
+    /// Changed since the object was written (or never uploaded).
+    Dirty,
+    /// An upload of `generation` is in flight on `node`.
+    Uploading,
+    /// The object at `key` holds the current bytes.
+    Backed,
+    /// The object holds the current bytes under an old key; a rename moved the file.
+    ReKeying,
+}
+
+impl TierState {
+    pub fn name(self) -> &'static str {
+        match self {
+            TierState::Dirty => "dirty",
+            TierState::Uploading => "uploading",
+            TierState::Backed => "backed",
+            TierState::ReKeying => "re-keying",
+        }
+    }
+}
+
+/// A file's object tier record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierRecord {
+    pub state: TierState,
+    /// Bumped by every seal that changes the file: an upload only counts if
+    /// no seal came in while it ran.
+    pub generation: u64,
+    /// The node holding the bytes to upload (the last to seal the file).
+    pub node: String,
+    /// When the file was last sealed: the backfill waits for it to be quiet.
+    pub sealed_at: Timespec,
+    /// Key of the object holding the file (empty until first backed). For
+    /// the mount's own store, relative to its prefix; for an import, the
+    /// key in the source bucket.
+    pub key: String,
+    /// The object's ETag when converged wrote or listed it.
+    pub etag: Option<String>,
+    /// For files imported from another location: its URL (`s3://bucket`).
+    /// Converged never moves or deletes objects there; a changed or
+    /// renamed imported file is backfilled to the mount's own store.
+    pub source: Option<String>,
+}
+
+/// An object whose file is gone, waiting for deletion.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GarbageObject {
+    pub key: String,
+    pub source: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -60,7 +60,8 @@ impl Namespace {
                 mtime: now,
                 ctime: now,
                 rdev: node.rdev,
-                parent: if is_dir { parent } else { 0 },
+                parent,
+                name: name.to_vec(),
                 chunk_size: if node.kind == FileKind::Regular { chunk_size } else { 0 },
                 target: node.target.map(|t| t.to_vec()),
             };

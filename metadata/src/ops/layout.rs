@@ -45,6 +45,14 @@ impl Namespace {
         })
     }
 
+    /// One chunk record, if the file has one for `index`.
+    pub fn chunk(&self, ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
+        self.read(|txn| {
+            let key = schema::chunk(ino, index);
+            txn.get(&key)?.map(|v| decode(&key, &v)).transpose()
+        })
+    }
+
     /// Visit every chunk record of the volume, in inode order, one page per
     /// read (for `status` and background scans).
     pub fn for_each_chunk(&self, mut f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<()> {
@@ -138,6 +146,12 @@ impl Namespace {
                     txn.put(&schema::chunk(ino, *index), &encode(record));
                 }
             }
+            if self.tiered {
+                let changed = !seal.chunks.is_empty() || inode.size != seal.size;
+                if changed || crate::ops::tier::get_tier(txn, ino)?.is_none() {
+                    crate::ops::tier::mark_dirty(txn, ino, &self.node)?;
+                }
+            }
             if inode.size != seal.size || inode.mtime != seal.mtime {
                 inode.size = seal.size;
                 if seal.mtime > inode.mtime {
@@ -162,6 +176,13 @@ impl Namespace {
         self.write(Durability::Buffered, |txn| {
             for ino in inos {
                 txn.delete(&schema::unsealed(*ino));
+                // Empty files are backfilled too (an empty object).
+                if self.tiered
+                    && crate::ops::tier::get_tier(txn, *ino)?.is_none()
+                    && txn.get(&schema::inode(*ino))?.is_some()
+                {
+                    crate::ops::tier::mark_dirty(txn, *ino, &self.node)?;
+                }
             }
             Ok(())
         })

@@ -8,6 +8,7 @@ mod lookup;
 mod remove;
 mod rename;
 mod setattr;
+pub mod tier;
 pub mod xattr;
 
 pub use remove::Unlinked;

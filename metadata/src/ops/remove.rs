@@ -39,7 +39,9 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
 }
 
 /// Delete every record of `ino` (its layout, xattrs, orphan and unsealed marks, the inode).
+/// A backed object of the file is queued for deletion (`G` key).
 fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> {
+    crate::ops::tier::discard(txn, ino)?;
     for prefix in [schema::chunks_of(ino), schema::xattrs_of(ino)] {
         let (start, end) = schema::prefix_range(&prefix);
         txn.delete_range(&start, &end)?;

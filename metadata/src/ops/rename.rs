@@ -4,6 +4,7 @@ use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead};
 use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace};
 use crate::ops::remove::{drop_link, Unlinked};
+use crate::ops::tier::note_rename;
 use crate::schema;
 use crate::types::{Dentry, Ino, RenameMode, Timespec, ROOT_INO};
 
@@ -69,12 +70,10 @@ impl Namespace {
                     t.nlink += 1;
                     put_inode(txn, &t);
                 }
-                if src_inode.is_dir() {
-                    src_inode.parent = newparent;
-                }
-                if dst_inode.is_dir() {
-                    dst_inode.parent = parent;
-                }
+                (src_inode.parent, src_inode.name) = (newparent, newname.to_vec());
+                (dst_inode.parent, dst_inode.name) = (parent, name.to_vec());
+                note_rename(txn, &src_inode, &self.node)?;
+                note_rename(txn, &dst_inode, &self.node)?;
                 src_inode.ctime = now;
                 dst_inode.ctime = now;
                 put_inode(txn, &src_inode);
@@ -113,7 +112,6 @@ impl Namespace {
             txn.delete(&schema::dentry(parent, name));
             put_dentry(txn, newparent, newname, &Dentry { ino: src.ino, kind: src.kind });
             if src_inode.is_dir() && parent != newparent {
-                src_inode.parent = newparent;
                 let mut op = get_inode(txn, parent)?;
                 op.nlink -= 1;
                 put_inode(txn, &op);
@@ -121,6 +119,8 @@ impl Namespace {
                 np.nlink += 1;
                 put_inode(txn, &np);
             }
+            (src_inode.parent, src_inode.name) = (newparent, newname.to_vec());
+            note_rename(txn, &src_inode, &self.node)?;
             src_inode.ctime = now;
             put_inode(txn, &src_inode);
             touch_parents(txn, parent, newparent, now)?;

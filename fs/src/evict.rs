@@ -1,0 +1,118 @@
+//! Eviction: when the data disk is fuller than the high watermark, drop
+//! local copies of backed chunks (their bytes are in the object store),
+//! least recently read first, until it is below the low watermark. A later
+//! read fetches them back. Chunks of files open on this node, and of files
+//! not backed, are never evicted.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use converged_metadata::types::{Ino, TierState};
+
+use crate::backfill::Tiering;
+use crate::core::Core;
+use crate::error::{FsError, FsResult};
+
+/// Used fraction of the filesystem holding `path`.
+pub fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| FsError::Invalid("data dir path has a NUL byte"))?;
+    // SAFETY: statvfs fills the struct we pass.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(FsError::io("statvfs data dir", std::io::Error::last_os_error()));
+    }
+    if st.f_blocks == 0 {
+        return Ok(0.0);
+    }
+    Ok(1.0 - st.f_bavail as f64 / st.f_blocks as f64)
+}
+
+impl Core {
+    /// The eviction loop: every second, evict down to the low watermark
+    /// when usage is above the high one.
+    pub fn run_evictor(core: std::sync::Weak<Core>) {
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let Some(c) = core.upgrade() else { return };
+            let Some(t) = c.tiering().cloned() else { return };
+            match disk_usage(c.data_dir()) {
+                Ok(u) if u > t.cfg.evict_high => {
+                    if let Err(e) = c.evict_until(&t, t.cfg.evict_low) {
+                        tracing::warn!(error = %e, "eviction failed");
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot measure the data disk"),
+            }
+        }
+    }
+
+    /// Evict backed chunks, least recently read first, until the disk is
+    /// at most `target` full (or nothing more can go). Returns bytes freed.
+    pub fn evict_until(&self, t: &Tiering, target: f64) -> FsResult<u64> {
+        let ns = self.namespace();
+        let mut backed: std::collections::HashMap<Ino, bool> = Default::default();
+        let mut candidates = Vec::new();
+        ns.for_each_chunk(|ino, index, rec| {
+            if self.is_local(rec) {
+                candidates.push((ino, index, rec.version, rec.len));
+            }
+        })?;
+        candidates.retain(|(ino, ..)| {
+            *backed.entry(*ino).or_insert_with(|| {
+                ns.tier(*ino).ok().flatten().is_some_and(|r| matches!(r.state, TierState::Backed | TierState::ReKeying))
+            })
+        });
+        // Never read since this daemon started counts as oldest.
+        candidates.sort_by_key(|(ino, index, ..)| (t.access.get(&(*ino, *index)).map_or(0, |a| *a), *ino, *index));
+        let mut freed = 0u64;
+        let mut files = std::collections::HashSet::new();
+        for (ino, index, version, len) in candidates {
+            if disk_usage(self.data_dir())? <= target {
+                break;
+            }
+            // Opens of the file wait while its chunk goes: one that had
+            // loaded the layout before could read the hole through passthrough.
+            let Some(evicted) = self.while_closed(ino, || self.evict_chunk(ino, index, version)) else { continue };
+            if evicted? {
+                freed += len as u64;
+                files.insert(ino);
+                t.stats.evicted_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            }
+        }
+        if freed > 0 {
+            tracing::info!(bytes = freed, files = files.len(), "evicted backed chunks from the data disk");
+        }
+        Ok(freed)
+    }
+
+    /// Record that this node no longer holds the chunk, then free its bytes
+    /// (in that order: a reader never finds a recorded copy that is a hole).
+    fn evict_chunk(&self, ino: Ino, index: u32, version: u64) -> FsResult<bool> {
+        if !self.namespace().drop_replica(ino, index, version)? {
+            return Ok(false);
+        }
+        let inode = self.namespace().getattr(ino)?;
+        let cs = inode.chunk_size.max(1) as u64;
+        let file = match std::fs::OpenOptions::new().write(true).open(self.chunk_store().path(ino)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
+            Err(e) => return Err(FsError::io("open backing file to evict", e)),
+        };
+        // SAFETY: fallocate on an fd we own.
+        let rc = unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (index as u64 * cs) as i64,
+                cs as i64,
+            )
+        };
+        if rc != 0 {
+            return Err(FsError::io("punch evicted chunk", std::io::Error::last_os_error()));
+        }
+        Ok(true)
+    }
+}

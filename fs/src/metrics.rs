@@ -1,0 +1,83 @@
+//! Prometheus metrics of the daemon (`--metrics ADDR`, served at `/metrics`):
+//! the object tier's backlog and traffic, read from the counters the tier
+//! keeps, at each scrape.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::Ordering;
+use std::sync::Weak;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
+use crate::core::Core;
+
+#[derive(Debug)]
+struct TierCollector {
+    core: Weak<Core>,
+}
+
+impl Collector for TierCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(core) = self.core.upgrade() else { return Ok(()) };
+        let Some(t) = core.tiering() else { return Ok(()) };
+        let b = t.backlog();
+        let s = &t.stats;
+        let gauges = [
+            ("backfill_backlog_files", "Files waiting to be uploaded, re-keyed or checked", b.files as i64),
+            (
+                "backfill_retry_seconds",
+                "Seconds until the object store is tried again (0: not backing off)",
+                b.retry_in.map_or(0, |d| d.as_secs() as i64),
+            ),
+        ];
+        for (name, help, v) in gauges {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        let counters = [
+            ("backfill_uploaded_files", "Files uploaded to the object store", &s.uploaded_files),
+            ("backfill_uploaded_bytes", "Bytes uploaded to the object store", &s.uploaded_bytes),
+            ("backfill_failures", "Object store calls that failed (and will be retried)", &s.failures),
+            ("backfill_rekeyed_files", "Objects moved to a renamed file's new key", &s.rekeyed),
+            ("backfill_deleted_objects", "Objects deleted (stale keys, removed files)", &s.deleted),
+            ("object_fetched_bytes", "Bytes fetched from the object store into the SSDs", &s.fetched_bytes),
+            ("evicted_bytes", "Bytes of backed chunks evicted from the SSDs", &s.evicted_bytes),
+        ];
+        for (name, help, v) in counters {
+            let c = ConstCounter::new(v.load(Ordering::Relaxed));
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Serve `/metrics` on `addr` from a thread of its own.
+pub fn serve(addr: SocketAddr, core: Weak<Core>) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr)?;
+    let bound = listener.local_addr()?;
+    let mut registry = Registry::with_prefix("converged");
+    registry.register_collector(Box::new(TierCollector { core }));
+    std::thread::Builder::new().name("metrics".into()).spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+            let mut req = [0u8; 1024];
+            let _ = s.read(&mut req);
+            let mut body = String::new();
+            let (status, body) = match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                Ok(()) => ("200 OK", body),
+                Err(_) => ("500 Internal Server Error", String::new()),
+            };
+            let _ = write!(
+                s,
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    })?;
+    Ok(bound)
+}

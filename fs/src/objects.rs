@@ -1,0 +1,497 @@
+//! The object store, converged's last tier: one object per file at
+//! `<prefix>/<path>`, through the object_store crate (S3 and S3-compatible
+//! endpoints, GCS, Azure, a local directory). This module moves bytes and
+//! lists keys; which file is in which state is `backfill.rs`'s business.
+//!
+//! Calls are async inside the tier's own runtime and exposed as blocking
+//! methods: the daemon's callers are FUSE and worker threads, never tasks of
+//! that runtime. Every call has a deadline (the client's timeouts) and its
+//! errors say whether a retry can help.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use object_store::path::Path;
+use object_store::{
+    ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
+};
+use parking_lot::Mutex;
+use thiserror::Error;
+use url::Url;
+
+use crate::chunkstore::read_exact_at;
+
+/// Objects up to this size are written with one PUT; larger ones as a
+/// multipart upload with parts of this size.
+pub const PART_SIZE: usize = 16 << 20;
+/// Parts of one file in flight at once.
+pub const PART_CONCURRENCY: usize = 8;
+/// Ranged GETs of one chunk in flight at once, and their size.
+pub const FETCH_RANGE: u64 = 8 << 20;
+
+#[derive(Debug, Error)]
+pub enum ObjectError {
+    #[error("object store URI {uri:?}: {why}")]
+    BadUri { uri: String, why: String },
+    #[error("object {key:?} changed in the store (ETag no longer {etag:?})")]
+    Changed { key: String, etag: String },
+    #[error("object {key:?} not found")]
+    NotFound { key: String },
+    #[error("object store: {op} {key:?}: {msg}")]
+    Store { op: &'static str, key: String, msg: String, retryable: bool },
+    #[error("reading the file to upload: {0}")]
+    Local(#[from] std::io::Error),
+}
+
+impl ObjectError {
+    /// Whether the same call later may succeed (an outage, a timeout).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ObjectError::Store { retryable, .. } => *retryable,
+            ObjectError::BadUri { .. } | ObjectError::Changed { .. } | ObjectError::NotFound { .. } => false,
+            ObjectError::Local(_) => false,
+        }
+    }
+
+    fn store(op: &'static str, key: &str, e: object_store::Error) -> Self {
+        match e {
+            object_store::Error::NotFound { .. } => ObjectError::NotFound { key: key.to_string() },
+            object_store::Error::Precondition { .. } => {
+                ObjectError::Changed { key: key.to_string(), etag: String::new() }
+            }
+            e => {
+                // Configuration problems never heal by themselves; the rest
+                // (connection refused, 5xx, timeouts) may.
+                let retryable = !matches!(
+                    e,
+                    object_store::Error::NotSupported { .. }
+                        | object_store::Error::NotImplemented { .. }
+                        | object_store::Error::UnknownConfigurationKey { .. }
+                        | object_store::Error::InvalidPath { .. }
+                        | object_store::Error::PermissionDenied { .. }
+                        | object_store::Error::Unauthenticated { .. }
+                );
+                ObjectError::Store { op, key: key.to_string(), msg: e.to_string(), retryable }
+            }
+        }
+    }
+}
+
+pub type ObjectResult<T> = Result<T, ObjectError>;
+
+/// How to reach object stores besides their URI.
+#[derive(Debug, Clone, Default)]
+pub struct StoreOptions {
+    /// An S3-compatible endpoint (`http://127.0.0.1:9000`); path-style requests.
+    pub s3_endpoint: Option<String>,
+}
+
+/// One bucket (or directory) and the client for it.
+struct Bucket {
+    store: Arc<dyn ObjectStore>,
+    /// For S3: what import listing needs to sign its own requests.
+    s3: Option<S3Listing>,
+}
+
+#[derive(Clone)]
+struct S3Listing {
+    bucket: rusty_s3::Bucket,
+    credentials: Option<rusty_s3::Credentials>,
+}
+
+/// A parsed object location: which bucket (`s3://name`) and which key prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    /// `scheme://bucket`, or `file:///dir` for a local directory.
+    pub base: String,
+    /// Key prefix inside it, without leading or trailing `/`.
+    pub prefix: String,
+}
+
+impl Location {
+    pub fn parse(uri: &str) -> ObjectResult<Self> {
+        let bad = |why: &str| ObjectError::BadUri { uri: uri.to_string(), why: why.to_string() };
+        let url = Url::parse(uri).map_err(|e| bad(&e.to_string()))?;
+        match url.scheme() {
+            "file" => {
+                let path = url.to_file_path().map_err(|()| bad("not an absolute local path"))?;
+                Ok(Location { base: format!("file://{}", path.display()), prefix: String::new() })
+            }
+            "s3" | "s3a" | "gs" | "az" | "abfs" | "abfss" => {
+                let bucket = url.host_str().filter(|h| !h.is_empty()).ok_or_else(|| bad("no bucket name"))?;
+                let prefix = url.path().trim_matches('/').to_string();
+                if prefix.split('/').any(|p| p == "." || p == "..") || prefix.contains("//") {
+                    return Err(bad("the prefix has an empty, `.` or `..` component"));
+                }
+                Ok(Location { base: format!("{}://{bucket}", url.scheme()), prefix })
+            }
+            other => Err(bad(&format!("unsupported scheme {other:?} (use s3://, gs://, az:// or file://)"))),
+        }
+    }
+
+    /// `key` under this location's prefix.
+    pub fn key(&self, rel: &str) -> String {
+        match (self.prefix.is_empty(), rel.is_empty()) {
+            (true, _) => rel.to_string(),
+            (false, true) => self.prefix.clone(),
+            (false, false) => format!("{}/{rel}", self.prefix),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        if self.prefix.is_empty() {
+            self.base.clone()
+        } else {
+            format!("{}/{}", self.base, self.prefix)
+        }
+    }
+}
+
+/// What a listing of one level under a prefix found.
+#[derive(Debug, Default)]
+pub struct Listing {
+    /// (full key, size, last modified (seconds since the epoch), ETag)
+    pub objects: Vec<(String, u64, i64, Option<String>)>,
+    /// Full key prefixes, ending in `/`.
+    pub prefixes: Vec<String>,
+}
+
+/// The tier: the mount's own store plus any import sources, with the runtime their clients run on.
+pub struct ObjectTier {
+    rt: tokio::runtime::Runtime,
+    home: Location,
+    opts: StoreOptions,
+    buckets: Mutex<HashMap<String, Arc<Bucket>>>,
+    http: reqwest::Client,
+}
+
+fn install_crypto() {
+    // reqwest is built without a bundled provider: use ring, as the transport does.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+impl ObjectTier {
+    /// Open the mount's store (`--object-store`). Checks that it answers.
+    pub fn open(uri: &str, opts: StoreOptions) -> ObjectResult<Self> {
+        install_crypto();
+        let home = Location::parse(uri)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("converged-objects")
+            .enable_all()
+            .build()
+            .map_err(ObjectError::Local)?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| ObjectError::BadUri { uri: uri.to_string(), why: e.to_string() })?;
+        let tier = ObjectTier { rt, home, opts, buckets: Mutex::default(), http };
+        tier.bucket(&tier.home.base.clone())?;
+        Ok(tier)
+    }
+
+    /// Where the mount's own objects live.
+    pub fn home(&self) -> &Location {
+        &self.home
+    }
+
+    fn bucket(&self, base: &str) -> ObjectResult<Arc<Bucket>> {
+        if let Some(b) = self.buckets.lock().get(base) {
+            return Ok(b.clone());
+        }
+        let b = Arc::new(self.build(base)?);
+        self.buckets.lock().insert(base.to_string(), b.clone());
+        Ok(b)
+    }
+
+    fn build(&self, base: &str) -> ObjectResult<Bucket> {
+        let bad = |why: String| ObjectError::BadUri { uri: base.to_string(), why };
+        // The daemon retries the backlog itself, with a longer backoff: a
+        // single call should fail within seconds when the store is down.
+        let retry = RetryConfig { max_retries: 2, retry_timeout: Duration::from_secs(10), ..Default::default() };
+        let client =
+            ClientOptions::new().with_connect_timeout(Duration::from_secs(5)).with_timeout(Duration::from_secs(120));
+        let url = Url::parse(base).map_err(|e| bad(e.to_string()))?;
+        match url.scheme() {
+            "file" => {
+                let dir = url.to_file_path().map_err(|()| bad("not an absolute path".into()))?;
+                std::fs::create_dir_all(&dir).map_err(|e| bad(format!("create {}: {e}", dir.display())))?;
+                let store = object_store::local::LocalFileSystem::new_with_prefix(&dir)
+                    .map_err(|e| bad(e.to_string()))?
+                    .with_automatic_cleanup(true);
+                Ok(Bucket { store: Arc::new(store), s3: None })
+            }
+            "s3" | "s3a" => {
+                let name = url.host_str().unwrap_or_default().to_string();
+                let region = std::env::var("AWS_REGION")
+                    .or_else(|_| std::env::var("AWS_DEFAULT_REGION"))
+                    .unwrap_or_else(|_| "us-east-1".into());
+                let mut b = object_store::aws::AmazonS3Builder::from_env()
+                    .with_bucket_name(&name)
+                    .with_region(&region)
+                    .with_retry(retry)
+                    .with_client_options(client);
+                let endpoint = self.opts.s3_endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
+                if let Some(ep) = &endpoint {
+                    b = b
+                        .with_endpoint(ep)
+                        .with_allow_http(ep.starts_with("http://"))
+                        .with_virtual_hosted_style_request(false);
+                }
+                let store = b.build().map_err(|e| bad(e.to_string()))?;
+                let (ep_url, style) = match &endpoint {
+                    Some(ep) => (ep.clone(), rusty_s3::UrlStyle::Path),
+                    None => (format!("https://s3.{region}.amazonaws.com"), rusty_s3::UrlStyle::VirtualHost),
+                };
+                let ep_url = Url::parse(&ep_url).map_err(|e| bad(format!("S3 endpoint: {e}")))?;
+                let bucket = rusty_s3::Bucket::new(ep_url, style, name, region).map_err(|e| bad(e.to_string()))?;
+                let credentials = rusty_s3::Credentials::from_env();
+                Ok(Bucket { store: Arc::new(store), s3: Some(S3Listing { bucket, credentials }) })
+            }
+            "gs" => {
+                let store = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_url(base)
+                    .with_retry(retry)
+                    .with_client_options(client)
+                    .build()
+                    .map_err(|e| bad(e.to_string()))?;
+                Ok(Bucket { store: Arc::new(store), s3: None })
+            }
+            "az" | "abfs" | "abfss" => {
+                let store = object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .with_url(base)
+                    .with_retry(retry)
+                    .with_client_options(client)
+                    .build()
+                    .map_err(|e| bad(e.to_string()))?;
+                Ok(Bucket { store: Arc::new(store), s3: None })
+            }
+            other => Err(bad(format!("unsupported scheme {other:?}"))),
+        }
+    }
+
+    /// The bucket `source` names, or the mount's own.
+    fn store_of(&self, source: Option<&str>) -> ObjectResult<Arc<Bucket>> {
+        match source {
+            Some(base) => self.bucket(base),
+            None => self.bucket(&self.home.base),
+        }
+    }
+
+    fn path(key: &str) -> ObjectResult<Path> {
+        Path::parse(key).map_err(|e| ObjectError::Store {
+            op: "key",
+            key: key.to_string(),
+            msg: e.to_string(),
+            retryable: false,
+        })
+    }
+
+    /// Check that a store answers (a listing of one level under `loc`).
+    pub fn probe(&self, loc: &Location) -> ObjectResult<()> {
+        let b = self.bucket(&loc.base)?;
+        let prefix = (!loc.prefix.is_empty()).then(|| Path::from(loc.prefix.as_str()));
+        self.rt
+            .block_on(async { b.store.list_with_delimiter(prefix.as_ref()).await })
+            .map(|_| ())
+            .map_err(|e| ObjectError::store("list", &loc.prefix, e))
+    }
+
+    /// Upload `size` bytes of `file` as the object `key` of the mount's
+    /// store: one PUT when small, else a multipart upload with parts in
+    /// parallel. The object appears under `key` only when complete (a
+    /// failed multipart upload is aborted). `check` sees every part before
+    /// it is sent and may refuse it (the file changed under the upload).
+    /// Returns the object's ETag.
+    pub fn upload(
+        &self,
+        key: &str,
+        file: &File,
+        size: u64,
+        check: &(dyn Fn(u64, &[u8]) -> bool + Sync),
+    ) -> ObjectResult<Option<String>> {
+        let b = self.bucket(&self.home.base)?;
+        let path = Self::path(key)?;
+        let changed = || ObjectError::Changed { key: key.to_string(), etag: "(local file changed)".into() };
+        if size <= PART_SIZE as u64 {
+            let mut buf = vec![0u8; size as usize];
+            read_exact_at(file, &mut buf, 0)?;
+            if !check(0, &buf) {
+                return Err(changed());
+            }
+            let r = self.rt.block_on(async { b.store.put(&path, PutPayload::from(buf)).await });
+            return r.map(|p| p.e_tag).map_err(|e| ObjectError::store("put", key, e));
+        }
+        self.rt.block_on(async {
+            let upload =
+                b.store.put_multipart(&path).await.map_err(|e| ObjectError::store("start multipart", key, e))?;
+            let mut w = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+            let mut off = 0u64;
+            let failed = loop {
+                if off >= size {
+                    break None;
+                }
+                if let Err(e) = w.wait_for_capacity(PART_CONCURRENCY).await {
+                    break Some(ObjectError::store("upload part", key, e));
+                }
+                let n = (size - off).min(PART_SIZE as u64) as usize;
+                let mut buf = vec![0u8; n];
+                // A part read blocks this (non-runtime) thread only, while earlier parts upload.
+                if let Err(e) = read_exact_at(file, &mut buf, off) {
+                    break Some(ObjectError::Local(e));
+                }
+                if !check(off, &buf) {
+                    break Some(changed());
+                }
+                w.put(Bytes::from(buf));
+                off += n as u64;
+            };
+            match failed {
+                None => w.finish().await.map(|p| p.e_tag).map_err(|e| ObjectError::store("complete multipart", key, e)),
+                Some(e) => {
+                    let _ = w.abort().await;
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Bytes `[start, end)` of an object, refused if its ETag is no longer `etag`.
+    pub fn get_range(
+        &self,
+        source: Option<&str>,
+        key: &str,
+        etag: Option<&str>,
+        start: u64,
+        end: u64,
+    ) -> ObjectResult<Bytes> {
+        let b = self.store_of(source)?;
+        let path = Self::path(key)?;
+        let ranges: Vec<(u64, u64)> =
+            (start..end).step_by(FETCH_RANGE as usize).map(|a| (a, (a + FETCH_RANGE).min(end))).collect();
+        let r = self.rt.block_on(async {
+            let gets = ranges.iter().map(|(a, z)| {
+                let opts = GetOptions {
+                    range: Some(GetRange::Bounded(*a..*z)),
+                    if_match: etag.map(str::to_string),
+                    ..Default::default()
+                };
+                let (store, path) = (b.store.clone(), path.clone());
+                async move { store.get_opts(&path, opts).await?.bytes().await }
+            });
+            futures::future::try_join_all(gets).await
+        });
+        match r {
+            Ok(parts) if parts.len() == 1 => Ok(parts.into_iter().next().expect("one part")),
+            Ok(parts) => {
+                let mut out = Vec::with_capacity((end - start) as usize);
+                for p in parts {
+                    out.extend_from_slice(&p);
+                }
+                Ok(Bytes::from(out))
+            }
+            Err(object_store::Error::Precondition { .. }) => {
+                Err(ObjectError::Changed { key: key.to_string(), etag: etag.unwrap_or_default().to_string() })
+            }
+            Err(e) => Err(ObjectError::store("get", key, e)),
+        }
+    }
+
+    /// Size, mtime (seconds) and ETag of an object.
+    pub fn head(&self, source: Option<&str>, key: &str) -> ObjectResult<(u64, i64, Option<String>)> {
+        let b = self.store_of(source)?;
+        let path = Self::path(key)?;
+        let m =
+            self.rt.block_on(async { b.store.head(&path).await }).map_err(|e| ObjectError::store("head", key, e))?;
+        Ok((m.size, m.last_modified.timestamp(), m.e_tag))
+    }
+
+    /// Copy an object of the mount's store to a new key (re-keying after a rename).
+    pub fn copy(&self, from: &str, to: &str) -> ObjectResult<Option<String>> {
+        let b = self.bucket(&self.home.base)?;
+        let (f, t) = (Self::path(from)?, Self::path(to)?);
+        self.rt.block_on(async { b.store.copy(&f, &t).await }).map_err(|e| ObjectError::store("copy", from, e))?;
+        Ok(self.head(None, to)?.2)
+    }
+
+    /// Delete an object of the mount's store; a missing one is already deleted.
+    pub fn delete(&self, key: &str) -> ObjectResult<()> {
+        let b = self.bucket(&self.home.base)?;
+        let path = Self::path(key)?;
+        match self.rt.block_on(async { b.store.delete(&path).await }) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(ObjectError::store("delete", key, e)),
+        }
+    }
+
+    /// One level of keys under `prefix` (which ends in `/`, or is empty) of
+    /// the bucket `base`, every key as stored, valid path or not.
+    pub fn list_level(&self, base: &str, prefix: &str) -> ObjectResult<Listing> {
+        let b = self.bucket(base)?;
+        match &b.s3 {
+            Some(s3) => self.list_s3(s3, prefix),
+            None => {
+                let p = (!prefix.is_empty()).then(|| Path::from(prefix.trim_end_matches('/')));
+                let r = self
+                    .rt
+                    .block_on(async { b.store.list_with_delimiter(p.as_ref()).await })
+                    .map_err(|e| ObjectError::store("list", prefix, e))?;
+                Ok(Listing {
+                    objects: r
+                        .objects
+                        .into_iter()
+                        .map(|o| (o.location.to_string(), o.size, o.last_modified.timestamp(), o.e_tag))
+                        .collect(),
+                    prefixes: r.common_prefixes.into_iter().map(|p| format!("{p}/")).collect(),
+                })
+            }
+        }
+    }
+
+    /// ListObjectsV2 with `/` as delimiter, signed here so that keys which
+    /// are not valid paths come back as they are (to be skipped and reported).
+    fn list_s3(&self, s3: &S3Listing, prefix: &str) -> ObjectResult<Listing> {
+        use rusty_s3::S3Action;
+        let fail = |msg: String, retryable| ObjectError::Store { op: "list", key: prefix.to_string(), msg, retryable };
+        let decode = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+        let mut out = Listing::default();
+        let mut token: Option<String> = None;
+        loop {
+            let mut action = s3.bucket.list_objects_v2(s3.credentials.as_ref());
+            action.with_prefix(prefix);
+            action.with_delimiter("/");
+            if let Some(t) = &token {
+                action.with_continuation_token(t.as_str());
+            }
+            let url = action.sign(Duration::from_secs(300));
+            let body = self.rt.block_on(async {
+                let resp = self.http.get(url).send().await.map_err(|e| fail(e.to_string(), true))?;
+                let status = resp.status();
+                let text = resp.text().await.map_err(|e| fail(e.to_string(), true))?;
+                if !status.is_success() {
+                    return Err(fail(format!("HTTP {status}: {text}"), status.is_server_error()));
+                }
+                Ok(text)
+            })?;
+            let page =
+                rusty_s3::actions::ListObjectsV2::parse_response(&body).map_err(|e| fail(e.to_string(), false))?;
+            for c in page.contents {
+                let mtime = c
+                    .last_modified
+                    .as_deref()
+                    .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+                    .map_or(0, |t| t.as_second());
+                out.objects.push((decode(&c.key), c.size.unwrap_or(0), mtime, c.etag));
+            }
+            out.prefixes.extend(page.common_prefixes.into_iter().map(|p| decode(&p.prefix)));
+            match page.next_continuation_token {
+                Some(t) if !t.is_empty() => token = Some(t),
+                _ => return Ok(out),
+            }
+        }
+    }
+}

@@ -1,0 +1,426 @@
+//! The object tier's records: each file's backfill state (`T`), objects to
+//! delete (`G`), imported objects, and the chunk replica changes that
+//! eviction and hydration make. Moving bytes is the daemon's job; this
+//! module only records where they are, one transaction per step.
+
+use crate::error::{MetaError, MetaResult};
+use crate::kv::{Durability, KvRead, KvWrite};
+use crate::namespace::{
+    check_name, decode, encode, get_dentry, get_dir, get_inode, put_dentry, put_inode, scan_all, Namespace,
+};
+use crate::schema;
+use crate::types::*;
+
+pub(crate) fn get_tier(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Option<TierRecord>> {
+    let key = schema::tier(ino);
+    match txn.get(&key)? {
+        Some(v) => Ok(Some(decode(&key, &v)?)),
+        None => Ok(None),
+    }
+}
+
+fn put_tier(txn: &mut (impl KvWrite + ?Sized), ino: Ino, rec: &TierRecord) {
+    txn.put(&schema::tier(ino), &encode(rec));
+}
+
+/// The file changed (a seal): its object, if any, is stale from now on.
+pub(crate) fn mark_dirty(txn: &mut (impl KvWrite + ?Sized), ino: Ino, node: &str) -> MetaResult<()> {
+    let rec = match get_tier(txn, ino)? {
+        Some(mut r) => {
+            r.state = TierState::Dirty;
+            r.generation += 1;
+            r.node = node.to_string();
+            r.sealed_at = Timespec::now();
+            r
+        }
+        None => TierRecord {
+            state: TierState::Dirty,
+            generation: 1,
+            node: node.to_string(),
+            sealed_at: Timespec::now(),
+            key: String::new(),
+            etag: None,
+            source: None,
+        },
+    };
+    put_tier(txn, ino, &rec);
+    Ok(())
+}
+
+/// A file got a new name. A backed object must move to the new key; an
+/// imported one stays where it is and the file is backfilled to the
+/// mount's own store instead (by the renaming node, which reads it through
+/// the tier).
+pub(crate) fn note_rename(txn: &mut (impl KvWrite + ?Sized), inode: &Inode, node: &str) -> MetaResult<()> {
+    if inode.kind != FileKind::Regular {
+        return Ok(());
+    }
+    let Some(mut rec) = get_tier(txn, inode.ino)? else { return Ok(()) };
+    match (rec.state, &rec.source) {
+        (TierState::Backed | TierState::ReKeying, None) => {
+            rec.state = TierState::ReKeying;
+            rec.node = node.to_string();
+        }
+        (TierState::Backed | TierState::ReKeying, Some(_)) => {
+            rec.state = TierState::Dirty;
+            rec.generation += 1;
+            rec.node = node.to_string();
+        }
+        // Not uploaded yet: the upload uses the name it finds.
+        (TierState::Dirty | TierState::Uploading, _) => return Ok(()),
+    }
+    put_tier(txn, inode.ino, &rec);
+    Ok(())
+}
+
+/// The file is being purged: its object (in the mount's own store) is queued for deletion.
+pub(crate) fn discard(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> {
+    if let Some(rec) = get_tier(txn, ino)? {
+        if !rec.key.is_empty() && rec.source.is_none() {
+            txn.put(&schema::garbage(ino), &encode(&GarbageObject { key: rec.key, source: None }));
+        }
+        txn.delete(&schema::tier(ino));
+    }
+    Ok(())
+}
+
+/// How an upload ended in the metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UploadEnd {
+    /// Recorded as backed; `stale` is an older object of the file (under
+    /// another key) that should now be deleted.
+    Backed { stale: Option<String> },
+    /// The file was sealed again (or removed) while the upload ran: it stays dirty.
+    Superseded,
+}
+
+/// One object found by an import listing.
+#[derive(Debug, Clone)]
+pub enum ImportEntry {
+    File {
+        name: Vec<u8>,
+        size: u64,
+        mtime: Timespec,
+        key: String,
+        etag: Option<String>,
+        source: Option<String>,
+    },
+    /// A common prefix: a directory listed when first read.
+    Dir {
+        name: Vec<u8>,
+        url: String,
+    },
+}
+
+impl Namespace {
+    pub fn tier(&self, ino: Ino) -> MetaResult<Option<TierRecord>> {
+        self.read(|txn| get_tier(txn, ino))
+    }
+
+    /// Every file's tier record; with `mine`, only those this node must act on.
+    pub fn tier_records(&self, mine: bool) -> MetaResult<Vec<(Ino, TierRecord)>> {
+        let all = self.read(|txn| scan_all(txn, &schema::tier_all()))?;
+        let mut out = Vec::new();
+        for (k, v) in all {
+            let rec: TierRecord = decode(&k, &v)?;
+            if !mine || self.is_mine(rec.node.as_bytes()) {
+                out.push((schema::key_ino(&k), rec));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Dirty → Uploading, if the file is dirty and this node holds its
+    /// bytes. Returns the record as it is now uploading.
+    pub fn begin_upload(&self, ino: Ino) -> MetaResult<Option<TierRecord>> {
+        self.write(Durability::Buffered, |txn| {
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(None) };
+            // Uploading here: a crash or failure during an earlier attempt.
+            if !matches!(rec.state, TierState::Dirty | TierState::Uploading) || !self.is_mine(rec.node.as_bytes()) {
+                return Ok(None);
+            }
+            if txn.get(&schema::unsealed(ino))?.is_some() {
+                // Being written: sealed again later.
+                return Ok(None);
+            }
+            rec.state = TierState::Uploading;
+            put_tier(txn, ino, &rec);
+            Ok(Some(rec))
+        })
+    }
+
+    /// Uploading → Backed, when no seal came in since `generation` began.
+    pub fn end_upload(&self, ino: Ino, generation: u64, key: &str, etag: Option<String>) -> MetaResult<UploadEnd> {
+        self.write(Durability::Buffered, |txn| {
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(UploadEnd::Superseded) };
+            if rec.generation != generation || rec.state != TierState::Uploading {
+                return Ok(UploadEnd::Superseded);
+            }
+            let stale = (!rec.key.is_empty() && rec.key != key && rec.source.is_none()).then(|| rec.key.clone());
+            rec.state = TierState::Backed;
+            rec.key = key.to_string();
+            rec.etag = etag.clone();
+            rec.source = None;
+            put_tier(txn, ino, &rec);
+            Ok(UploadEnd::Backed { stale })
+        })
+    }
+
+    /// Uploading → Dirty after a failed attempt (retried later).
+    pub fn abort_upload(&self, ino: Ino, generation: u64) -> MetaResult<()> {
+        self.write(Durability::Buffered, |txn| {
+            if let Some(mut rec) = get_tier(txn, ino)? {
+                if rec.generation == generation && rec.state == TierState::Uploading {
+                    rec.state = TierState::Dirty;
+                    put_tier(txn, ino, &rec);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Mark a backed file whose object sits under an old key (a directory
+    /// above it was renamed) as re-keying. Returns the record if it was.
+    pub fn begin_rekey(&self, ino: Ino) -> MetaResult<Option<TierRecord>> {
+        self.write(Durability::Buffered, |txn| {
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(None) };
+            if rec.source.is_some() || !matches!(rec.state, TierState::Backed | TierState::ReKeying) {
+                return Ok(None);
+            }
+            if rec.state == TierState::Backed {
+                rec.state = TierState::ReKeying;
+                rec.node = self.node.clone();
+                put_tier(txn, ino, &rec);
+            }
+            Ok(Some(rec))
+        })
+    }
+
+    /// The object was copied from `old` to `new`: record the new key (the
+    /// old object is then deleted by the caller). Returns false when the
+    /// record moved on (the file is gone, or another re-key won).
+    pub fn end_rekey(&self, ino: Ino, old: &str, new: &str, etag: Option<String>) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| {
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(false) };
+            if rec.key != old {
+                return Ok(false);
+            }
+            rec.key = new.to_string();
+            rec.etag = etag.clone();
+            if rec.state == TierState::ReKeying {
+                rec.state = TierState::Backed;
+            }
+            put_tier(txn, ino, &rec);
+            Ok(true)
+        })
+    }
+
+    /// Objects of purged files, waiting for deletion.
+    pub fn garbage(&self) -> MetaResult<Vec<(Ino, GarbageObject)>> {
+        let all = self.read(|txn| scan_all(txn, &schema::garbage_all()))?;
+        all.into_iter().map(|(k, v)| Ok((schema::key_ino(&k), decode(&k, &v)?))).collect()
+    }
+
+    pub fn drop_garbage(&self, ino: Ino) -> MetaResult<()> {
+        self.write(Durability::Buffered, |txn| {
+            txn.delete(&schema::garbage(ino));
+            Ok(())
+        })
+    }
+
+    /// The names from the root down to `ino`, following each inode's
+    /// recorded parent and name; `None` when a step no longer holds (the
+    /// name was unlinked while another hard link remains).
+    pub fn path_of(&self, ino: Ino) -> MetaResult<Option<Vec<Vec<u8>>>> {
+        self.read(|txn| {
+            let mut names = Vec::new();
+            let mut cur = get_inode(txn, ino)?;
+            // Bounded so a corrupt parent chain cannot loop forever.
+            for _ in 0..4096 {
+                if cur.ino == ROOT_INO {
+                    names.reverse();
+                    return Ok(Some(names));
+                }
+                match get_dentry(txn, cur.parent, &cur.name)? {
+                    Some(d) if d.ino == cur.ino => {}
+                    _ => return Ok(None),
+                }
+                names.push(cur.name.clone());
+                cur = get_inode(txn, cur.parent)?;
+            }
+            Ok(None)
+        })
+    }
+
+    /// Evict: drop this node's copy of chunk `index` from its record, if the
+    /// chunk is still at `version` and the file is backed (the object holds
+    /// its bytes). Returns whether the copy may now be deleted.
+    pub fn drop_replica(&self, ino: Ino, index: u32, version: u64) -> MetaResult<bool> {
+        self.write(Durability::Durable, |txn| {
+            let backed =
+                get_tier(txn, ino)?.is_some_and(|r| matches!(r.state, TierState::Backed | TierState::ReKeying));
+            if !backed || txn.get(&schema::unsealed(ino))?.is_some() {
+                return Ok(false);
+            }
+            let key = schema::chunk(ino, index);
+            let Some(v) = txn.get(&key)? else { return Ok(false) };
+            let mut record: ChunkRecord = decode(&key, &v)?;
+            if record.version != version {
+                return Ok(false);
+            }
+            let before = record.replicas.len();
+            if self.clustered {
+                record.replicas.retain(|r| r != &self.node);
+            } else {
+                record.replicas.clear();
+            }
+            if record.replicas.len() == before {
+                return Ok(false);
+            }
+            txn.put(&key, &encode(&record));
+            Ok(true)
+        })
+    }
+
+    /// A chunk was fetched from the object store into this node's SSD:
+    /// record the copy. `version` is the record it was fetched for; `None`
+    /// when the file had no record for it (an imported object, or a backed
+    /// file's chunk never written here), which is then created with the
+    /// checksums computed as it arrived. Returns false when the layout
+    /// changed meanwhile.
+    pub fn record_fetched(
+        &self,
+        ino: Ino,
+        index: u32,
+        version: Option<u64>,
+        len: u32,
+        block_crcs: &[u32],
+    ) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| {
+            let key = schema::chunk(ino, index);
+            let mut record = match (txn.get(&key)?, version) {
+                (Some(v), Some(version)) => {
+                    let r: ChunkRecord = decode(&key, &v)?;
+                    if r.version != version {
+                        return Ok(false);
+                    }
+                    r
+                }
+                (None, None) => {
+                    let backed = get_tier(txn, ino)?.is_some_and(|r| r.state == TierState::Backed);
+                    if !backed || txn.get(&schema::unsealed(ino))?.is_some() {
+                        return Ok(false);
+                    }
+                    ChunkRecord { version: 1, len, replicas: Vec::new(), block_crcs: block_crcs.to_vec() }
+                }
+                _ => return Ok(false),
+            };
+            if !record.replicas.contains(&self.node) {
+                record.replicas.push(self.node.clone());
+            }
+            txn.put(&key, &encode(&record));
+            Ok(true)
+        })
+    }
+
+    /// Make imported objects into files (and prefixes into directories to
+    /// be listed later) under `parent`, in one transaction. Names already
+    /// present are left alone (a listing resumed after a crash).
+    pub fn import_entries(&self, parent: Ino, entries: &[ImportEntry], uid: u32, gid: u32) -> MetaResult<usize> {
+        for e in entries {
+            let name = match e {
+                ImportEntry::File { name, .. } | ImportEntry::Dir { name, .. } => name,
+            };
+            check_name(name)?;
+        }
+        let mut inos = Vec::with_capacity(entries.len());
+        for _ in entries {
+            inos.push(self.alloc_ino()?);
+        }
+        let chunk_size = self.chunk_size();
+        self.write(Durability::Buffered, |txn| {
+            let mut dir = get_dir(txn, parent)?;
+            let now = Timespec::now();
+            let mut made = 0;
+            for (e, ino) in entries.iter().zip(&inos) {
+                let (name, kind) = match e {
+                    ImportEntry::File { name, .. } => (name, FileKind::Regular),
+                    ImportEntry::Dir { name, .. } => (name, FileKind::Directory),
+                };
+                if get_dentry(txn, parent, name)?.is_some() {
+                    continue;
+                }
+                let mut inode = Inode {
+                    ino: *ino,
+                    kind,
+                    perm: if kind == FileKind::Directory { 0o755 } else { 0o644 },
+                    uid,
+                    gid,
+                    nlink: if kind == FileKind::Directory { 2 } else { 1 },
+                    size: 0,
+                    atime: now,
+                    mtime: now,
+                    ctime: now,
+                    rdev: 0,
+                    parent,
+                    name: name.clone(),
+                    chunk_size: if kind == FileKind::Regular { chunk_size } else { 0 },
+                    target: None,
+                };
+                match e {
+                    ImportEntry::File { size, mtime, key, etag, source, .. } => {
+                        inode.size = *size;
+                        inode.mtime = *mtime;
+                        inode.ctime = *mtime;
+                        let rec = TierRecord {
+                            state: TierState::Backed,
+                            generation: 1,
+                            node: self.node.clone(),
+                            sealed_at: now,
+                            key: key.clone(),
+                            etag: etag.clone(),
+                            source: source.clone(),
+                        };
+                        put_tier(txn, *ino, &rec);
+                    }
+                    ImportEntry::Dir { url, .. } => {
+                        txn.put(&schema::xattr(*ino, IMPORT_XATTR), url.as_bytes());
+                        dir.nlink += 1;
+                    }
+                }
+                put_inode(txn, &inode);
+                put_dentry(txn, parent, name, &Dentry { ino: *ino, kind });
+                made += 1;
+            }
+            if made > 0 {
+                dir.mtime = now;
+                dir.ctime = now;
+                put_inode(txn, &dir);
+            }
+            Ok(made)
+        })
+    }
+
+    /// An imported object changed behind converged's back: take its new
+    /// size, mtime and ETag, and forget every chunk fetched from the old one.
+    /// Refused (`Busy`) while the file is being written.
+    pub fn refresh_import(&self, ino: Ino, size: u64, mtime: Timespec, etag: Option<String>) -> MetaResult<()> {
+        self.write(Durability::Durable, |txn| {
+            if txn.get(&schema::unsealed(ino))?.is_some() {
+                return Err(MetaError::Invalid("an imported file changed in its bucket while being written here"));
+            }
+            let mut inode = get_inode(txn, ino)?;
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(()) };
+            let (start, end) = schema::prefix_range(&schema::chunks_of(ino));
+            txn.delete_range(&start, &end)?;
+            inode.size = size;
+            inode.mtime = mtime;
+            inode.ctime = Timespec::now();
+            put_inode(txn, &inode);
+            rec.etag = etag.clone();
+            rec.state = TierState::Backed;
+            put_tier(txn, ino, &rec);
+            Ok(())
+        })
+    }
+}

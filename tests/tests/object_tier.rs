@@ -1,0 +1,409 @@
+//! The object tier against a real S3-compatible server on 127.0.0.1 (moto,
+//! from PyPI, started here): backfill, re-keying, deletion, import, eviction
+//! and an outage of the store. What converged wrote is read back with boto3,
+//! not with converged's own client.
+
+mod common;
+
+use std::fs;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A moto S3 server on a loopback port; killed on drop.
+struct S3Server {
+    port: u16,
+    child: Option<Child>,
+}
+
+fn moto_bin() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|d| d.join("moto_server")).find(|p| p.exists())
+}
+
+impl S3Server {
+    /// `None` (outside CI) when moto is not installed.
+    fn start() -> Option<Self> {
+        if moto_bin().is_none() {
+            assert!(std::env::var_os("CI").is_none(), "moto must be installed in CI (pip install 'moto[server]')");
+            eprintln!("moto_server not installed (pip install 'moto[server]' boto3); object tier tests not run");
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut s = S3Server { port, child: None };
+        s.restart();
+        Some(s)
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Start (again) on the same port. moto keeps objects in memory: a
+    /// restarted server is empty.
+    fn restart(&mut self) {
+        let child = Command::new(moto_bin().unwrap())
+            .args(["-H", "127.0.0.1", "-p", &self.port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start moto_server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "moto_server did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kill the server (the store goes away mid-whatever).
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn s3(&self, args: &[&str]) -> std::process::Output {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/s3.py");
+        Command::new("python3").arg(script).arg(self.endpoint()).args(args).output().expect("run s3.py")
+    }
+
+    fn mkbucket(&self, bucket: &str) {
+        let out = self.s3(&["mkbucket", bucket]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    fn put(&self, bucket: &str, key: &str, data: &[u8]) {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        fs::write(f.path(), data).unwrap();
+        let out = self.s3(&["put", bucket, key, f.path().to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// The object's bytes, or `None` when there is no such key.
+    fn get(&self, bucket: &str, key: &str) -> Option<Vec<u8>> {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let out = self.s3(&["get", bucket, key, f.path().to_str().unwrap()]);
+        if out.status.code() == Some(3) {
+            return None;
+        }
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        Some(fs::read(f.path()).unwrap())
+    }
+
+    fn list(&self, bucket: &str, prefix: &str) -> Vec<String> {
+        let out = self.s3(&["list", bucket, prefix]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect()
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Mount options for a store in `bucket` under `prefix`.
+fn tier_args(s3: &S3Server, bucket: &str, prefix: &str, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = vec![
+        "--object-store".into(),
+        format!("s3://{bucket}/{prefix}"),
+        "--s3-endpoint".into(),
+        s3.endpoint(),
+        "--backfill-delay".into(),
+        "300ms".into(),
+    ];
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn mount(args: &[String]) -> Mount {
+    // The daemon takes S3 credentials from the environment, as a user's would.
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Mount::with_args(&refs)
+}
+
+fn xattr(p: &Path, name: &str) -> String {
+    let out = Command::new("getfattr").args(["--only-values", "-n", name]).arg(p).output().expect("getfattr");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn tier(p: &Path) -> String {
+    xattr(p, "user.converged.tier")
+}
+
+/// Wait until `f` holds, up to `secs`.
+fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a == b
+}
+
+#[test]
+fn backfill_uploads_each_file_as_one_object_and_follows_renames_and_unlinks() {
+    let Some(s3) = S3Server::start() else { return };
+    s3.mkbucket("ckpt");
+    let m = mount(&tier_args(&s3, "ckpt", "run1", &[]));
+    fs::create_dir_all(m.path("step100")).unwrap();
+    // Over the 16 MiB part size: a multipart upload.
+    let big = pattern(40 << 20, 1);
+    fs::write(m.path("step100/model.pt"), &big).unwrap();
+    fs::write(m.path("step100/meta.json"), b"{\"step\": 100}\n").unwrap();
+    fs::File::create(m.path("empty")).unwrap();
+    for f in ["step100/model.pt", "step100/meta.json", "empty"] {
+        eventually(60, &format!("{f} is backed"), || tier(&m.path(f)).starts_with("state=backed"));
+    }
+    assert!(same(&s3.get("ckpt", "run1/step100/model.pt").expect("object"), &big));
+    assert_eq!(s3.get("ckpt", "run1/step100/meta.json").unwrap(), b"{\"step\": 100}\n");
+    assert_eq!(s3.get("ckpt", "run1/empty").unwrap(), b"");
+    let t = tier(&m.path("step100/model.pt"));
+    assert!(t.contains("etag="), "the ETag is kept: {t}");
+    let status = converged().arg("status").arg(m.path("step100/model.pt")).output().unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("object=s3://ckpt/run1/step100/model.pt"), "{status}");
+
+    // An overwrite is uploaded again, and the object follows.
+    let v2 = pattern(20 << 20, 2);
+    fs::write(m.path("step100/model.pt"), &v2).unwrap();
+    eventually(60, "the new version is backed", || {
+        s3.get("ckpt", "run1/step100/model.pt").is_some_and(|o| same(&o, &v2))
+    });
+
+    // Rename: the namespace changes at once, the object moves in the background.
+    fs::rename(m.path("step100/meta.json"), m.path("step100/meta-final.json")).unwrap();
+    assert!(m.path("step100/meta-final.json").exists());
+    eventually(60, "the object is re-keyed", || {
+        s3.list("ckpt", "run1/step100/") == vec!["run1/step100/meta-final.json", "run1/step100/model.pt"]
+    });
+    // A directory rename re-keys every backed file below it.
+    fs::rename(m.path("step100"), m.path("final")).unwrap();
+    eventually(60, "the directory is re-keyed", || {
+        s3.list("ckpt", "run1/") == vec!["run1/empty", "run1/final/meta-final.json", "run1/final/model.pt"]
+    });
+    assert!(same(&s3.get("ckpt", "run1/final/model.pt").unwrap(), &v2));
+
+    // Unlink deletes the object.
+    fs::remove_file(m.path("final/meta-final.json")).unwrap();
+    eventually(60, "the object of the removed file is gone", || s3.get("ckpt", "run1/final/meta-final.json").is_none());
+    assert!(s3.get("ckpt", "run1/final/model.pt").is_some(), "other objects stay");
+}
+
+#[test]
+fn import_shows_a_bucket_as_files_and_skips_keys_that_are_not_names() {
+    let Some(s3) = S3Server::start() else { return };
+    s3.mkbucket("datasets");
+    s3.mkbucket("scratch");
+    let shard0 = pattern(3 << 20, 10);
+    let shard1 = pattern(100_000, 11);
+    s3.put("datasets", "c4/train/shard-0000.bin", &shard0);
+    s3.put("datasets", "c4/train/shard-0001.bin", &shard1);
+    s3.put("datasets", "c4/README", b"c4 subset\n");
+    s3.put("datasets", "c4/bad/../escape", b"no");
+    let long = format!("c4/{}", "n".repeat(300));
+    s3.put("datasets", &long, b"too long");
+    s3.put("datasets", "other/unrelated", b"outside the prefix");
+    let m = mount(&tier_args(&s3, "scratch", "vol", &[]));
+
+    let out = converged()
+        .args(["import", "s3://datasets/c4"])
+        .arg(m.path("c4"))
+        .args(["--s3-endpoint", &s3.endpoint()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("c4/bad/../") && stderr.contains(&long), "invalid keys are reported: {stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("3 objects"), "{}", String::from_utf8_lossy(&out.stdout));
+
+    let mut names: Vec<String> =
+        fs::read_dir(m.path("c4")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, ["README", "bad", "train"]);
+    assert!(fs::read_dir(m.path("c4/bad")).unwrap().next().is_none(), "`..` is not followed");
+    assert_eq!(fs::metadata(m.path("c4/train/shard-0000.bin")).unwrap().len(), shard0.len() as u64);
+    // Nothing was copied: the bytes are fetched when read.
+    assert!(tier(&m.path("c4/train/shard-0000.bin")).contains("local=0"));
+    assert!(same(&fs::read(m.path("c4/train/shard-0000.bin")).unwrap(), &shard0));
+    assert!(same(&fs::read(m.path("c4/train/shard-0001.bin")).unwrap(), &shard1));
+    assert_eq!(fs::read(m.path("c4/README")).unwrap(), b"c4 subset\n");
+    assert!(tier(&m.path("c4/train/shard-0000.bin")).contains("local=1"), "hydrated on read");
+    // Read again from the SSD, with the page cache dropped.
+    drop_caches();
+    assert!(same(&fs::read(m.path("c4/train/shard-0000.bin")).unwrap(), &shard0));
+
+    // A file read whole is served from the SSD as it was listed, even
+    // after its object is replaced: old bytes, whole, never a mix.
+    s3.put("datasets", "c4/train/shard-0001.bin", &pattern(150_000, 12));
+    drop_caches();
+    assert!(same(&fs::read(m.path("c4/train/shard-0001.bin")).unwrap(), &shard1));
+
+    // Staging an imported tree fetches what is not local yet.
+    let out = converged().arg("stage").arg(m.path("c4")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(tier(&m.path("c4/README")).contains("local=1"));
+}
+
+#[test]
+fn an_imported_object_changed_in_its_bucket_is_refreshed_not_mixed() {
+    let Some(s3) = S3Server::start() else { return };
+    s3.mkbucket("src");
+    s3.mkbucket("home");
+    s3.put("src", "d/a.bin", &pattern(200_000, 20));
+    let m = mount(&tier_args(&s3, "home", "", &[]));
+    let out =
+        converged().args(["import", "s3://src/d"]).arg(m.path("d")).args(["--s3-endpoint", &s3.endpoint()]).output();
+    let out = out.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(fs::metadata(m.path("d/a.bin")).unwrap().len(), 200_000);
+    let newer = pattern(300_000, 21);
+    s3.put("src", "d/a.bin", &newer);
+    drop_caches();
+    assert!(same(&fs::read(m.path("d/a.bin")).unwrap(), &newer), "the new object, whole");
+    assert!(m.log().contains("imported object changed in its bucket"), "the change is logged");
+}
+
+#[test]
+fn a_full_data_disk_evicts_backed_chunks_and_reads_fetch_them_back() {
+    let Some(s3) = S3Server::start() else { return };
+    s3.mkbucket("evict");
+    // A small data disk of its own, so the watermarks mean something.
+    let disk = tempfile::tempdir().unwrap();
+    let c = cstr(disk.path());
+    let fstype = std::ffi::CString::new("tmpfs").unwrap();
+    let opts = std::ffi::CString::new("size=160m").unwrap();
+    // SAFETY: mount(2) with valid C strings.
+    let rc = unsafe { libc::mount(fstype.as_ptr(), c.as_ptr(), fstype.as_ptr(), 0, opts.as_ptr().cast()) };
+    assert_eq!(rc, 0, "mount tmpfs: errno {}", errno());
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            lazy_umount(&self.0);
+        }
+    }
+    let _disk = Unmount(disk.path().to_path_buf());
+    let root = disk.path();
+    fs::create_dir(root.join("data")).unwrap();
+    fs::create_dir(root.join("mnt")).unwrap();
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let mut args = vec!["mount".to_string(), root.join("mnt").display().to_string(), "--data-dir".into()];
+    args.push(root.join("data").display().to_string());
+    args.extend(tier_args(&s3, "evict", "v", &["--evict-high", "50", "--evict-low", "30"]));
+    let out = converged().args(&args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    struct Umount(PathBuf);
+    impl Drop for Umount {
+        fn drop(&mut self) {
+            let _ = converged().arg("umount").arg(&self.0).output();
+            lazy_umount(&self.0);
+        }
+    }
+    let mnt = root.join("mnt");
+    let _m = Umount(mnt.clone());
+
+    let files: Vec<(PathBuf, Vec<u8>)> =
+        (0..8).map(|i| (mnt.join(format!("shard{i}")), pattern(15 << 20, 30 + i))).collect();
+    for (p, data) in &files {
+        fs::write(p, data).unwrap();
+    }
+    // 120 MiB on a 160 MiB disk: over the high watermark once backed.
+    eventually(90, "some chunks are evicted", || files.iter().any(|(p, _)| tier(p).contains("local=0")));
+    let usage = || {
+        let st = nix_statvfs(&root.join("data"));
+        1.0 - st.0 as f64 / st.1 as f64
+    };
+    eventually(30, "usage is down to the low watermark", || usage() <= 0.5);
+    drop_caches();
+    for (p, data) in &files {
+        assert!(same(&fs::read(p).unwrap(), data), "{} reads back", p.display());
+    }
+    let b = xattr(&mnt, "user.converged.backfill");
+    assert!(!b.contains("evicted_bytes=0 "), "{b}");
+}
+
+/// (available blocks, total blocks) of the filesystem holding `p`.
+fn nix_statvfs(p: &Path) -> (u64, u64) {
+    let c = cstr(p);
+    // SAFETY: statvfs into a zeroed struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    (st.f_bavail, st.f_blocks)
+}
+
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))?.split(' ').nth(1)?.parse().ok()
+}
+
+#[test]
+fn an_object_store_outage_keeps_the_backlog_and_drains_it_when_the_store_returns() {
+    let Some(mut s3) = S3Server::start() else { return };
+    s3.mkbucket("outage");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let metrics = format!("127.0.0.1:{port}");
+    let m = mount(&tier_args(&s3, "outage", "p", &["--metrics", &metrics]));
+    let big = pattern(48 << 20, 40);
+    fs::write(m.path("big.bin"), &big).unwrap();
+    // The store goes away in the middle of the upload.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !tier(&m.path("big.bin")).starts_with("state=uploading") {
+        assert!(Instant::now() < deadline, "the upload never started: {}", tier(&m.path("big.bin")));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    s3.stop();
+    // Foreground I/O goes on.
+    let mut written = vec![("big.bin".to_string(), big)];
+    for i in 0..5 {
+        let data = pattern(1 << 20, 41 + i);
+        fs::write(m.path(&format!("during-{i}")), &data).unwrap();
+        written.push((format!("during-{i}"), data));
+    }
+    for (name, data) in &written {
+        assert!(same(&fs::read(m.path(name)).unwrap(), data));
+    }
+    // The backlog and the failures show in status and in the metrics.
+    eventually(60, "the failures show", || {
+        let b = xattr(&m.mnt, "user.converged.backfill");
+        b.contains("last_error=") && !b.contains("backlog_files=0 ")
+    });
+    let text = scrape(&metrics);
+    assert!(metric(&text, "converged_backfill_failures_total").unwrap_or(0.0) >= 1.0, "{text}");
+    assert!(metric(&text, "converged_backfill_backlog_files").unwrap_or(0.0) >= 1.0, "{text}");
+    let status = converged().arg("status").arg(m.path("during-0")).output().unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("state=dirty") && status.contains("last_error="), "{status}");
+
+    // The store comes back (empty: moto keeps objects in memory) and the backlog drains.
+    s3.restart();
+    s3.mkbucket("outage");
+    for (name, _) in &written {
+        eventually(120, &format!("{name} is backed"), || tier(&m.path(name)).starts_with("state=backed"));
+    }
+    for (name, data) in &written {
+        let got = s3.get("outage", &format!("p/{name}")).unwrap_or_else(|| panic!("{name} has no object"));
+        assert!(same(&got, data), "{name}: the object has the file's bytes");
+    }
+    let text = scrape(&metrics);
+    assert_eq!(metric(&text, "converged_backfill_backlog_files"), Some(0.0), "{text}");
+}
