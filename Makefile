@@ -17,12 +17,15 @@ uninstall:
 
 # Everything the tests need besides cargo: system packages (etcd for the real
 # etcd cluster, protoc for etcd-client's build, fuse3; the verbs headers, libclang and
-# pkg-config for rdma-sys, built by transport's `rdma` feature), numpy, pjdfstest and nextest.
-SYSTEM_PACKAGES = etcd-server protobuf-compiler fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config
+# pkg-config for rdma-sys, built by transport's `rdma` feature; attr for getfattr), numpy,
+# moto (a real S3-compatible server for the object tier tests) with boto3 (an S3 client
+# that is not converged's), pjdfstest and nextest.
+SYSTEM_PACKAGES = etcd-server protobuf-compiler fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config attr
 test-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 	python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
+	command -v moto_server >/dev/null && python3 -c "import boto3" 2>/dev/null || python3 -m pip install -q 'moto[server]' boto3
 	command -v cargo-nextest >/dev/null || $(CARGO) install cargo-nextest --locked
 	command -v pjdfstest >/dev/null || $(CARGO) install pjdfstest --locked
 
