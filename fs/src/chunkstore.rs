@@ -129,7 +129,10 @@ impl ChunkStore {
 
 /// Serves this node's chunks to peers over the transport. It answers for
 /// bytes only; which chunks a peer may ask for is the namespace's business.
-pub struct PeerChunks(pub Arc<ChunkStore>);
+pub struct PeerChunks(pub Arc<ChunkStore>, pub Arc<std::sync::OnceLock<Stager>>);
+
+/// What a peer's stage request runs on this node (set once the core is up).
+pub type Stager = Box<dyn Fn(u64, u32) -> Result<(), converged_transport::ServiceError> + Send + Sync>;
 
 fn service_err(e: std::io::Error) -> converged_transport::ServiceError {
     converged_transport::ServiceError { errno: e.raw_os_error().unwrap_or(libc::EIO), msg: e.to_string() }
@@ -166,6 +169,12 @@ impl converged_transport::ChunkService for PeerChunks {
     fn checksums(&self, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, converged_transport::ServiceError> {
         let f = File::open(self.0.path(ino)).map_err(service_err)?;
         block_crcs(&f, offset, len).map_err(service_err)
+    }
+    fn stage(&self, ino: u64, chunk: u32) -> Result<(), converged_transport::ServiceError> {
+        match self.1.get() {
+            Some(stage) => stage(ino, chunk),
+            None => Err(converged_transport::ServiceError { errno: libc::EAGAIN, msg: "node is starting".into() }),
+        }
     }
 }
 

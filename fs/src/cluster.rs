@@ -17,7 +17,7 @@ use converged_metadata::KvEngine;
 use converged_transport::{NodeTls, Peer, QuicTransport, TransportError};
 use parking_lot::Mutex;
 
-use crate::chunkstore::{ChunkStore, PeerChunks};
+use crate::chunkstore::{ChunkStore, PeerChunks, Stager};
 use crate::error::{FsError, FsResult};
 use crate::placement::{self, Candidate};
 
@@ -51,6 +51,8 @@ pub struct Cluster {
     members: Mutex<(Option<Instant>, Vec<NodeInfo>)>,
     /// Peers that failed a call recently, and when.
     suspects: Mutex<HashMap<String, Instant>>,
+    /// What a peer's stage request runs here.
+    stager: Arc<std::sync::OnceLock<Stager>>,
 }
 
 /// How long the live-node list is reused before asking membership again.
@@ -71,9 +73,11 @@ impl Cluster {
             .thread_name("transport")
             .enable_all()
             .build()?;
+        let stager = Arc::new(std::sync::OnceLock::new());
         let transport = {
             let _enter = rt.enter();
-            QuicTransport::bind(cfg.listen, &cfg.tls, Arc::new(PeerChunks(store)), cfg.peer_timeout)?
+            let service = Arc::new(PeerChunks(store, stager.clone()));
+            QuicTransport::bind(cfg.listen, &cfg.tls, service, cfg.peer_timeout)?
         };
         Ok(Arc::new(Cluster {
             cfg,
@@ -82,6 +86,7 @@ impl Cluster {
             engine,
             members: Mutex::new((None, Vec::new())),
             suspects: Mutex::default(),
+            stager,
         }))
     }
 
@@ -169,6 +174,40 @@ impl Cluster {
             .collect();
         ranked.sort_by_key(|n| self.suspect(&n.id));
         ranked
+    }
+
+    /// Serve peers' stage requests with `f` (once).
+    pub fn set_stager(&self, f: Stager) {
+        let _ = self.stager.set(f);
+    }
+
+    /// The `n` nodes (this one included) that should hold chunk `index` of
+    /// `ino` when staged: placement's ranking over every live node, so that
+    /// a stage spreads a file's chunks over the cluster. Asks membership,
+    /// so it must be called outside the transport runtime.
+    pub fn stage_targets(&self, ino: u64, index: u32, n: usize) -> Vec<NodeInfo> {
+        let mut nodes = self.live_peers();
+        if let Some(me) = self.members.lock().1.iter().find(|m| m.id == self.cfg.node).cloned() {
+            nodes.push(me);
+        }
+        let candidates: Vec<Candidate> = nodes
+            .iter()
+            .map(|m| Candidate { id: m.id.clone(), weight: m.free.max(1) as f64, domain: self.domain_of(m) })
+            .collect();
+        placement::rank(ino, index, "", &candidates)
+            .into_iter()
+            .filter_map(|c| nodes.iter().find(|m| m.id == c.id).cloned())
+            .take(n)
+            .collect()
+    }
+
+    /// Have `node` fetch chunk `index` of `ino` onto its SSD (its share of a stage).
+    pub async fn stage_on(self: Arc<Self>, node: NodeInfo, ino: u64, index: u32) -> FsResult<()> {
+        let peer = Self::peer(&node).ok_or_else(|| FsError::Peer(format!("node {} has no address", node.id)))?;
+        // A chunk from an object store: minutes at worst, not a peer read's seconds.
+        let r = self.transport.stage(&peer, ino, index, Duration::from_secs(600)).await;
+        self.mark(&node.id, r.is_ok());
+        r.map_err(peer_err)
     }
 
     /// Copy `[offset, offset + data.len())` of `ino` to `want` nodes of

@@ -268,7 +268,16 @@ impl Core {
 
     /// Join the cluster: from now on chunks are replicated to peers and read
     /// from them when this node does not hold them.
-    pub fn attach_cluster(&self, cluster: Arc<Cluster>) {
+    pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
+        let weak = Arc::downgrade(self);
+        cluster.set_stager(Box::new(move |ino, chunk| {
+            let core = weak.upgrade().ok_or_else(|| converged_transport::ServiceError {
+                errno: libc::ESHUTDOWN,
+                msg: "node is stopping".into(),
+            })?;
+            core.stage_chunk(ino, chunk)
+                .map_err(|e| converged_transport::ServiceError { errno: e.errno(), msg: e.to_string() })
+        }));
         let _ = self.cluster.set(cluster);
         self.under_replicated.1.notify_one();
     }

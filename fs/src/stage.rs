@@ -7,14 +7,22 @@ use std::sync::atomic::Ordering;
 
 use converged_metadata::types::*;
 
+use std::os::unix::fs::FileExt;
+
 use crate::core::Core;
 use crate::error::{FsError, FsResult};
 
+/// Stage requests to other nodes in flight at once for one file.
+const REMOTE_STAGES_PER_FILE: usize = 4;
+
 impl Core {
-    /// Fetch every chunk of `ino` this node lacks (from a peer holding it,
-    /// else from the object store), then, in a cluster, copy chunks to
-    /// peers until each has `replicas` copies. Chunks already in place are
-    /// skipped, so staging again resumes where an interrupted run stopped.
+    /// Stage `ino`: on a single node, fetch every chunk it lacks from the
+    /// object store. In a cluster, each chunk goes to the `replicas` nodes
+    /// placement ranks first for it, and each of them fetches it itself
+    /// (this node directly, the others on request, in parallel), so the
+    /// object store is read once per copy, spread over the cluster. Chunks
+    /// already in place are skipped, so staging again resumes where an
+    /// interrupted run stopped.
     pub(crate) fn stage_file(&self, ino: Ino, replicas: u32) -> FsResult<()> {
         let inode = self.namespace().getattr(ino)?;
         match inode.kind {
@@ -26,10 +34,108 @@ impl Core {
             // Every chunk of a file being written here is here.
             return Ok(());
         }
+        let Some(cluster) = self.cluster().cloned() else {
+            let file = self.chunk_store().open_backing(ino)?;
+            return self.fetch_missing(ino, &file);
+        };
+        let cs = inode.chunk_size.max(1) as u64;
+        let records: std::collections::HashMap<u32, converged_metadata::ChunkRecord> =
+            self.namespace().chunks(ino)?.into_iter().collect();
+        let backed = self.backed_object(ino)?.is_some();
+        let (mut here, mut there) = (Vec::new(), Vec::new());
+        for index in 0..inode.size.div_ceil(cs) as u32 {
+            let holders = records.get(&index).map(|r| r.replicas.clone()).unwrap_or_default();
+            if !records.contains_key(&index) && !backed {
+                continue; // a hole
+            }
+            let mut need = (replicas as usize).saturating_sub(holders.len());
+            for target in cluster.stage_targets(ino, index, replicas as usize + holders.len()) {
+                if need == 0 {
+                    break;
+                }
+                if holders.contains(&target.id) {
+                    continue;
+                }
+                need -= 1;
+                if target.id == cluster.node() {
+                    here.push(index);
+                } else {
+                    there.push((target, index));
+                }
+            }
+        }
+        let mut first_err = None;
+        // Other nodes' shares, a few at a time per file, while this node fetches its own.
+        for batch in there.chunks(REMOTE_STAGES_PER_FILE) {
+            let tasks: Vec<_> = batch
+                .iter()
+                .map(|(node, index)| {
+                    (node.id.clone(), cluster.spawn(cluster.clone().stage_on(node.clone(), ino, *index)))
+                })
+                .collect();
+            if let Some(index) = here.pop() {
+                if let Err(e) = self.stage_chunk(ino, index) {
+                    first_err.get_or_insert(e);
+                }
+            }
+            for (node, task) in tasks {
+                let r = cluster.block_on(task).unwrap_or_else(|e| Err(FsError::Peer(e.to_string())));
+                if let Err(e) = r {
+                    tracing::warn!(ino, %node, error = %e, "a node could not stage its share");
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        for index in here {
+            if let Err(e) = self.stage_chunk(ino, index) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Bring chunk `index` of `ino` onto this node's SSD and record the copy:
+    /// from a peer that holds it, else from the object store. A peer's stage
+    /// request runs this.
+    pub(crate) fn stage_chunk(&self, ino: Ino, index: u32) -> FsResult<()> {
+        let inode = self.namespace().getattr(ino)?;
+        if inode.kind != FileKind::Regular || self.is_being_written(ino) {
+            return Ok(());
+        }
+        let cs = inode.chunk_size.max(1) as u64;
+        let rec = self.namespace().chunk(ino, index)?;
+        if rec.as_ref().is_some_and(|r| self.is_local(r)) {
+            return Ok(());
+        }
         let file = self.chunk_store().open_backing(ino)?;
-        self.fetch_missing(ino, &file)?;
-        if self.cluster().is_some() && replicas > 1 {
-            self.replicate_file_to(ino, Some(replicas as usize))?;
+        match (rec, self.backed_object(ino)?, self.cluster()) {
+            (Some(r), _, Some(cluster)) if !r.replicas.is_empty() => {
+                let start = index as u64 * cs;
+                let rec = std::sync::Arc::new(r.clone());
+                let mut tasks = Vec::new();
+                let mut off = start;
+                while off < start + r.len as u64 {
+                    let len = crate::remote::WINDOW.min(start + r.len as u64 - off) as u32;
+                    tasks.push((off, crate::remote::fetch(cluster, ino, rec.clone(), start, off, len)));
+                    off += len as u64;
+                }
+                for (off, task) in tasks {
+                    let data = crate::remote::wait(cluster, task)?;
+                    file.write_all_at(&data, off).map_err(|e| FsError::io("write staged chunk", e))?;
+                }
+                if file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len() < inode.size {
+                    file.set_len(inode.size).map_err(|e| FsError::io("size backing file", e))?;
+                }
+                file.sync_data().map_err(|e| FsError::io("sync staged chunk", e))?;
+                self.namespace().add_replicas(ino, index, r.version, &[cluster.node().to_string()])?;
+            }
+            (_, Some(obj), _) => {
+                self.fetch_object_chunk(ino, &file, inode.size, cs, index, &obj, false)?;
+            }
+            (Some(_), None, _) => {
+                return Err(FsError::Peer(format!("chunk {index} of inode {ino} has no copy to stage from")));
+            }
+            (None, None, _) => {}
         }
         Ok(())
     }

@@ -30,6 +30,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("large_directories_list_in_pages", large_directories_list_in_pages),
     ("large_layouts_seal_in_batches", large_layouts_seal_in_batches),
     ("replica_policy_is_checked_and_inherited", replica_policy_is_checked_and_inherited),
+    ("tier_state_machine", tier_state_machine),
 ];
 
 #[test]
@@ -243,6 +244,94 @@ fn replica_policy_is_checked_and_inherited(name: &str, kv: Arc<dyn KvEngine>) {
 }
 
 // ---- faults ----
+
+/// The object tier's state machine: seals make a file dirty, an upload
+/// counts only if no seal came in while it ran, a rename re-keys a backed
+/// file, a purge queues its object for deletion, eviction and fetches move
+/// the chunk's copy, and imports are files with no copy anywhere.
+fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
+    use converged_metadata::{ImportEntry, UploadEnd};
+    let ns = Namespace::open(kv, 0, 0).unwrap().with_node("n1").with_tier();
+    let d = ns.mknod(ROOT, b"ckpt", &dir()).unwrap();
+    let f = ns.mknod(d.ino, b"a.pt", &file(0o644)).unwrap();
+    assert_eq!(ns.path_of(f.ino).unwrap(), Some(vec![b"ckpt".to_vec(), b"a.pt".to_vec()]), "{name}");
+    let t = Timespec { sec: 1, nsec: 0 };
+    let record = ChunkRecord { version: 1, len: 10, replicas: vec!["n1".into()], block_crcs: vec![7] };
+    let seal = |chunks| converged_metadata::Seal { size: 10, mtime: t, chunks, keep_unsealed: false };
+    ns.seal(f.ino, &seal(vec![(0, record.clone())]), Durability::Durable).unwrap();
+    let rec = ns.tier(f.ino).unwrap().expect("a sealed file has a tier record");
+    assert_eq!((rec.state, rec.generation), (TierState::Dirty, 1), "{name}");
+
+    // An upload superseded by a seal does not count; the next one does.
+    let up = ns.begin_upload(f.ino).unwrap().expect("dirty and ours");
+    assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::Uploading, "{name}");
+    ns.seal(f.ino, &seal(vec![(0, ChunkRecord { version: 2, ..record.clone() })]), Durability::Durable).unwrap();
+    assert_eq!(ns.end_upload(f.ino, up.generation, "ckpt/a.pt", None).unwrap(), UploadEnd::Superseded, "{name}");
+    assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::Dirty, "{name}");
+    let up = ns.begin_upload(f.ino).unwrap().unwrap();
+    let end = ns.end_upload(f.ino, up.generation, "ckpt/a.pt", Some("\"e1\"".into())).unwrap();
+    assert_eq!(end, UploadEnd::Backed { stale: None }, "{name}");
+    let rec = ns.tier(f.ino).unwrap().unwrap();
+    assert_eq!((rec.state, rec.key.as_str(), rec.etag.as_deref()), (TierState::Backed, "ckpt/a.pt", Some("\"e1\"")));
+    // A seal with nothing changed keeps it backed.
+    ns.seal(f.ino, &seal(vec![]), Durability::Durable).unwrap();
+    assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::Backed, "{name}");
+
+    // Eviction drops the copy of a backed chunk; a fetch records it again.
+    assert!(ns.drop_replica(f.ino, 0, 2).unwrap(), "{name}");
+    assert!(ns.chunk(f.ino, 0).unwrap().unwrap().replicas.is_empty(), "{name}");
+    assert!(ns.record_fetched(f.ino, 0, Some(2), 10, &[7]).unwrap(), "{name}");
+    assert_eq!(ns.chunk(f.ino, 0).unwrap().unwrap().replicas, vec!["n1".to_string()], "{name}");
+
+    // A rename re-keys; the new key is recorded and the old one handed back.
+    ns.rename(d.ino, b"a.pt", ROOT, b"b.pt", RenameMode::Replace).unwrap();
+    assert_eq!(ns.path_of(f.ino).unwrap(), Some(vec![b"b.pt".to_vec()]), "{name}");
+    assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::ReKeying, "{name}");
+    assert!(ns.end_rekey(f.ino, "ckpt/a.pt", "b.pt", None).unwrap(), "{name}");
+    assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::Backed, "{name}");
+    // A dirty file cannot be evicted.
+    ns.seal(f.ino, &seal(vec![(0, ChunkRecord { version: 3, ..record.clone() })]), Durability::Durable).unwrap();
+    assert!(!ns.drop_replica(f.ino, 0, 3).unwrap(), "{name}");
+
+    // Unlink purges the file and queues its object for deletion.
+    let gone = ns.unlink_purging(ROOT, b"b.pt", &|_| true).unwrap();
+    assert!(gone.purged, "{name}");
+    let garbage = ns.garbage().unwrap();
+    assert_eq!(garbage.len(), 1, "{name}");
+    assert_eq!((garbage[0].0, garbage[0].1.key.as_str()), (f.ino, "b.pt"), "{name}");
+    ns.drop_garbage(f.ino).unwrap();
+    assert!(ns.garbage().unwrap().is_empty() && ns.tier(f.ino).unwrap().is_none(), "{name}");
+
+    // Imported objects: backed files with no chunk record until fetched.
+    let entries = vec![
+        ImportEntry::File {
+            name: b"x.bin".to_vec(),
+            size: 5,
+            mtime: t,
+            key: "data/x.bin".into(),
+            etag: Some("\"e\"".into()),
+            source: Some("s3://data".into()),
+        },
+        ImportEntry::Dir { name: b"sub".to_vec(), url: "s3://data/sub".into() },
+    ];
+    assert_eq!(ns.import_entries(d.ino, &entries, 0, 0).unwrap(), 2, "{name}");
+    assert_eq!(ns.import_entries(d.ino, &entries, 0, 0).unwrap(), 0, "{name}: a resumed listing adds nothing");
+    let x = ns.lookup(d.ino, b"x.bin").unwrap();
+    assert_eq!(x.size, 5, "{name}");
+    assert!(ns.chunks(x.ino).unwrap().is_empty(), "{name}");
+    assert_eq!(ns.tier(x.ino).unwrap().unwrap().source.as_deref(), Some("s3://data"), "{name}");
+    let sub = ns.lookup(d.ino, b"sub").unwrap();
+    assert_eq!(ns.getxattr(sub.ino, IMPORT_XATTR).unwrap(), b"s3://data/sub", "{name}");
+    assert!(ns.record_fetched(x.ino, 0, None, 5, &[9]).unwrap(), "{name}");
+    assert_eq!(ns.chunk(x.ino, 0).unwrap().unwrap().block_crcs, vec![9], "{name}");
+    // A changed object drops what was fetched from the old one.
+    ns.refresh_import(x.ino, 8, t, Some("\"f\"".into())).unwrap();
+    assert!(ns.chunks(x.ino).unwrap().is_empty(), "{name}");
+    assert_eq!(ns.getattr(x.ino).unwrap().size, 8, "{name}");
+    // Deleting an imported file never queues its source object.
+    ns.unlink_purging(d.ino, b"x.bin", &|_| true).unwrap();
+    assert!(ns.garbage().unwrap().is_empty(), "{name}");
+}
 
 #[test]
 fn conflicts_are_retried_and_full_disks_reported() {

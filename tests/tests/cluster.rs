@@ -283,3 +283,65 @@ fn a_stopped_node_costs_only_its_own_chunks_promptly() {
     unsafe { libc::kill(pid, libc::SIGCONT) };
     eventually(15, "C serves again", || fs::read(a.path("only-c/part.bin")).is_ok_and(|d| d == only_c));
 }
+
+/// `converged stage` on one node of three: every chunk of an imported
+/// object lands on the node placement picks for it, each node fetching its
+/// own share from the S3 server; more replicas later add copies; any node
+/// reads the bytes back.
+#[test]
+fn stage_spreads_an_imported_dataset_over_the_cluster() {
+    let Some(s3) = common::s3::S3Server::start() else { return };
+    s3.mkbucket("datasets");
+    s3.mkbucket("vol");
+    // Five 64 MiB chunks, so rendezvous hashing has something to spread.
+    let data = pattern(300 << 20, 77);
+    s3.put("datasets", "web/shard.bin", &data);
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let endpoint = s3.endpoint();
+    let Some(c) = Cluster::start(3, &["--object-store", "s3://vol/v", "--s3-endpoint", &endpoint]) else { return };
+    let out = converged()
+        .args(["import", "s3://datasets/web"])
+        .arg(c.node(0).path("web"))
+        .args(["--s3-endpoint", &endpoint])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = converged().arg("stage").arg(c.node(0).path("web")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let layout = |i: usize| {
+        let out = converged().arg("status").arg(c.node(i).path("web/shard.bin")).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let holders = |l: &str| -> Vec<Vec<String>> {
+        l.lines()
+            .skip_while(|l| !l.starts_with("chunks"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .map(|l| l.split_whitespace().nth(3).unwrap_or("").split(',').map(str::to_string).collect())
+            .collect()
+    };
+    let l = layout(0);
+    let per_chunk = holders(&l);
+    assert_eq!(per_chunk.len(), 5, "{l}");
+    assert!(per_chunk.iter().all(|h| h.len() == 1 && h[0] != "object"), "one copy of each chunk: {l}");
+    let nodes: std::collections::HashSet<&String> = per_chunk.iter().map(|h| &h[0]).collect();
+    assert!(nodes.len() >= 2, "the chunks are spread over the nodes: {l}");
+    // Each node fetched its share itself, from the object store.
+    let fetched: Vec<bool> =
+        (0..3).map(|i| !xattr_value(&c.node(i).mnt, "user.converged.backfill").contains("fetched_bytes=0 ")).collect();
+    assert!(fetched.iter().filter(|f| **f).count() >= 2, "{fetched:?}");
+
+    // Staging again with more replicas adds copies; nothing is fetched twice by one node.
+    let out = converged().args(["stage", "--replicas", "2"]).arg(c.node(1).path("web")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let l = layout(2);
+    assert!(holders(&l).iter().all(|h| h.len() == 2 && h[0] != h[1]), "two copies of each chunk: {l}");
+    drop_caches();
+    same(&fs::read(c.node(2).path("web/shard.bin")).unwrap(), &data, "read on n3 after stage");
+}
+
+fn xattr_value(p: &std::path::Path, name: &str) -> String {
+    let out = std::process::Command::new("getfattr").args(["--only-values", "-n", name]).arg(p).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -25,6 +25,12 @@ pub trait ChunkService: Send + Sync + 'static {
     fn delete(&self, ino: u64) -> Result<(), ServiceError>;
     /// crc32c of each 64 KiB block of `[offset, offset + len)`.
     fn checksums(&self, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, ServiceError>;
+    /// Fetch chunk `chunk` of `ino` onto this node and record the copy
+    /// (a distributed stage). A node that cannot stage says so.
+    fn stage(&self, ino: u64, chunk: u32) -> Result<(), ServiceError> {
+        let _ = (ino, chunk);
+        Err(ServiceError { errno: libc::EOPNOTSUPP, msg: "this node does not stage".into() })
+    }
 }
 
 /// A service failure, carried back to the caller as an errno and a message.

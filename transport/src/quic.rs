@@ -127,6 +127,16 @@ impl QuicTransport {
     }
 
     async fn call(&self, peer: &Peer, req: Request, payload: &[u8]) -> Result<(Response, Vec<u8>), TransportError> {
+        self.call_within(peer, req, payload, self.timeout).await
+    }
+
+    async fn call_within(
+        &self,
+        peer: &Peer,
+        req: Request,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(Response, Vec<u8>), TransportError> {
         let work = async {
             let conn = self.connection(peer).await?;
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(peer, e))?;
@@ -157,9 +167,9 @@ impl QuicTransport {
             };
             Ok((resp, data))
         };
-        match tokio::time::timeout(self.timeout, work).await {
+        match tokio::time::timeout(timeout, work).await {
             Ok(r) => r,
-            Err(_) => Err(TransportError::Timeout { peer: peer.node.clone(), timeout: self.timeout }),
+            Err(_) => Err(TransportError::Timeout { peer: peer.node.clone(), timeout }),
         }
     }
 
@@ -192,6 +202,13 @@ impl QuicTransport {
             Response::Checksums { crcs } => Ok(crcs),
             other => Err(stream_err(peer, format!("unexpected answer {other:?}"))),
         }
+    }
+
+    /// Have `peer` fetch chunk `chunk` of `ino` onto its SSD; answers once
+    /// the copy is recorded. Fetching 64 MiB from an object store takes
+    /// longer than a chunk read, hence its own deadline.
+    pub async fn stage(&self, peer: &Peer, ino: u64, chunk: u32, timeout: Duration) -> Result<(), TransportError> {
+        self.call_within(peer, Request::Stage { ino, chunk }, &[], timeout).await.map(|_| ())
     }
 
     /// Close every connection and stop accepting.
@@ -348,6 +365,9 @@ async fn answer(req: Request, recv: &mut quinn::RecvStream, service: Arc<dyn Chu
                 service.checksums(ino, offset, len).map(|crcs| (Response::Checksums { crcs }, Vec::new()))
             }))
             .await
+        }
+        Request::Stage { ino, chunk } => {
+            blocking(Box::new(move || service.stage(ino, chunk).map(|()| (Response::Done, Vec::new())))).await
         }
     }
 }

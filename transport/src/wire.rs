@@ -37,6 +37,13 @@ pub enum Request {
         offset: u64,
         len: u64,
     },
+    /// Fetch chunk `chunk` of `ino` onto the receiving node's SSD (from the
+    /// object store or a peer) and record the copy: one node's share of a
+    /// distributed stage.
+    Stage {
+        ino: u64,
+        chunk: u32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,6 +169,7 @@ mod tests {
             (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD, any::<bool>())
                 .prop_map(|(ino, offset, len, end_of_file)| Request::Write { ino, offset, len, end_of_file }),
             any::<u64>().prop_map(|ino| Request::Delete { ino }),
+            (any::<u64>(), any::<u32>()).prop_map(|(ino, chunk)| Request::Stage { ino, chunk }),
             (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD as u64).prop_map(|(ino, offset, len)| Request::Checksums {
                 ino,
                 offset,

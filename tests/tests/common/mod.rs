@@ -2,6 +2,8 @@
 //! through the kernel, find the built binaries, small syscall wrappers.
 #![allow(dead_code)]
 
+pub mod s3;
+
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
