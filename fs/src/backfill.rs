@@ -419,8 +419,22 @@ impl Core {
         }
     }
 
+    /// Whether a file of the namespace is now at the path `rel` names: its
+    /// object is (or will be) that file's, and must not be deleted as stale.
+    fn path_taken(&self, rel: &str) -> bool {
+        let mut ino = converged_metadata::types::ROOT_INO;
+        for part in rel.split('/') {
+            match self.namespace().lookup(ino, part.as_bytes()) {
+                Ok(i) => ino = i.ino,
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
     fn delete_object(&self, t: &Tiering, rel: &str) {
-        if t.cfg.keep_deleted {
+        // A rename over a backed file, or a new file at an old name, owns the key now.
+        if t.cfg.keep_deleted || self.path_taken(rel) {
             return;
         }
         match t.objects.delete(&t.objects.home().key(rel)) {
@@ -434,7 +448,7 @@ impl Core {
     /// Delete the objects of purged files (unless the mount keeps them).
     fn collect_garbage(&self, t: &Tiering) -> FsResult<()> {
         for (ino, g) in self.namespace().garbage()? {
-            if !t.cfg.keep_deleted && g.source.is_none() {
+            if !t.cfg.keep_deleted && g.source.is_none() && !self.path_taken(&g.key) {
                 if let Err(e) = t.objects.delete(&t.objects.home().key(&g.key)) {
                     if e.is_retryable() {
                         t.failed(&e);

@@ -644,12 +644,15 @@ impl Core {
 
     // ---- xattrs ----
 
-    pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
+    /// `caller` is the uid asking: only root may import (the daemon's
+    /// credentials read the bucket, whoever set the attribute).
+    pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode, caller: u32) -> FsResult<()> {
         match name {
             STAGE_XATTR => {
                 let n = parse_replicas(value).ok_or(FsError::Invalid("stage: replica count must be 1..=8"))?;
                 self.stage_file(ino, n)
             }
+            IMPORT_XATTR if caller != 0 => Err(MetaError::NotPermitted("only root may import a bucket").into()),
             IMPORT_XATTR => self.start_import(ino, value, mode),
             TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR => Err(FsError::Invalid("read-only attribute")),
             _ => Ok(self.ns.setxattr(ino, name, value, mode)?),

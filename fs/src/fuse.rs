@@ -564,7 +564,7 @@ impl Filesystem for FuseAdapter {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -579,7 +579,7 @@ impl Filesystem for FuseAdapter {
             libc::XATTR_REPLACE => XattrMode::Replace,
             _ => return reply.error(Errno::EINVAL),
         };
-        match self.core.setxattr(ino.0, name.as_bytes(), value, mode) {
+        match self.core.setxattr(ino.0, name.as_bytes(), value, mode, req.uid()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("setxattr", e)),
         }

@@ -105,6 +105,21 @@ fn backfill_uploads_each_file_as_one_object_and_follows_renames_and_unlinks() {
     fs::remove_file(m.path("final/meta-final.json")).unwrap();
     eventually(60, "the object of the removed file is gone", || s3.get("ckpt", "run1/final/meta-final.json").is_none());
     assert!(s3.get("ckpt", "run1/final/model.pt").is_some(), "other objects stay");
+
+    // torch.save over a backed checkpoint: a tmp file renamed over it. The
+    // replaced file's object key now belongs to the renamed file, whose
+    // bytes it must end up holding (not deleted as the replaced file's).
+    let v3 = pattern(3 << 20, 3);
+    fs::write(m.path("final/model.pt.tmp"), &v3).unwrap();
+    fs::rename(m.path("final/model.pt.tmp"), m.path("final/model.pt")).unwrap();
+    eventually(60, "the renamed checkpoint is backed", || {
+        tier(&m.path("final/model.pt")).starts_with("state=backed")
+            && s3.get("ckpt", "run1/final/model.pt").is_some_and(|o| same(&o, &v3))
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let o = s3.get("ckpt", "run1/final/model.pt").expect("the object stays");
+    assert!(same(&o, &v3));
+    assert!(s3.get("ckpt", "run1/final/model.pt.tmp").is_none());
 }
 
 #[test]
@@ -155,6 +170,19 @@ fn import_shows_a_bucket_as_files_and_skips_keys_that_are_not_names() {
     s3.put("datasets", "c4/train/shard-0001.bin", &pattern(150_000, 12));
     drop_caches();
     assert!(same(&fs::read(m.path("c4/train/shard-0001.bin")).unwrap(), &shard1));
+
+    // Only root may import: the daemon's credentials read the bucket.
+    let open = m.path("open");
+    fs::create_dir(&open).unwrap();
+    fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "setfattr", "-n", "user.converged.import"])
+        .args(["-v", "s3://datasets/c4"])
+        .arg(&open)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not permitted"), "{}", String::from_utf8_lossy(&out.stderr));
 
     // Staging an imported tree fetches what is not local yet.
     let out = converged().arg("stage").arg(m.path("c4")).output().unwrap();
