@@ -12,7 +12,9 @@
 #                      (--backfill-delay 0) / a plain multipart upload of the same
 #                      bytes with the same client (fs/examples/object_bench.rs)
 #   first read         cold read of an imported object through the mount (ranged
-#                      GETs, hydrating the SSD) / a direct GET of the same object
+#                      GETs, hydrating the SSD) / a direct GET of the same object,
+#                      and / the same ranged GETs issued directly (what the mount
+#                      asks the server for, without the mount)
 #   staged read        cold read of an imported object after `converged stage`
 #                      / a cold read of the same bytes from the raw disk
 #
@@ -83,8 +85,9 @@ raw_read=$(read_secs "$BENCH_DIR/raw/file")
 
 log "plain multipart upload with the same client"
 put=$("$OBJBENCH" put s3://bench/plain file "$BENCH_DIR/raw/file" --s3-endpoint "$ENDPOINT" | awk '{print $2}')
-log "plain GET"
+log "plain GET, and the same bytes as the mount asks for them (64 MiB at a time in 8 MiB ranges)"
 get=$("$OBJBENCH" get s3://bench/plain file --s3-endpoint "$ENDPOINT" | awk '{print $2}')
+ranged=$("$OBJBENCH" get-ranged s3://bench/plain file --s3-endpoint "$ENDPOINT" | awk '{print $2}')
 
 log "mounting converged with --object-store s3://bench/vol"
 "$CONVERGED" mount "$BENCH_DIR/mnt" --data-dir "$BENCH_DIR/data" --object-store s3://bench/vol \
@@ -112,6 +115,7 @@ table=$(
     printf '%-16s %10s %12s %10s %8s\n' "" "MB/s" "baseline" "MB/s" "ratio"
     printf '%-16s %10s %12s %10s %8s\n' "backfill" "$(rate $BYTES "$backfill")" "multipart" "$(rate $BYTES "$put")" "$(ratio "$put" "$backfill")"
     printf '%-16s %10s %12s %10s %8s\n' "first read" "$(rate $BYTES "$first")" "direct GET" "$(rate $BYTES "$get")" "$(ratio "$get" "$first")"
+    printf '%-16s %10s %12s %10s %8s\n' "first read" "$(rate $BYTES "$first")" "ranged GETs" "$(rate $BYTES "$ranged")" "$(ratio "$ranged" "$first")"
     printf '%-16s %10s %12s %10s %8s\n' "staged read" "$(rate $BYTES "$staged")" "raw read" "$(rate $BYTES "$raw_read")" "$(ratio "$raw_read" "$staged")"
     printf '%-16s %10s %12s %10s %8s\n' "stage" "$(rate $BYTES "$stage")" "direct GET" "$(rate $BYTES "$get")" "$(ratio "$get" "$stage")"
     echo "size $SIZE; S3 server: moto on 127.0.0.1; targets: backfill >= 0.8x multipart"

@@ -71,12 +71,26 @@ fn get_xattr(p: &Path, name: &[u8]) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
+/// Fail unless `p` exists and lies on a converged mount (by the type of
+/// the innermost mount holding it, `fuse.converged`).
 fn on_converged(p: &Path) -> anyhow::Result<()> {
-    match get_xattr(p, BACKFILL_XATTR) {
-        Ok(_) => Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::ENODATA) => Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => bail!("{} does not exist", p.display()),
-        Err(_) => bail!("{} is not on a converged mount", p.display()),
+    let abs = p.canonicalize().with_context(|| format!("{} does not exist", p.display()))?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").context("read /proc/self/mountinfo")?;
+    let mut best: Option<(usize, bool)> = None;
+    for line in info.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else { continue };
+        if fields.len() < 5 || fields.len() < sep + 2 {
+            continue;
+        }
+        let mp = crate::cli::unescape_mountinfo(fields[4]);
+        if abs.starts_with(&mp) && best.is_none_or(|(len, _)| mp.len() >= len) {
+            best = Some((mp.len(), fields[sep + 1] == "fuse.converged"));
+        }
+    }
+    match best {
+        Some((_, true)) => Ok(()),
+        _ => bail!("{} is not on a converged mount", p.display()),
     }
 }
 

@@ -166,6 +166,8 @@ pub struct Core {
     under_replicated: (Mutex<BTreeSet<Ino>>, parking_lot::Condvar),
     /// The object store tier, when the mount has one.
     tier: OnceLock<Arc<Tiering>>,
+    /// This core, for work it hands to background threads (object readahead).
+    me: OnceLock<std::sync::Weak<Core>>,
 }
 
 /// Chunks whose replica writes may be in flight at once while sealing.
@@ -220,6 +222,7 @@ impl Core {
             cluster: OnceLock::new(),
             under_replicated: Default::default(),
             tier: OnceLock::new(),
+            me: OnceLock::new(),
         };
         core.recover()?;
         core.keep_reserve();
@@ -287,8 +290,9 @@ impl Core {
     }
 
     /// Back files with the object store: backfill, import, eviction.
-    pub fn attach_tier(&self, tier: Arc<Tiering>) {
+    pub fn attach_tier(self: &Arc<Self>, tier: Arc<Tiering>) {
         let _ = self.tier.set(tier);
+        let _ = self.me.set(Arc::downgrade(self));
     }
 
     pub fn tiering(&self) -> Option<&Arc<Tiering>> {
@@ -968,6 +972,7 @@ impl Core {
             match rec {
                 _ if in_object_only => {
                     let obj = layout.object.as_ref().expect("checked");
+                    self.fetch_ahead(ino, &oi, &layout, index as u32 + 1);
                     let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, false)?;
                     // Local from now on: the next read of this open uses the new layout.
                     oi.state.lock().layout = None;
@@ -1018,6 +1023,33 @@ impl Core {
             pos = to;
         }
         Ok(out)
+    }
+
+    /// Start fetching chunk `index` from the object store in the background
+    /// when it is there only: a sequential reader finds it local (or being
+    /// fetched, and waits for that) instead of starting the fetch itself.
+    fn fetch_ahead(&self, ino: Ino, oi: &OpenInode, layout: &Arc<Layout>, index: u32) {
+        let Some(obj) = layout.object.clone() else { return };
+        let cs = layout.chunk_size;
+        if index as u64 * cs >= layout.size {
+            return;
+        }
+        let only_there =
+            layout.chunks.get(index as usize).and_then(|c| c.as_ref()).is_none_or(|r| r.replicas.is_empty());
+        let Some(t) = self.tier.get() else { return };
+        if !only_there || t.fetching.contains_key(&(ino, index)) {
+            return;
+        }
+        let (Some(me), file, size) = (self.me.get().cloned(), oi.file.clone(), layout.size) else { return };
+        let spawned = std::thread::Builder::new().name("fetch-ahead".into()).spawn(move || {
+            let Some(core) = me.upgrade() else { return };
+            if let Err(e) = core.fetch_object_chunk(ino, &file, size, cs, index, &obj, false) {
+                tracing::debug!(ino, chunk = index, error = %e, "readahead fetch failed; the read will retry");
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::debug!(error = %e, "no thread for readahead");
+        }
     }
 
     /// The tier record of `ino` when its object holds the current bytes.
@@ -1074,7 +1106,13 @@ impl Core {
                 return Err(FsError::Corrupt { ino, offset: start });
             }
         }
-        file.write_all_at(&data, start).map_err(|e| FsError::io("write fetched chunk", e))?;
+        if let Err(e) = file.write_all_at(&data, start) {
+            // A disk full of other backed chunks makes room for this one.
+            if e.raw_os_error() != Some(libc::ENOSPC) || self.evict_until(t, t.cfg.evict_low)? == 0 {
+                return Err(FsError::io("write fetched chunk", e));
+            }
+            file.write_all_at(&data, start).map_err(|e| FsError::io("write fetched chunk", e))?;
+        }
         if file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len() < size {
             file.set_len(size).map_err(|e| FsError::io("size backing file", e))?;
         }

@@ -41,6 +41,7 @@ fn ignored(opt: &str) -> bool {
 
 const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,verify_reads][,threads=N][,attr_timeout=S][,log_file=F][,node_id=ID]
                                                  [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local]
+                                                 [,object_store=URI,s3_endpoint=URL,backfill_delay=5s,evict_high=90,evict_low=80]
                                                  [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S]]
 SOURCE is `local` (embedded metadata in the data dir) or a metadata URI such as redb:///nvme/converged/meta.redb
 or etcd://m1:2379,m2:2379,m3:2379/vol1 (a cluster volume; options as for `converged mount`)";
@@ -89,7 +90,11 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "attr_timeout" => out.extend(["--attr-timeout".into(), need(value)?.into()]),
             "log_file" => out.extend(["--log-file".into(), need(value)?.into()]),
             "node_id" | "listen" | "tls_dir" | "lease_ttl" | "replicas" | "durability" | "failure_domain"
-            | "peer_timeout" => out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()]),
+            | "peer_timeout" | "object_store" | "s3_endpoint" | "backfill_delay" | "backfill_workers"
+            | "evict_high" | "evict_low" | "metrics" => {
+                out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()])
+            }
+            "keep_deleted_objects" => out.push("--keep-deleted-objects".into()),
             // Commas separate mount options, so labels are joined with `+` here.
             "labels" => out.extend(["--labels".into(), need(value)?.replace('+', ",").into()]),
             "ro" => return Err("read-only mounts are not supported yet".into()),
@@ -172,6 +177,21 @@ mod tests {
             "--labels rack=r1,zone=z2",
             "--durability local",
             "--meta etcd://m1:2379,m2:2379/vol1",
+        ] {
+            assert!(joined.contains(want), "{want} missing from {joined}");
+        }
+    }
+
+    #[test]
+    fn object_store_options_translate() {
+        let opts = "data_dir=/nvme/c,object_store=s3://ckpt/run1,s3_endpoint=http://127.0.0.1:9000,backfill_delay=2s,keep_deleted_objects";
+        let out = translate(&s(&["local", "/mnt/data", "-o", opts])).unwrap();
+        let joined = out.into_iter().map(|o| o.into_string().unwrap()).collect::<Vec<_>>().join(" ");
+        for want in [
+            "--object-store s3://ckpt/run1",
+            "--s3-endpoint http://127.0.0.1:9000",
+            "--backfill-delay 2s",
+            "--keep-deleted-objects",
         ] {
             assert!(joined.contains(want), "{want} missing from {joined}");
         }

@@ -48,6 +48,22 @@ fn bad_mount_arguments_are_refused_and_create_nothing() {
     );
     mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--bogus".as_ref()], "--bogus");
     mount_fails(&[&o(&mnt), "--data-dir".as_ref(), &o(&data), "--threads".as_ref(), "0".as_ref()], "threads");
+    let with = |extra: &[&str]| -> Vec<std::ffi::OsString> {
+        let mut v = vec![o(&mnt), "--data-dir".into(), o(&data)];
+        v.extend(extra.iter().map(std::ffi::OsString::from));
+        v
+    };
+    let fails = |extra: &[&str], want: &str| {
+        let args = with(extra);
+        let refs: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        mount_fails(&refs, want);
+    };
+    fails(&["--object-store", "ftp://host/x"], "unsupported scheme");
+    fails(&["--object-store", "s3:///no-bucket"], "no bucket name");
+    fails(&["--object-store", "s3://b/a/../c"], "component");
+    fails(&["--object-store", "not a uri"], "--object-store");
+    fails(&["--object-store", "file:///tmp/o", "--backfill-delay", "5x"], "duration unit");
+    fails(&["--object-store", "file:///tmp/o", "--evict-low", "95", "--evict-high", "90"], "low below high");
     assert_eq!(entries(&data), 0, "nothing created in the data dir");
     assert_eq!(entries(&mnt), 0);
 
@@ -83,7 +99,18 @@ fn umount_of_something_not_mounted_says_so() {
 fn help_explains_every_option() {
     let out = converged().args(["mount", "--help"]).output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
-    for opt in ["--data-dir", "--meta", "--foreground", "--verify-reads", "--threads", "--attr-timeout"] {
+    for opt in [
+        "--data-dir",
+        "--meta",
+        "--foreground",
+        "--verify-reads",
+        "--threads",
+        "--attr-timeout",
+        "--object-store",
+        "--s3-endpoint",
+        "--backfill-delay",
+        "--evict-high",
+    ] {
         assert!(help.contains(opt), "--help lacks {opt}");
     }
 }

@@ -171,6 +171,19 @@ fn import_shows_a_bucket_as_files_and_skips_keys_that_are_not_names() {
     drop_caches();
     assert!(same(&fs::read(m.path("c4/train/shard-0001.bin")).unwrap(), &shard1));
 
+    // A bad source or a target off converged is refused with the reason.
+    let out = converged().args(["import", "s3:///c4"]).arg(m.path("x")).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no bucket name"));
+    let elsewhere = tempfile::tempdir().unwrap();
+    let out = converged()
+        .args(["import", "s3://datasets/c4", "--no-scan"])
+        .arg(elsewhere.path())
+        .args(["--s3-endpoint", &s3.endpoint()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("not on a converged mount"), "{stderr}");
+
     // Only root may import: the daemon's credentials read the bucket.
     let open = m.path("open");
     fs::create_dir(&open).unwrap();
@@ -214,39 +227,9 @@ fn a_full_data_disk_evicts_backed_chunks_and_reads_fetch_them_back() {
     let Some(s3) = S3Server::start() else { return };
     s3.mkbucket("evict");
     // A small data disk of its own, so the watermarks mean something.
-    let disk = tempfile::tempdir().unwrap();
-    let c = cstr(disk.path());
-    let fstype = std::ffi::CString::new("tmpfs").unwrap();
-    let opts = std::ffi::CString::new("size=160m").unwrap();
-    // SAFETY: mount(2) with valid C strings.
-    let rc = unsafe { libc::mount(fstype.as_ptr(), c.as_ptr(), fstype.as_ptr(), 0, opts.as_ptr().cast()) };
-    assert_eq!(rc, 0, "mount tmpfs: errno {}", errno());
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            lazy_umount(&self.0);
-        }
-    }
-    let _disk = Unmount(disk.path().to_path_buf());
-    let root = disk.path();
-    fs::create_dir(root.join("data")).unwrap();
-    fs::create_dir(root.join("mnt")).unwrap();
-    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
-    let mut args = vec!["mount".to_string(), root.join("mnt").display().to_string(), "--data-dir".into()];
-    args.push(root.join("data").display().to_string());
-    args.extend(tier_args(&s3, "evict", "v", &["--evict-high", "50", "--evict-low", "30"]));
-    let out = converged().args(&args).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    struct Umount(PathBuf);
-    impl Drop for Umount {
-        fn drop(&mut self) {
-            let _ = converged().arg("umount").arg(&self.0).output();
-            lazy_umount(&self.0);
-        }
-    }
-    let mnt = root.join("mnt");
-    let _m = Umount(mnt.clone());
+    let disk = SmallDisk::new("160m");
+    let mnt = disk.mount(&tier_args(&s3, "evict", "v", &["--evict-high", "50", "--evict-low", "30"]));
+    let root = disk.dir.path();
 
     let files: Vec<(PathBuf, Vec<u8>)> =
         (0..8).map(|i| (mnt.join(format!("shard{i}")), pattern(15 << 20, 30 + i))).collect();
@@ -266,6 +249,78 @@ fn a_full_data_disk_evicts_backed_chunks_and_reads_fetch_them_back() {
     }
     let b = xattr(&mnt, "user.converged.backfill");
     assert!(!b.contains("evicted_bytes=0 "), "{b}");
+}
+
+/// A tmpfs of its own holding a data dir and a mount point; unmounted on drop.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn new(size: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let c = cstr(dir.path());
+        let fstype = std::ffi::CString::new("tmpfs").unwrap();
+        let opts = std::ffi::CString::new(format!("size={size}")).unwrap();
+        // SAFETY: mount(2) with valid C strings.
+        let rc = unsafe { libc::mount(fstype.as_ptr(), c.as_ptr(), fstype.as_ptr(), 0, opts.as_ptr().cast()) };
+        assert_eq!(rc, 0, "mount tmpfs: errno {}", errno());
+        fs::create_dir(dir.path().join("data")).unwrap();
+        fs::create_dir(dir.path().join("mnt")).unwrap();
+        SmallDisk { dir }
+    }
+
+    /// Mount converged with its data dir on this disk; returns the mount point.
+    fn mount(&self, args: &[String]) -> PathBuf {
+        std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+        let mnt = self.dir.path().join("mnt");
+        let out = converged()
+            .arg("mount")
+            .arg(&mnt)
+            .arg("--data-dir")
+            .arg(self.dir.path().join("data"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        mnt
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let mnt = self.dir.path().join("mnt");
+        let _ = converged().arg("umount").arg(&mnt).output();
+        lazy_umount(&mnt);
+        lazy_umount(self.dir.path());
+    }
+}
+
+#[test]
+fn a_write_that_finds_the_data_disk_full_evicts_instead_of_failing() {
+    let Some(s3) = S3Server::start() else { return };
+    s3.mkbucket("full");
+    let disk = SmallDisk::new("160m");
+    // Every write through the daemon (no passthrough), and a high
+    // watermark the background evictor never sees before the disk is full.
+    let args = tier_args(&s3, "full", "", &["--verify-reads", "--evict-high", "99", "--evict-low", "40"]);
+    let mnt = disk.mount(&args);
+    let old: Vec<(PathBuf, Vec<u8>)> =
+        (0..4).map(|i| (mnt.join(format!("old{i}")), pattern(30 << 20, 60 + i))).collect();
+    for (p, data) in &old {
+        fs::write(p, data).unwrap();
+    }
+    for (p, _) in &old {
+        eventually(60, "the old files are backed", || tier(p).starts_with("state=backed"));
+    }
+    // 120 MiB are on the 160 MiB disk: 60 more do not fit without eviction.
+    let new = pattern(60 << 20, 70);
+    fs::write(mnt.join("new"), &new).expect("a full disk of backed data makes room");
+    assert!(same(&fs::read(mnt.join("new")).unwrap(), &new));
+    for (p, data) in &old {
+        assert!(same(&fs::read(p).unwrap(), data), "{} reads back", p.display());
+    }
 }
 
 /// (available blocks, total blocks) of the filesystem holding `p`.
