@@ -7,6 +7,7 @@ usage: s3.py ENDPOINT mkbucket BUCKET
        s3.py ENDPOINT get BUCKET KEY FILE      (exit 3 when the key is missing)
        s3.py ENDPOINT list BUCKET PREFIX        (one key per line)
 """
+import os
 import sys
 
 import boto3
@@ -16,7 +17,8 @@ from botocore.exceptions import ClientError
 def main():
     endpoint, cmd, *args = sys.argv[1:]
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id="test", aws_secret_access_key="test")
+                      aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "test"),
+                      aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "test"))
     if cmd == "mkbucket":
         s3.create_bucket(Bucket=args[0])
     elif cmd == "put":
