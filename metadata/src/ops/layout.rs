@@ -7,7 +7,7 @@
 //! the `U` key.
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvWrite};
+use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::{decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, Timespec};
@@ -28,6 +28,20 @@ pub(crate) fn drop_chunks_from(txn: &mut (impl KvWrite + ?Sized), ino: Ino, firs
     let (_, end) = schema::prefix_range(&schema::chunks_of(ino));
     let Ok(first) = u32::try_from(first) else { return Ok(()) };
     Ok(txn.delete_range(&schema::chunk(ino, first), &end)?)
+}
+
+/// The record of chunk `index` of `ino` if it is still at `version` (a newer
+/// seal makes whatever was done for the old one stale).
+pub(crate) fn chunk_at_version(
+    txn: &mut (impl KvRead + ?Sized),
+    ino: Ino,
+    index: u32,
+    version: u64,
+) -> MetaResult<Option<ChunkRecord>> {
+    let key = schema::chunk(ino, index);
+    let Some(v) = txn.get(&key)? else { return Ok(None) };
+    let record: ChunkRecord = decode(&key, &v)?;
+    Ok((record.version == version).then_some(record))
 }
 
 /// Chunk records per etcd page or transaction: a record carries one
@@ -100,12 +114,7 @@ impl Namespace {
     /// whether the record changed.
     pub fn add_replicas(&self, ino: Ino, index: u32, version: u64, nodes: &[String]) -> MetaResult<bool> {
         self.write(Durability::Buffered, |txn| {
-            let key = schema::chunk(ino, index);
-            let Some(v) = txn.get(&key)? else { return Ok(false) };
-            let mut record: ChunkRecord = decode(&key, &v)?;
-            if record.version != version {
-                return Ok(false);
-            }
+            let Some(mut record) = chunk_at_version(txn, ino, index, version)? else { return Ok(false) };
             let before = record.replicas.len();
             for n in nodes {
                 if !record.replicas.contains(n) {
@@ -115,7 +124,7 @@ impl Namespace {
             if record.replicas.len() == before {
                 return Ok(false);
             }
-            txn.put(&key, &encode(&record));
+            txn.put(&schema::chunk(ino, index), &encode(&record));
             Ok(true)
         })
     }

@@ -8,6 +8,7 @@ use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::{
     check_name, decode, encode, get_dentry, get_dir, get_inode, put_dentry, put_inode, scan_all, Namespace,
 };
+use crate::ops::layout::chunk_at_version;
 use crate::schema;
 use crate::types::*;
 
@@ -262,12 +263,7 @@ impl Namespace {
             if !backed || txn.get(&schema::unsealed(ino))?.is_some() {
                 return Ok(false);
             }
-            let key = schema::chunk(ino, index);
-            let Some(v) = txn.get(&key)? else { return Ok(false) };
-            let mut record: ChunkRecord = decode(&key, &v)?;
-            if record.version != version {
-                return Ok(false);
-            }
+            let Some(mut record) = chunk_at_version(txn, ino, index, version)? else { return Ok(false) };
             let before = record.replicas.len();
             if self.clustered {
                 record.replicas.retain(|r| r != &self.node);
@@ -277,7 +273,7 @@ impl Namespace {
             if record.replicas.len() == before {
                 return Ok(false);
             }
-            txn.put(&key, &encode(&record));
+            txn.put(&schema::chunk(ino, index), &encode(&record));
             Ok(true)
         })
     }
