@@ -8,7 +8,6 @@
 //! holds file data beyond one part in flight.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -334,7 +333,7 @@ impl Core {
         };
         // Every chunk must be here: one evicted or held by a peer comes back first.
         let file = self.chunk_store().open_backing(ino)?;
-        if let Err(e) = self.hydrate_for_upload(ino, &file) {
+        if let Err(e) = self.fetch_missing(ino, &file) {
             ns.abort_upload(ino, rec.generation)?;
             return Err(e);
         }
@@ -461,11 +460,6 @@ impl Core {
             self.namespace().drop_garbage(ino)?;
         }
         Ok(())
-    }
-
-    /// Bring every chunk of `ino` this node lacks into `file` before upload.
-    fn hydrate_for_upload(&self, ino: Ino, file: &File) -> FsResult<()> {
-        self.fetch_missing(ino, file)
     }
 }
 

@@ -482,11 +482,12 @@ impl Core {
         }
         if let Some(t) = self.tier.get() {
             // Backed objects move to the new key in the background.
-            let mut moved = vec![self.ns.lookup(newparent, newname)?];
+            // The rename is done; a name already gone again has nothing to re-key.
+            let mut moved = vec![self.ns.lookup(newparent, newname)];
             if mode == RenameMode::Exchange {
-                moved.push(self.ns.lookup(parent, name)?);
+                moved.push(self.ns.lookup(parent, name));
             }
-            for inode in moved {
+            for inode in moved.into_iter().flatten() {
                 match inode.kind {
                     FileKind::Directory => t.enqueue_subtree(inode.ino),
                     FileKind::Regular => t.enqueue(inode.ino, Duration::ZERO),
@@ -1079,7 +1080,26 @@ impl Core {
     ) -> FsResult<ChunkRecord> {
         let t = self.tier.get().ok_or(FsError::Invalid("no object store"))?;
         let lock = t.fetching.entry((ino, index)).or_default().clone();
-        let _one = lock.lock();
+        let r = {
+            let _one = lock.lock();
+            self.fetch_object_chunk_locked(t, ino, file, size, cs, index, obj, force)
+        };
+        t.fetching.remove(&(ino, index));
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fetch_object_chunk_locked(
+        &self,
+        t: &Tiering,
+        ino: Ino,
+        file: &File,
+        size: u64,
+        cs: u64,
+        index: u32,
+        obj: &TierRecord,
+        force: bool,
+    ) -> FsResult<ChunkRecord> {
         let current = self.ns.chunk(ino, index)?;
         if let Some(r) = &current {
             if self.is_local(r) && !force {
@@ -1121,7 +1141,6 @@ impl Core {
         let version = current.as_ref().map(|r| r.version);
         self.ns.record_fetched(ino, index, version, len as u32, &crcs)?;
         t.stats.fetched_bytes.fetch_add(len, Ordering::Relaxed);
-        t.fetching.remove(&(ino, index));
         tracing::debug!(ino, chunk = index, bytes = len, "fetched from the object store");
         Ok(ChunkRecord {
             version: version.unwrap_or(1),
