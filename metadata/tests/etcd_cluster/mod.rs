@@ -26,12 +26,26 @@ fn free_port() -> u16 {
 
 impl EtcdCluster {
     /// Start 3 members; `None` (outside CI) when etcd is not installed.
+    /// A cluster that does not come up (a port picked here was taken by
+    /// another test before etcd bound it, or a loaded machine) is started
+    /// again on fresh ports.
     pub fn start() -> Option<Self> {
         let Some(bin) = etcd_bin() else {
             assert!(std::env::var_os("CI").is_none(), "etcd must be installed in CI (apt-get install etcd-server)");
             eprintln!("etcd not installed (apt-get install etcd-server); etcd tests not run");
             return None;
         };
+        for attempt in 1..=3 {
+            let cluster = Self::start_once(&bin);
+            if cluster.wait_healthy(Duration::from_secs(30)) {
+                return Some(cluster);
+            }
+            eprintln!("etcd cluster did not become healthy (attempt {attempt}); starting it again on new ports");
+        }
+        panic!("etcd cluster did not become healthy in 3 attempts");
+    }
+
+    fn start_once(bin: &std::path::Path) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
         let initial: Vec<String> =
@@ -40,7 +54,7 @@ impl EtcdCluster {
         let mut children = Vec::new();
         for (i, (client, peer)) in ports.iter().enumerate() {
             let log = std::fs::File::create(dir.path().join(format!("m{i}.log"))).unwrap();
-            let child = Command::new(&bin)
+            let child = Command::new(bin)
                 .arg("--name")
                 .arg(format!("m{i}"))
                 .arg("--data-dir")
@@ -66,26 +80,29 @@ impl EtcdCluster {
             children.push(child);
         }
         let endpoints: Vec<String> = ports.iter().map(|(c, _)| format!("127.0.0.1:{c}")).collect();
-        let cluster = EtcdCluster { endpoints, children, _dir: dir };
-        cluster.wait_healthy(Duration::from_secs(30));
-        Some(cluster)
+        EtcdCluster { endpoints, children, _dir: dir }
     }
 
-    fn wait_healthy(&self, limit: Duration) {
+    /// Whether every member answers a linearizable read (the cluster has a
+    /// leader) within `limit`.
+    fn wait_healthy(&self, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         for ep in &self.endpoints {
             loop {
-                // A linearizable read answers only once the cluster has a leader.
                 let ok =
                     converged_metadata::EtcdKv::connect(std::slice::from_ref(ep), "health", Duration::from_secs(1))
                         .is_ok();
                 if ok {
                     break;
                 }
-                assert!(Instant::now() < deadline, "etcd member {ep} did not become healthy");
+                if Instant::now() >= deadline {
+                    eprintln!("etcd member {ep} did not become healthy");
+                    return false;
+                }
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
+        true
     }
 }
 
