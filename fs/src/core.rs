@@ -168,6 +168,8 @@ pub struct Core {
     tier: OnceLock<Arc<Tiering>>,
     /// This core, for work it hands to background threads (object readahead).
     me: OnceLock<std::sync::Weak<Core>>,
+    /// Counts seals that ended a local writer's session; see `settled`.
+    seal_epoch: AtomicU64,
 }
 
 /// Chunks whose replica writes may be in flight at once while sealing.
@@ -223,6 +225,7 @@ impl Core {
             under_replicated: Default::default(),
             tier: OnceLock::new(),
             me: OnceLock::new(),
+            seal_epoch: AtomicU64::new(0),
         };
         core.recover()?;
         core.keep_reserve();
@@ -371,7 +374,26 @@ impl Core {
         Ok(inode)
     }
 
+    /// Attributes that no local seal raced. Release commits a file's sealed
+    /// size and only then stops taking the size from the backing file, so a
+    /// record read before that commit and overlaid after it would carry the
+    /// size the file had when it was opened, and the kernel would cut reads
+    /// short at it. Read again when a seal ended in between.
+    fn settled(&self, read: impl Fn() -> FsResult<Attr>) -> FsResult<Attr> {
+        loop {
+            let epoch = self.seal_epoch.load(Ordering::SeqCst);
+            let attr = read()?;
+            if self.seal_epoch.load(Ordering::SeqCst) == epoch {
+                return Ok(attr);
+            }
+        }
+    }
+
     pub fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        self.settled(|| self.lookup_once(parent, name))
+    }
+
+    fn lookup_once(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
         match self.ns.lookup(parent, name) {
             // An imported directory not listed yet: list it, then look again.
             Err(MetaError::NotFound) if self.tier.get().is_some() && self.materialize(parent)? => {
@@ -393,7 +415,7 @@ impl Core {
     }
 
     pub fn getattr(&self, ino: Ino) -> FsResult<Attr> {
-        self.overlay(self.ns.getattr(ino)?)
+        self.settled(|| self.overlay(self.ns.getattr(ino)?))
     }
 
     pub fn setattr(&self, ino: Ino, attr: &SetAttr) -> FsResult<Attr> {
@@ -456,7 +478,8 @@ impl Core {
     }
 
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &[u8]) -> FsResult<Attr> {
-        self.overlay(self.ns.link(ino, newparent, newname)?)
+        self.ns.link(ino, newparent, newname)?;
+        self.getattr(ino)
     }
 
     pub fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
@@ -1381,6 +1404,9 @@ impl Core {
                     st.layout = None;
                     st.published = None;
                     st.created_here = false;
+                    // Under the state lock: an attribute read that finds the
+                    // file sealed also finds the epoch moved.
+                    self.seal_epoch.fetch_add(1, Ordering::SeqCst);
                 } else {
                     // Still unsealed in the metadata: the next mount re-seals it.
                     st.dirty = Dirty::All;

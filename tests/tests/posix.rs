@@ -419,6 +419,30 @@ fn writes_seen_by_stat_while_open() {
     assert_eq!(fs::metadata(&p).unwrap().len(), 100_000);
 }
 
+/// close(2) returns before the kernel's release reaches the daemon, which
+/// then seals the file. A lookup or getattr racing that seal must still see
+/// the written size; a stale size makes the kernel cut the next read short.
+#[test]
+fn a_file_read_right_after_close_has_every_byte() {
+    for args in [&[][..], &["--verify-reads"][..]] {
+        let m = Mount::with_args(args);
+        let mut short = Vec::new();
+        for i in 0..400 {
+            let p = m.path(&format!("f{}", i % 7));
+            let _ = fs::remove_file(&p);
+            let data = pattern(100 + i, i as u64);
+            fs::write(&p, &data).unwrap();
+            fs::read_dir(&m.mnt).unwrap().for_each(drop);
+            let size = fs::symlink_metadata(&p).unwrap().len();
+            let back = fs::read(&p).unwrap();
+            if size != data.len() as u64 || back != data {
+                short.push((i, size, back.len()));
+            }
+        }
+        assert!(short.is_empty(), "{args:?}: (iteration, size, bytes read) cut short: {short:?}");
+    }
+}
+
 #[test]
 fn sigterm_unmounts_cleanly_and_keeps_the_data() {
     let mut m = Mount::new();
