@@ -35,6 +35,9 @@ pub struct TierConfig {
     pub workers: usize,
 }
 
+/// The longest object key S3, GCS and Azure accept, in bytes.
+const MAX_KEY_BYTES: usize = 1024;
+
 /// Longest wait between retries while the object store is unreachable.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -44,8 +47,9 @@ struct Queue {
     /// Files to look at, by when.
     due: BTreeSet<(Instant, Ino)>,
     when: HashMap<Ino, Instant>,
-    /// Directories renamed: every backed file below may need re-keying.
-    subtrees: Vec<Ino>,
+    /// A directory was renamed: walk the renamed directories recorded in
+    /// the metadata and mark every backed file below them re-keying.
+    walk_renamed: bool,
     /// Files a worker holds now.
     busy: HashSet<Ino>,
     /// While the store fails: no upload starts before this.
@@ -132,8 +136,9 @@ impl Tiering {
         self.wake.notify_one();
     }
 
-    pub fn enqueue_subtree(&self, dir: Ino) {
-        self.queue.lock().subtrees.push(dir);
+    /// A directory was renamed (its mark is in the metadata).
+    pub fn walk_renamed_dirs(&self) {
+        self.queue.lock().walk_renamed = true;
         self.wake.notify_one();
     }
 
@@ -198,6 +203,20 @@ pub(crate) fn key_of(core: &Core, ino: Ino) -> FsResult<Option<String>> {
     Ok(Some(parts.join("/")))
 }
 
+/// A path too long for a cloud store's object key stays on the SSDs (and
+/// dirty, or re-keying, in its status) rather than failing the whole
+/// backlog over and over. A `file://` store takes any path the local
+/// filesystem does.
+fn too_long(t: &Tiering, ino: Ino, rel: &str) -> bool {
+    let home = t.objects.home();
+    let full = home.key(rel);
+    let over = full.len() > MAX_KEY_BYTES && !home.base.starts_with("file:");
+    if over {
+        tracing::warn!(ino, bytes = full.len(), "path too long for an object key (1024 bytes at most); not backfilled");
+    }
+    over
+}
+
 impl Core {
     /// Queue every file this node owes the object store (after a restart):
     /// dirty or half-uploaded files, re-keys a crash interrupted.
@@ -213,6 +232,8 @@ impl Core {
         if n > 0 {
             tracing::info!(files = n, "resuming backfill");
         }
+        // Directories renamed before a crash, not walked yet.
+        t.walk_renamed_dirs();
         Ok(())
     }
 
@@ -237,8 +258,8 @@ impl Core {
                 let held = q.backoff_until.is_some_and(|u| u > now);
                 let job = if held {
                     None
-                } else if let Some(dir) = q.subtrees.pop() {
-                    Some(Err(dir))
+                } else if std::mem::take(&mut q.walk_renamed) {
+                    Some(Err(()))
                 } else {
                     q.pop_due(now).map(Ok)
                 };
@@ -264,9 +285,11 @@ impl Core {
                         }
                     }
                 }
-                Some(Err(dir)) => {
-                    if let Err(e) = c.queue_subtree(&t, dir) {
-                        tracing::warn!(dir, error = %e, "could not walk a renamed directory for re-keying");
+                Some(Err(())) => {
+                    if let Err(e) = c.walk_renamed(&t) {
+                        tracing::warn!(error = %e, "could not walk renamed directories for re-keying; retrying later");
+                        std::thread::sleep(Duration::from_secs(1));
+                        t.walk_renamed_dirs();
                     }
                 }
                 None => {}
@@ -280,18 +303,35 @@ impl Core {
         }
     }
 
-    /// Every regular file below a renamed directory is looked at again (its
-    /// object key changed).
-    fn queue_subtree(&self, t: &Tiering, dir: Ino) -> FsResult<()> {
-        let mut stack = vec![dir];
-        while let Some(d) = stack.pop() {
-            for (_, entry) in self.namespace().readdir(d)? {
-                match entry.kind {
-                    FileKind::Directory => stack.push(entry.ino),
-                    FileKind::Regular => t.enqueue(entry.ino, Duration::ZERO),
-                    _ => {}
+    /// Every backed file below a renamed directory is marked re-keying (its
+    /// object key changed) and queued; then the directory's mark goes. A
+    /// crash before that walks it again at the next mount, and files
+    /// already marked resume as re-keying.
+    fn walk_renamed(&self, t: &Tiering) -> FsResult<()> {
+        let ns = self.namespace();
+        for (dir, mark) in ns.renamed_dirs()? {
+            let mut stack = vec![dir];
+            let mut files = 0u64;
+            while let Some(d) = stack.pop() {
+                let entries = match ns.readdir(d) {
+                    Ok(e) => e,
+                    // Removed since: nothing below it has a key any more.
+                    Err(MetaError::NotFound | MetaError::NotDir) => continue,
+                    Err(e) => return Err(e.into()),
+                };
+                for (_, entry) in entries {
+                    match entry.kind {
+                        FileKind::Directory => stack.push(entry.ino),
+                        FileKind::Regular if ns.begin_rekey(entry.ino)?.is_some() => {
+                            t.enqueue(entry.ino, Duration::ZERO);
+                            files += 1;
+                        }
+                        _ => {}
+                    }
                 }
             }
+            ns.renamed_dir_walked(dir, &mark)?;
+            tracing::debug!(dir, files, "renamed directory walked; its backed files re-key");
         }
         Ok(())
     }
@@ -325,6 +365,9 @@ impl Core {
             tracing::debug!(ino, "no path to name the object after (unlinked or not UTF-8); not backfilled");
             return Ok(Step::Done);
         };
+        if too_long(t, ino, &key) {
+            return Ok(Step::Done);
+        }
         let Some(rec) = ns.begin_upload(ino)? else { return Ok(Step::Done) };
         let inode = match ns.getattr(ino) {
             Ok(i) => i,
@@ -387,6 +430,9 @@ impl Core {
             return Ok(Step::Done);
         }
         let Some(key) = key_of(self, ino)? else { return Ok(Step::Done) };
+        if too_long(t, ino, &key) {
+            return Ok(Step::Done);
+        }
         if key == rec.key {
             if rec.state == TierState::ReKeying {
                 self.namespace().end_rekey(ino, &rec.key, &key, rec.etag.clone())?;

@@ -512,7 +512,7 @@ impl Core {
             }
             for inode in moved.into_iter().flatten() {
                 match inode.kind {
-                    FileKind::Directory => t.enqueue_subtree(inode.ino),
+                    FileKind::Directory => t.walk_renamed_dirs(),
                     FileKind::Regular => t.enqueue(inode.ino, Duration::ZERO),
                     _ => {}
                 }

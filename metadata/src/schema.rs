@@ -16,6 +16,7 @@
 //! |                            |                      | checksums are stale; the file's write lease  |
 //! | `T` ino                    | [`TierRecord`]       | backfill state and object key of a file      |
 //! | `G` ino                    | [`GarbageObject`]    | object of a purged file, to delete           |
+//! | `R` ino                    | [`RenamedDir`]       | renamed directory: objects below to re-key   |
 //! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //!
@@ -31,6 +32,7 @@
 //! [`NodeInfo`]: crate::membership::NodeInfo
 //! [`TierRecord`]: crate::types::TierRecord
 //! [`GarbageObject`]: crate::types::GarbageObject
+//! [`RenamedDir`]: crate::types::RenamedDir
 
 use crate::types::Ino;
 
@@ -44,6 +46,7 @@ const ORPHAN: u8 = b'O';
 const UNSEALED: u8 = b'U';
 const TIER: u8 = b'T';
 const GARBAGE: u8 = b'G';
+const RENAMED: u8 = b'R';
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -151,6 +154,14 @@ pub fn garbage_all() -> Vec<u8> {
     vec![GARBAGE]
 }
 
+pub fn renamed_dir(ino: Ino) -> Vec<u8> {
+    with_ino(RENAMED, ino)
+}
+
+pub fn renamed_dirs() -> Vec<u8> {
+    vec![RENAMED]
+}
+
 pub fn known_node(id: &str) -> Vec<u8> {
     [b"K", id.as_bytes()].concat()
 }
@@ -162,7 +173,7 @@ pub fn live_node(id: &str) -> Vec<u8> {
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 
-/// The inode number in an `I`, `O`, `U`, `T` or `G` key.
+/// The inode number in an `I`, `O`, `U`, `T`, `G` or `R` key.
 pub fn key_ino(key: &[u8]) -> Ino {
     u64::from_be_bytes(key[1..9].try_into().expect("inode key is 9 bytes"))
 }

@@ -193,6 +193,17 @@ pub struct GarbageObject {
     pub source: Option<String>,
 }
 
+/// A directory renamed on a tiered volume: every backed object below it
+/// sits under its old key until the renaming node has walked the directory
+/// and marked each file re-keying. Kept until that walk is done, so a crash
+/// in between resumes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenamedDir {
+    pub node: String,
+    /// When it was renamed; a later rename of the same directory replaces it.
+    pub at: Timespec,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeRecord {
     pub format_version: u32,

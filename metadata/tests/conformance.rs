@@ -331,6 +331,27 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
     // Deleting an imported file never queues its source object.
     ns.unlink_purging(d.ino, b"x.bin", &|_| true).unwrap();
     assert!(ns.garbage().unwrap().is_empty(), "{name}");
+
+    // A renamed directory stays marked until its walk is done; a walk that
+    // raced a second rename leaves the newer mark.
+    assert!(ns.renamed_dirs().unwrap().is_empty(), "{name}");
+    ns.rename(ROOT, b"ckpt", ROOT, b"ckpt2", RenameMode::Replace).unwrap();
+    let marks = ns.renamed_dirs().unwrap();
+    assert_eq!(marks.iter().map(|(i, m)| (*i, m.node.as_str())).collect::<Vec<_>>(), vec![(d.ino, "n1")], "{name}");
+    let first = marks[0].1.clone();
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    ns.rename(ROOT, b"ckpt2", ROOT, b"ckpt3", RenameMode::Replace).unwrap();
+    ns.renamed_dir_walked(d.ino, &first).unwrap();
+    let marks = ns.renamed_dirs().unwrap();
+    assert_eq!(marks.len(), 1, "{name}: the second rename is still owed its walk");
+    ns.renamed_dir_walked(d.ino, &marks[0].1).unwrap();
+    assert!(ns.renamed_dirs().unwrap().is_empty(), "{name}");
+    // rmdir drops a mark not walked yet.
+    ns.rename(ROOT, b"ckpt3", ROOT, b"ckpt4", RenameMode::Replace).unwrap();
+    assert_eq!(ns.renamed_dirs().unwrap().len(), 1, "{name}");
+    ns.rmdir(d.ino, b"sub").unwrap();
+    ns.rmdir(ROOT, b"ckpt4").unwrap();
+    assert!(ns.renamed_dirs().unwrap().is_empty(), "{name}");
 }
 
 #[test]

@@ -69,9 +69,18 @@ fn backfill_uploads_each_file_as_one_object_and_follows_renames_and_unlinks() {
     fs::write(m.path("step100/model.pt"), &big).unwrap();
     fs::write(m.path("step100/meta.json"), b"{\"step\": 100}\n").unwrap();
     fs::File::create(m.path("empty")).unwrap();
+    // Over 1024 bytes with the names joined: no S3 key can hold it.
+    let deep: Vec<String> = (0..5).map(|i| format!("{i}{}", "x".repeat(240))).collect();
+    fs::create_dir_all(m.path(&deep[..4].join("/"))).unwrap();
+    fs::write(m.path(&deep.join("/")), b"deep").unwrap();
     for f in ["step100/model.pt", "step100/meta.json", "empty"] {
         eventually(60, &format!("{f} is backed"), || tier(&m.path(f)).starts_with("state=backed"));
     }
+    std::thread::sleep(Duration::from_secs(1));
+    let t = tier(&m.path(&deep.join("/")));
+    assert!(t.starts_with("state=dirty"), "a path too long for a key stays local: {t}");
+    assert_eq!(backfill_stat(&m, "failures"), 0.0, "an over-long path is not a store failure");
+    fs::remove_dir_all(m.path(&deep[0])).unwrap();
     assert!(same(&s3.get("ckpt", "run1/step100/model.pt").expect("object"), &big));
     assert_eq!(s3.get("ckpt", "run1/step100/meta.json").unwrap(), b"{\"step\": 100}\n");
     assert_eq!(s3.get("ckpt", "run1/empty").unwrap(), b"");
@@ -395,4 +404,63 @@ fn an_object_store_outage_keeps_the_backlog_and_drains_it_when_the_store_returns
     }
     let text = scrape(&metrics);
     assert_eq!(metric(&text, "converged_backfill_backlog_files"), Some(0.0), "{text}");
+}
+
+fn backfill_stat(m: &Mount, field: &str) -> f64 {
+    let line = xattr(&m.mnt, "user.converged.backfill");
+    let at = format!("{field}=");
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&at))
+        .map_or(0.0, |v| v.trim_end_matches('s').parse().unwrap_or(0.0))
+}
+
+/// The embedded default store (`file://`). A directory renamed while
+/// the store fails, followed by a crash before its files were re-keyed, is
+/// walked at the next mount and every object moves.
+#[test]
+fn a_directory_rename_cut_short_by_a_crash_is_re_keyed_at_the_next_mount() {
+    let store = tempfile::tempdir().unwrap();
+    let args: Vec<String> = vec![
+        "--object-store".into(),
+        format!("file://{}", store.path().display()),
+        "--backfill-delay".into(),
+        "300ms".into(),
+    ];
+    let mut m = mount(&args);
+    fs::create_dir_all(m.path("run/step1")).unwrap();
+    let a = pattern(3 << 20, 60);
+    let b = pattern(1000, 61);
+    fs::write(m.path("run/step1/a.pt"), &a).unwrap();
+    fs::write(m.path("run/b.json"), &b).unwrap();
+    for f in ["run/step1/a.pt", "run/b.json"] {
+        eventually(60, &format!("{f} is backed"), || tier(&m.path(f)).starts_with("state=backed"));
+    }
+    assert!(same(&fs::read(store.path().join("run/step1/a.pt")).unwrap(), &a));
+    assert_eq!(fs::read(store.path().join("run/b.json")).unwrap(), b);
+
+    // The store starts failing (a file where a directory must go), and the backlog backs off.
+    fs::write(store.path().join("blocker"), b"").unwrap();
+    fs::create_dir(m.path("blocker")).unwrap();
+    fs::write(m.path("blocker/f"), b"f").unwrap();
+    eventually(60, "the backlog backs off for 2 s or more", || backfill_stat(&m, "retry_in") >= 2.0);
+    fs::rename(m.path("run"), m.path("final")).unwrap();
+    fs::File::open(&m.mnt).unwrap().sync_all().unwrap();
+    let t = tier(&m.path("final/step1/a.pt"));
+    assert!(t.starts_with("state=backed") && t.contains("/run/step1/a.pt"), "not re-keyed yet: {t}");
+    m.crash();
+
+    fs::remove_file(store.path().join("blocker")).unwrap();
+    m.mount();
+    eventually(60, "the renamed directory's objects moved", || {
+        store.path().join("final/step1/a.pt").exists()
+            && store.path().join("final/b.json").exists()
+            && !store.path().join("run/step1/a.pt").exists()
+            && !store.path().join("run/b.json").exists()
+    });
+    assert!(same(&fs::read(store.path().join("final/step1/a.pt")).unwrap(), &a));
+    assert_eq!(fs::read(store.path().join("final/b.json")).unwrap(), b);
+    eventually(60, "the blocked file is backed", || tier(&m.path("blocker/f")).starts_with("state=backed"));
+    for f in ["final/step1/a.pt", "final/b.json"] {
+        assert!(tier(&m.path(f)).starts_with("state=backed"), "{f}: {}", tier(&m.path(f)));
+    }
 }

@@ -105,6 +105,8 @@ impl Namespace {
             txn.delete(&schema::dentry(parent, name));
             let (start, end) = schema::prefix_range(&schema::xattrs_of(inode.ino));
             txn.delete_range(&start, &end)?;
+            // Empty: no object below it is left to re-key.
+            txn.delete(&schema::renamed_dir(inode.ino));
             drop_link(txn, inode, now, &self.node);
             dir.nlink -= 1;
             dir.mtime = now;

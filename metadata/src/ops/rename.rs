@@ -4,7 +4,6 @@ use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead};
 use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace};
 use crate::ops::remove::{drop_link, Unlinked};
-use crate::ops::tier::note_rename;
 use crate::schema;
 use crate::types::{Dentry, Ino, RenameMode, Timespec, ROOT_INO};
 
@@ -72,8 +71,8 @@ impl Namespace {
                 }
                 (src_inode.parent, src_inode.name) = (newparent, newname.to_vec());
                 (dst_inode.parent, dst_inode.name) = (parent, name.to_vec());
-                note_rename(txn, &src_inode, &self.node)?;
-                note_rename(txn, &dst_inode, &self.node)?;
+                self.note_rename(txn, &src_inode)?;
+                self.note_rename(txn, &dst_inode)?;
                 src_inode.ctime = now;
                 dst_inode.ctime = now;
                 put_inode(txn, &src_inode);
@@ -120,7 +119,7 @@ impl Namespace {
                 put_inode(txn, &np);
             }
             (src_inode.parent, src_inode.name) = (newparent, newname.to_vec());
-            note_rename(txn, &src_inode, &self.node)?;
+            self.note_rename(txn, &src_inode)?;
             src_inode.ctime = now;
             put_inode(txn, &src_inode);
             touch_parents(txn, parent, newparent, now)?;

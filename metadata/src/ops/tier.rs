@@ -48,30 +48,65 @@ pub(crate) fn mark_dirty(txn: &mut (impl KvWrite + ?Sized), ino: Ino, node: &str
     Ok(())
 }
 
-/// A file got a new name. A backed object must move to the new key; an
-/// imported one stays where it is and the file is backfilled to the
-/// mount's own store instead (by the renaming node, which reads it through
-/// the tier).
-pub(crate) fn note_rename(txn: &mut (impl KvWrite + ?Sized), inode: &Inode, node: &str) -> MetaResult<()> {
-    if inode.kind != FileKind::Regular {
-        return Ok(());
-    }
-    let Some(mut rec) = get_tier(txn, inode.ino)? else { return Ok(()) };
-    match (rec.state, &rec.source) {
-        (TierState::Backed | TierState::ReKeying, None) => {
-            rec.state = TierState::ReKeying;
-            rec.node = node.to_string();
+impl Namespace {
+    /// An inode got a new name. A backed object must move to the new key;
+    /// an imported one stays where it is and the file is backfilled to the
+    /// mount's own store instead (by the renaming node, which reads it
+    /// through the tier). A directory is recorded (`R`) for a walk that
+    /// marks every file below it.
+    pub(crate) fn note_rename(&self, txn: &mut (impl KvWrite + ?Sized), inode: &Inode) -> MetaResult<()> {
+        if inode.kind == FileKind::Directory && self.tiered {
+            let mark = RenamedDir { node: self.node.clone(), at: Timespec::now() };
+            txn.put(&schema::renamed_dir(inode.ino), &encode(&mark));
+            return Ok(());
         }
-        (TierState::Backed | TierState::ReKeying, Some(_)) => {
-            rec.state = TierState::Dirty;
-            rec.generation += 1;
-            rec.node = node.to_string();
+        if inode.kind != FileKind::Regular {
+            return Ok(());
         }
-        // Not uploaded yet: the upload uses the name it finds.
-        (TierState::Dirty | TierState::Uploading, _) => return Ok(()),
+        let Some(mut rec) = get_tier(txn, inode.ino)? else { return Ok(()) };
+        match (rec.state, &rec.source) {
+            (TierState::Backed | TierState::ReKeying, None) => {
+                rec.state = TierState::ReKeying;
+                rec.node = self.node.clone();
+            }
+            (TierState::Backed | TierState::ReKeying, Some(_)) => {
+                rec.state = TierState::Dirty;
+                rec.generation += 1;
+                rec.node = self.node.clone();
+            }
+            // Not uploaded yet: the upload uses the name it finds.
+            (TierState::Dirty | TierState::Uploading, _) => return Ok(()),
+        }
+        put_tier(txn, inode.ino, &rec);
+        Ok(())
     }
-    put_tier(txn, inode.ino, &rec);
-    Ok(())
+
+    /// Renamed directories this node still has to walk.
+    pub fn renamed_dirs(&self) -> MetaResult<Vec<(Ino, RenamedDir)>> {
+        let all = self.read(|txn| scan_all(txn, &schema::renamed_dirs()))?;
+        let mut out = Vec::new();
+        for (k, v) in all {
+            let mark: RenamedDir = decode(&k, &v)?;
+            if self.is_mine(mark.node.as_bytes()) {
+                out.push((schema::key_ino(&k), mark));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The walk of a renamed directory is done: drop its mark, unless the
+    /// directory was renamed again meanwhile (that rename's walk is owed).
+    pub fn renamed_dir_walked(&self, ino: Ino, walked: &RenamedDir) -> MetaResult<()> {
+        self.write(Durability::Buffered, |txn| {
+            let key = schema::renamed_dir(ino);
+            if let Some(v) = txn.get(&key)? {
+                if decode::<RenamedDir>(&key, &v)? == *walked {
+                    txn.delete(&key);
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 /// The file is being purged: its object (in the mount's own store) is queued for deletion.
