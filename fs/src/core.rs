@@ -96,6 +96,15 @@ struct Layout {
     object: Option<Arc<TierRecord>>,
 }
 
+/// A chunk's slot in the tier's fetch table, removed when its fetch ends.
+struct FetchSlot<'a>(&'a Tiering, (Ino, u32));
+
+impl Drop for FetchSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetching.remove(&self.1);
+    }
+}
+
 /// Bytes `[from, to)` of a file, inside the chunk that starts at `chunk_start`.
 struct Part<'a> {
     rec: &'a ChunkRecord,
@@ -1102,27 +1111,11 @@ impl Core {
         force: bool,
     ) -> FsResult<ChunkRecord> {
         let t = self.tier.get().ok_or(FsError::Invalid("no object store"))?;
+        // One fetch of a chunk at a time; the slot goes when this one ends
+        // (declared first, so dropped after the lock is released).
+        let _slot = FetchSlot(t, (ino, index));
         let lock = t.fetching.entry((ino, index)).or_default().clone();
-        let r = {
-            let _one = lock.lock();
-            self.fetch_object_chunk_locked(t, ino, file, size, cs, index, obj, force)
-        };
-        t.fetching.remove(&(ino, index));
-        r
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn fetch_object_chunk_locked(
-        &self,
-        t: &Tiering,
-        ino: Ino,
-        file: &File,
-        size: u64,
-        cs: u64,
-        index: u32,
-        obj: &TierRecord,
-        force: bool,
-    ) -> FsResult<ChunkRecord> {
+        let _one = lock.lock();
         let current = self.ns.chunk(ino, index)?;
         if let Some(r) = &current {
             if self.is_local(r) && !force {
