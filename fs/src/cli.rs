@@ -726,68 +726,14 @@ fn detach_stdio() {
     }
 }
 
-/// Start the daemon in the background and wait until the mount answers.
-fn spawn_daemon(args: &MountArgs, c: &Checked, exe_prefix: &[OsString]) -> anyhow::Result<()> {
+/// Start the daemon in the background with the very arguments this
+/// command was given (it checks them again, from the same working
+/// directory, and mounts), and return once the mount answers.
+fn spawn_daemon(argv: &[OsString], exe_prefix: &[OsString]) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("find own executable")?;
     let (mut reader, writer) = std::io::pipe().context("pipe")?;
     let mut cmd = Command::new(exe);
-    cmd.args(exe_prefix)
-        .arg("mount")
-        .arg(&c.mountpoint)
-        .arg("--data-dir")
-        .arg(&c.data_dir)
-        .arg("--meta")
-        .arg(&c.meta_str)
-        .arg("--threads")
-        .arg(args.threads.to_string())
-        .arg("--attr-timeout")
-        .arg(args.attr_timeout.to_string())
-        .arg("--daemonized");
-    if args.verify_reads {
-        cmd.arg("--verify-reads");
-    }
-    if let Some(l) = &args.log_file {
-        cmd.arg("--log-file").arg(l);
-    }
-    if let Some(n) = &args.node_id {
-        cmd.arg("--node-id").arg(n);
-    }
-    if let Some(s) = &args.source {
-        cmd.arg("--source").arg(s);
-    }
-    if let (Some(l), Some(t)) = (&args.listen, &args.tls_dir) {
-        cmd.arg("--listen").arg(l.to_string()).arg("--tls-dir").arg(t);
-    }
-    cmd.arg("--labels").arg(&args.labels).arg("--lease-ttl").arg(args.lease_ttl.to_string());
-    if let Some(r) = args.replicas {
-        cmd.arg("--replicas").arg(r.to_string());
-    }
-    cmd.arg("--durability")
-        .arg(clap::ValueEnum::to_possible_value(&args.durability).expect("not skipped").get_name())
-        .arg("--failure-domain")
-        .arg(&args.failure_domain)
-        .arg("--peer-timeout")
-        .arg(args.peer_timeout.to_string());
-    if let Some(o) = &args.object_store {
-        cmd.arg("--object-store").arg(o);
-    }
-    if let Some(e) = &args.s3_endpoint {
-        cmd.arg("--s3-endpoint").arg(e);
-    }
-    cmd.arg("--backfill-delay")
-        .arg(format!("{}ms", args.backfill_delay.as_millis()))
-        .arg("--backfill-workers")
-        .arg(args.backfill_workers.to_string())
-        .arg("--evict-high")
-        .arg(args.evict_high.to_string())
-        .arg("--evict-low")
-        .arg(args.evict_low.to_string());
-    if args.keep_deleted_objects {
-        cmd.arg("--keep-deleted-objects");
-    }
-    if let Some(m) = &args.metrics {
-        cmd.arg("--metrics").arg(m.to_string());
-    }
+    cmd.args(exe_prefix).args(argv).arg("--daemonized");
     cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
     // SAFETY: setsid is async-signal-safe; the daemon leaves our session so a
     // closing terminal does not take it down.
@@ -839,12 +785,13 @@ fn umount(mountpoint: &Path) -> anyhow::Result<()> {
 /// Entry point of the `converged` binary; `exe_prefix` is what the daemon
 /// must be started with before `mount` (the mount helper passes its own).
 pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsString]) -> ExitCode {
-    let cli = Cli::parse_from(args);
+    let argv: Vec<OsString> = args.into_iter().collect();
+    let cli = Cli::parse_from(&argv);
     let result = match cli.command {
         Cmd::Mount(args) => match check(&args) {
             Err(e) => Err(e),
             Ok(c) if args.foreground || args.daemonized => run_daemon(&args, c),
-            Ok(c) => spawn_daemon(&args, &c, exe_prefix),
+            Ok(_) => spawn_daemon(argv.get(1..).unwrap_or_default(), exe_prefix),
         },
         Cmd::Umount { mountpoint } => umount(&mountpoint),
         Cmd::Cluster(cmd) => cluster(cmd),
