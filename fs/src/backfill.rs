@@ -81,6 +81,21 @@ impl Queue {
     }
 }
 
+/// When membership was last looked at for dead nodes, when their work was
+/// last scanned for, and which dead nodes that scan covered.
+#[derive(Default)]
+struct Adoption {
+    looked: Option<Instant>,
+    scanned: Option<Instant>,
+    handled: BTreeSet<String>,
+}
+
+/// How often membership is read for newly dead nodes.
+const ADOPT_LOOK: Duration = Duration::from_secs(5);
+/// How often the tier records are scanned again while dead nodes remain (a
+/// scan that ran while the live set was changing may have left work).
+const ADOPT_RESCAN: Duration = Duration::from_secs(60);
+
 /// Counters for `converged status` and the metrics endpoint.
 #[derive(Default)]
 pub struct Stats {
@@ -106,6 +121,8 @@ pub struct Tiering {
     pub(crate) access: dashmap::DashMap<(Ino, u32), i64>,
     /// When each imported file's object was last checked for a change.
     pub(crate) checked: dashmap::DashMap<Ino, i64>,
+    /// Taking over dead nodes' backfill (see `adopt_if_nodes_died`).
+    adopted: Mutex<Adoption>,
 }
 
 /// A one-line view of the backlog.
@@ -127,6 +144,7 @@ impl Tiering {
             fetching: Default::default(),
             access: Default::default(),
             checked: Default::default(),
+            adopted: Mutex::default(),
         }
     }
 
@@ -299,8 +317,80 @@ impl Core {
                 if let Err(e) = c.collect_garbage(&t) {
                     tracing::warn!(error = %e, "deleting objects of removed files failed; retrying later");
                 }
+                c.adopt_if_nodes_died(&t);
             }
         }
+    }
+
+    /// A node that dies leaves its dirty files un-uploaded (it sealed them)
+    /// and its renamed directories un-walked. When a node is newly seen
+    /// dead, and once a minute while any is, each live node takes over the
+    /// work that rendezvous hashing gives it; the uploads read the bytes
+    /// from the replicas.
+    fn adopt_if_nodes_died(&self, t: &Tiering) {
+        let Some(cluster) = self.cluster() else { return };
+        let dead = {
+            let mut a = t.adopted.lock();
+            if a.looked.is_some_and(|at| at.elapsed() < ADOPT_LOOK) {
+                return;
+            }
+            a.looked = Some(Instant::now());
+            let dead = match cluster.dead_nodes() {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read cluster membership to take over dead nodes' backfill");
+                    return;
+                }
+            };
+            if dead.is_empty() {
+                a.handled.clear();
+                return;
+            }
+            let due = !dead.is_subset(&a.handled) || a.scanned.is_none_or(|at| at.elapsed() >= ADOPT_RESCAN);
+            if !due {
+                return;
+            }
+            dead
+        };
+        match self.adopt_work_of(t, cluster, &dead) {
+            Ok(n) => {
+                if n > 0 {
+                    tracing::info!(files = n, dead = ?dead, "took over the backfill of dead nodes");
+                }
+                let mut a = t.adopted.lock();
+                a.handled = dead;
+                a.scanned = Some(Instant::now());
+            }
+            Err(e) => tracing::warn!(error = %e, "taking over dead nodes' backfill failed; retrying later"),
+        }
+    }
+
+    /// Take the dirty or re-keying files and the renamed directories of
+    /// `dead` nodes that fall to this node. Returns how many were taken.
+    fn adopt_work_of(
+        &self,
+        t: &Tiering,
+        cluster: &crate::cluster::Cluster,
+        dead: &BTreeSet<String>,
+    ) -> FsResult<usize> {
+        let ns = self.namespace();
+        let mut n = 0;
+        for (ino, rec) in ns.tier_records(false)? {
+            if rec.state == TierState::Backed || !dead.contains(&rec.node) || !cluster.takes_over(ino) {
+                continue;
+            }
+            if ns.adopt_backfill(ino, &rec.node)? {
+                t.enqueue(ino, self.quiet_left(&rec));
+                n += 1;
+            }
+        }
+        for (dir, mark) in ns.renamed_dirs(false)? {
+            if dead.contains(&mark.node) && cluster.takes_over(dir) && ns.adopt_renamed_dir(dir, &mark)? {
+                t.walk_renamed_dirs();
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     /// Every backed file below a renamed directory is marked re-keying (its
@@ -309,7 +399,7 @@ impl Core {
     /// already marked resume as re-keying.
     fn walk_renamed(&self, t: &Tiering) -> FsResult<()> {
         let ns = self.namespace();
-        for (dir, mark) in ns.renamed_dirs()? {
+        for (dir, mark) in ns.renamed_dirs(true)? {
             let mut stack = vec![dir];
             let mut files = 0u64;
             while let Some(d) = stack.pop() {

@@ -7,7 +7,7 @@
 //! that failed one is tried last for a while, so a dead node that still has
 //! a lease costs one timeout, not one per request.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -199,6 +199,24 @@ impl Cluster {
             .filter_map(|c| nodes.iter().find(|m| m.id == c.id).cloned())
             .take(n)
             .collect()
+    }
+
+    /// Nodes that registered once and whose membership lease is gone.
+    pub fn dead_nodes(&self) -> FsResult<BTreeSet<String>> {
+        let Some(ms) = self.engine.membership() else { return Ok(BTreeSet::new()) };
+        let all = ms.members().map_err(|e| FsError::Peer(format!("cluster membership: {e}")))?;
+        Ok(all.into_iter().filter(|m| !m.alive).map(|m| m.info.id).collect())
+    }
+
+    /// Whether this node is the live node that takes over `ino`'s work
+    /// from a dead one: the first by rendezvous hashing with equal weights,
+    /// so every node that sees the same live set picks the same one.
+    pub fn takes_over(&self, ino: u64) -> bool {
+        let mut ids: Vec<String> = self.live_peers().into_iter().map(|n| n.id).collect();
+        ids.push(self.cfg.node.clone());
+        let candidates: Vec<Candidate> =
+            ids.iter().map(|id| Candidate { id: id.clone(), weight: 1.0, domain: format!("node:{id}") }).collect();
+        placement::rank(ino, 0, "", &candidates).first().is_some_and(|c| c.id == self.cfg.node)
     }
 
     /// Have `node` fetch chunk `index` of `ino` onto its SSD (its share of a stage).

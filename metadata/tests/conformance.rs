@@ -334,24 +334,24 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
 
     // A renamed directory stays marked until its walk is done; a walk that
     // raced a second rename leaves the newer mark.
-    assert!(ns.renamed_dirs().unwrap().is_empty(), "{name}");
+    assert!(ns.renamed_dirs(true).unwrap().is_empty(), "{name}");
     ns.rename(ROOT, b"ckpt", ROOT, b"ckpt2", RenameMode::Replace).unwrap();
-    let marks = ns.renamed_dirs().unwrap();
+    let marks = ns.renamed_dirs(true).unwrap();
     assert_eq!(marks.iter().map(|(i, m)| (*i, m.node.as_str())).collect::<Vec<_>>(), vec![(d.ino, "n1")], "{name}");
     let first = marks[0].1.clone();
     std::thread::sleep(std::time::Duration::from_millis(2));
     ns.rename(ROOT, b"ckpt2", ROOT, b"ckpt3", RenameMode::Replace).unwrap();
     ns.renamed_dir_walked(d.ino, &first).unwrap();
-    let marks = ns.renamed_dirs().unwrap();
+    let marks = ns.renamed_dirs(true).unwrap();
     assert_eq!(marks.len(), 1, "{name}: the second rename is still owed its walk");
     ns.renamed_dir_walked(d.ino, &marks[0].1).unwrap();
-    assert!(ns.renamed_dirs().unwrap().is_empty(), "{name}");
+    assert!(ns.renamed_dirs(true).unwrap().is_empty(), "{name}");
     // rmdir drops a mark not walked yet.
     ns.rename(ROOT, b"ckpt3", ROOT, b"ckpt4", RenameMode::Replace).unwrap();
-    assert_eq!(ns.renamed_dirs().unwrap().len(), 1, "{name}");
+    assert_eq!(ns.renamed_dirs(true).unwrap().len(), 1, "{name}");
     ns.rmdir(d.ino, b"sub").unwrap();
     ns.rmdir(ROOT, b"ckpt4").unwrap();
-    assert!(ns.renamed_dirs().unwrap().is_empty(), "{name}");
+    assert!(ns.renamed_dirs(true).unwrap().is_empty(), "{name}");
 }
 
 #[test]
@@ -468,4 +468,54 @@ fn etcd_write_lease_admits_one_writing_node() {
     b.mark_unsealed(f.ino).unwrap();
     assert_eq!(b.writer(f.ino).unwrap().as_deref(), Some("b"));
     assert!(a.unsealed().unwrap().is_empty(), "a, back, must not re-seal b's file");
+}
+
+#[test]
+fn etcd_a_dead_nodes_backfill_is_taken_over() {
+    use converged_metadata::membership::NodeInfo;
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let node = |id: &str| {
+        let kv = Arc::new(EtcdKv::connect(&cluster.endpoints, "adopt", Duration::from_secs(5)).unwrap());
+        let now = Timespec::now();
+        let info = NodeInfo {
+            id: id.into(),
+            addr: String::new(),
+            capacity: 0,
+            free: 0,
+            labels: Default::default(),
+            started: now,
+            heartbeat: now,
+        };
+        kv.membership().unwrap().register(&info, Duration::from_secs(5)).unwrap();
+        (Namespace::open(kv.clone(), 0, 0).unwrap().with_node(id).with_tier(), kv)
+    };
+    let (a, akv) = node("a");
+    let (b, _bkv) = node("b");
+    let d = a.mknod(ROOT, b"run", &dir()).unwrap();
+    let f = a.mknod(d.ino, b"x.pt", &file(0o644)).unwrap();
+    let record = ChunkRecord { version: 1, len: 10, replicas: vec!["a".into(), "b".into()], block_crcs: vec![7] };
+    let seal =
+        converged_metadata::Seal { size: 10, mtime: Timespec::now(), chunks: vec![(0, record)], keep_unsealed: false };
+    a.seal(f.ino, &seal, Durability::Durable).unwrap();
+    // Opened for writing again when a dies: its write lease is left behind.
+    a.mark_unsealed(f.ino).unwrap();
+    a.rename(ROOT, b"run", ROOT, b"run2", RenameMode::Replace).unwrap();
+    assert_eq!(a.tier(f.ino).unwrap().unwrap().node, "a");
+    let marks = b.renamed_dirs(false).unwrap();
+    assert_eq!(marks.len(), 1);
+    assert!(b.renamed_dirs(true).unwrap().is_empty(), "a's walk, not b's");
+    // While a lives, its work stays its own.
+    assert!(!b.adopt_backfill(f.ino, "a").unwrap());
+    assert!(!b.adopt_renamed_dir(d.ino, &marks[0].1).unwrap());
+    assert!(b.begin_upload(f.ino).unwrap().is_none(), "b does not upload a's file");
+    // a dies: b takes the upload and the walk over, once.
+    akv.membership().unwrap().leave().unwrap();
+    assert!(b.adopt_backfill(f.ino, "a").unwrap());
+    assert!(!b.adopt_backfill(f.ino, "a").unwrap(), "taken once");
+    let rec = b.tier(f.ino).unwrap().unwrap();
+    assert_eq!((rec.state, rec.node.as_str()), (TierState::Dirty, "b"));
+    assert!(b.begin_upload(f.ino).unwrap().is_some(), "b uploads what a last published");
+    assert!(b.adopt_renamed_dir(d.ino, &marks[0].1).unwrap());
+    assert_eq!(b.renamed_dirs(true).unwrap().len(), 1);
+    assert!(a.renamed_dirs(true).unwrap().is_empty(), "a, back, leaves it to b");
 }

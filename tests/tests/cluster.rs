@@ -345,3 +345,37 @@ fn xattr_value(p: &std::path::Path, name: &str) -> String {
     let out = std::process::Command::new("getfattr").args(["--only-values", "-n", name]).arg(p).output().unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// A node killed before its files were uploaded: once its membership lease
+/// is gone, the live nodes take its backfill over and upload the files
+/// from the replicas, byte for byte.
+#[test]
+fn a_dead_nodes_dirty_files_are_backfilled_by_the_live_nodes() {
+    let Some(s3) = common::s3::S3Server::start() else { return };
+    s3.mkbucket("vol");
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let endpoint = s3.endpoint();
+    let args = ["--object-store", "s3://vol/v", "--s3-endpoint", &endpoint, "--backfill-delay", "4s"];
+    let Some(mut c) = Cluster::start(3, &args) else { return };
+    fs::create_dir(c.node(0).path("ckpt")).unwrap();
+    let files: Vec<(String, Vec<u8>)> = (0..6u64)
+        .map(|i| (format!("ckpt/shard-{i}.pt"), pattern(if i == 0 { 100 << 20 } else { 1 << 20 }, 90 + i)))
+        .collect();
+    for (name, data) in &files {
+        fs::write(c.node(0).path(name), data).unwrap();
+    }
+    // Closed (so replicated), not yet quiet for the backfill delay: A dies.
+    c.nodes[0].crash();
+    assert!(s3.list("vol", "v/").is_empty(), "nothing was uploaded before the crash");
+    for (name, data) in &files {
+        eventually(120, &format!("{name} is uploaded by a live node"), || {
+            s3.get("vol", &format!("v/{name}")).is_some_and(|o| o == *data)
+        });
+    }
+    let t = xattr_value(&c.node(1).path("ckpt/shard-0.pt"), "user.converged.tier");
+    assert!(t.starts_with("state=backed"), "{t}");
+    let took: Vec<bool> =
+        (1..3).map(|i| !xattr_value(&c.node(i).mnt, "user.converged.backfill").contains("uploaded_files=0 ")).collect();
+    assert!(took.iter().any(|t| *t), "{took:?}");
+}

@@ -81,17 +81,52 @@ impl Namespace {
         Ok(())
     }
 
-    /// Renamed directories this node still has to walk.
-    pub fn renamed_dirs(&self) -> MetaResult<Vec<(Ino, RenamedDir)>> {
+    /// Renamed directories still to walk: this node's (`mine`), or every node's.
+    pub fn renamed_dirs(&self, mine: bool) -> MetaResult<Vec<(Ino, RenamedDir)>> {
         let all = self.read(|txn| scan_all(txn, &schema::renamed_dirs()))?;
         let mut out = Vec::new();
         for (k, v) in all {
             let mark: RenamedDir = decode(&k, &v)?;
-            if self.is_mine(mark.node.as_bytes()) {
+            if !mine || self.is_mine(mark.node.as_bytes()) {
                 out.push((schema::key_ino(&k), mark));
             }
         }
         Ok(out)
+    }
+
+    /// Take over the backfill of `ino` from `dead`, a node whose
+    /// membership lease is gone: its dirty, half-uploaded or re-keying file
+    /// becomes this node's (which reads the bytes from the replicas). False
+    /// when the record moved on or that node is alive again.
+    pub fn adopt_backfill(&self, ino: Ino, dead: &str) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| {
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(false) };
+            if rec.node != dead || rec.state == TierState::Backed || txn.get(&schema::live_node(dead))?.is_some() {
+                return Ok(false);
+            }
+            tracing::info!(
+                ino,
+                from = dead,
+                state = rec.state.name(),
+                "taking over the backfill of a dead node's file"
+            );
+            rec.node = self.node.clone();
+            put_tier(txn, ino, &rec);
+            Ok(true)
+        })
+    }
+
+    /// Take over the walk of a directory that `mark.node`, now dead, renamed.
+    pub fn adopt_renamed_dir(&self, ino: Ino, mark: &RenamedDir) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| {
+            let key = schema::renamed_dir(ino);
+            let Some(v) = txn.get(&key)? else { return Ok(false) };
+            if decode::<RenamedDir>(&key, &v)? != *mark || txn.get(&schema::live_node(&mark.node))?.is_some() {
+                return Ok(false);
+            }
+            txn.put(&key, &encode(&RenamedDir { node: self.node.clone(), at: mark.at }));
+            Ok(true)
+        })
     }
 
     /// The walk of a renamed directory is done: drop its mark, unless the
@@ -175,9 +210,13 @@ impl Namespace {
             if !matches!(rec.state, TierState::Dirty | TierState::Uploading) || !self.is_mine(rec.node.as_bytes()) {
                 return Ok(None);
             }
-            if txn.get(&schema::unsealed(ino))?.is_some() {
-                // Being written: sealed again later.
-                return Ok(None);
+            if let Some(writer) = txn.get(&schema::unsealed(ino))? {
+                // Being written: sealed again later. A writer whose node is
+                // dead left what it last published, which is what goes up.
+                let writer = String::from_utf8_lossy(&writer).into_owned();
+                if self.is_mine(writer.as_bytes()) || txn.get(&schema::live_node(&writer))?.is_some() {
+                    return Ok(None);
+                }
             }
             rec.state = TierState::Uploading;
             put_tier(txn, ino, &rec);
