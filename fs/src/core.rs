@@ -47,6 +47,22 @@ pub type Attr = Inode;
 pub struct Opened {
     pub fh: u64,
     pub backing: Option<Arc<File>>,
+    /// Served by the daemon outside the kernel's page cache (FOPEN_DIRECT_IO).
+    pub direct_io: bool,
+}
+
+/// How the kernel does a handle's I/O. It refuses a passthrough open while
+/// a cached one of the same inode is open, and the reverse (the open fails
+/// with EIO), but direct I/O opens mix with both; so a new open follows
+/// the mode of the handles already open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Io {
+    /// Kernel passthrough to the backing file.
+    Passthrough,
+    /// Through the daemon, with the kernel's page cache.
+    Cached,
+    /// Through the daemon, without the page cache: beside passthrough handles.
+    Direct,
 }
 
 /// A directory snapshot held by an open directory handle: (name, entry) pairs.
@@ -55,6 +71,7 @@ pub type Listing = Arc<Vec<(Vec<u8>, Dentry)>>;
 struct Handle {
     ino: Ino,
     writable: bool,
+    io: Io,
 }
 
 /// Which chunks of an unsealed file need new checksums.
@@ -139,6 +156,9 @@ struct OpenState {
     published: Option<Stamp>,
     /// Created by this open: an empty file needs no publish.
     created_here: bool,
+    /// Handles open in each kernel I/O mode (see [`Io`]).
+    passthrough_handles: u32,
+    cached_handles: u32,
 }
 
 pub struct Core {
@@ -785,7 +805,8 @@ impl Core {
             oi
         };
         let fh = self.new_fh();
-        self.handles.insert(fh, Handle { ino, writable });
+        // Direct (counted nowhere) until the mode is settled below.
+        self.handles.insert(fh, Handle { ino, writable, io: Io::Direct });
         if writable {
             let first_writer = {
                 let mut st = oi.state.lock();
@@ -814,7 +835,9 @@ impl Core {
         }
         let mut passthrough = self.passthrough();
         if passthrough && writable {
-            oi.state.lock().dirty = Dirty::All;
+            if let Some(t) = self.tier.get() {
+                passthrough = self.room_for_passthrough_writes(t);
+            }
         }
         if !writable && self.tier.get().is_some() && !oi.state.lock().unsealed {
             match self.check_import(ino) {
@@ -843,7 +866,29 @@ impl Core {
             let same_size = oi.file.metadata().is_ok_and(|m| m.len() == layout.size);
             passthrough = same_size && layout.chunks.iter().flatten().all(|r| self.is_local(r));
         }
-        Ok(Opened { fh, backing: passthrough.then(|| oi.file.clone()) })
+        let io = {
+            let mut st = oi.state.lock();
+            let io = match (passthrough, st.cached_handles > 0, st.passthrough_handles > 0) {
+                (true, false, _) => Io::Passthrough,
+                (true, true, _) => Io::Cached,
+                (false, _, true) => Io::Direct,
+                (false, _, false) => Io::Cached,
+            };
+            match io {
+                Io::Passthrough => st.passthrough_handles += 1,
+                Io::Cached => st.cached_handles += 1,
+                Io::Direct => {}
+            }
+            if io == Io::Passthrough && writable {
+                // Writes go around the daemon: every chunk is checksummed again.
+                st.dirty = Dirty::All;
+            }
+            io
+        };
+        if let Some(mut h) = self.handles.get_mut(&fh) {
+            h.io = io;
+        }
+        Ok(Opened { fh, backing: (io == Io::Passthrough).then(|| oi.file.clone()), direct_io: io == Io::Direct })
     }
 
     /// Mark `ino` unsealed, taking its write lease. The kernel releases a
@@ -1410,6 +1455,11 @@ impl Core {
         self.open.remove_if(&h.ino, |_, oi| {
             let mut st = oi.state.lock();
             st.opens -= 1;
+            match h.io {
+                Io::Passthrough => st.passthrough_handles -= 1,
+                Io::Cached => st.cached_handles -= 1,
+                Io::Direct => {}
+            }
             purge = st.opens == 0 && st.orphaned;
             st.opens == 0
         });

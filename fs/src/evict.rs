@@ -14,8 +14,8 @@ use crate::backfill::Tiering;
 use crate::core::Core;
 use crate::error::{FsError, FsResult};
 
-/// Used fraction of the filesystem holding `path`.
-pub fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
+/// (available, total) bytes of the filesystem holding `path`.
+pub fn disk_space(path: &std::path::Path) -> FsResult<(u64, u64)> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
         .map_err(|_| FsError::Invalid("data dir path has a NUL byte"))?;
     // SAFETY: statvfs fills the struct we pass.
@@ -23,13 +23,38 @@ pub fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return Err(FsError::io("statvfs data dir", std::io::Error::last_os_error()));
     }
-    if st.f_blocks == 0 {
-        return Ok(0.0);
-    }
-    Ok(1.0 - st.f_bavail as f64 / st.f_blocks as f64)
+    Ok((st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize))
 }
 
+/// Used fraction of the filesystem holding `path`.
+pub fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
+    let (avail, total) = disk_space(path)?;
+    if total == 0 {
+        return Ok(0.0);
+    }
+    Ok(1.0 - avail as f64 / total as f64)
+}
+
+/// Free space below which writers go through the daemon rather than
+/// kernel passthrough: about a second of NVMe writes, the evictor's period.
+const PASSTHROUGH_WRITE_HEADROOM: u64 = 8 << 30;
+
 impl Core {
+    /// Whether a writer opened now may write through kernel passthrough. A
+    /// write the kernel passes to the backing file cannot be retried after
+    /// making room, so near a full disk (above the high watermark, or less
+    /// free space than a burst of writes fills before the evictor runs)
+    /// writes go through the daemon, which evicts and retries on ENOSPC.
+    pub(crate) fn room_for_passthrough_writes(&self, t: &Tiering) -> bool {
+        match disk_space(self.data_dir()) {
+            Ok((avail, total)) => {
+                let used = if total == 0 { 0.0 } else { 1.0 - avail as f64 / total as f64 };
+                avail >= PASSTHROUGH_WRITE_HEADROOM && used <= t.cfg.evict_high
+            }
+            Err(_) => false,
+        }
+    }
+
     /// The eviction loop: every second, evict down to the low watermark
     /// when usage is above the high one.
     pub fn run_evictor(core: std::sync::Weak<Core>) {

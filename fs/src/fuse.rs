@@ -165,6 +165,15 @@ fn node_for(req: &Request, kind: FileKind, mode: u32) -> NewNode<'static> {
     }
 }
 
+/// Open flags for a handle the daemon serves.
+fn fopen_flags(opened: &Opened) -> FopenFlags {
+    if opened.direct_io {
+        FopenFlags::FOPEN_DIRECT_IO
+    } else {
+        FopenFlags::empty()
+    }
+}
+
 fn is_writable(flags: OpenFlags) -> bool {
     flags.acc_mode() != OpenAccMode::O_RDONLY
 }
@@ -213,6 +222,8 @@ impl Filesystem for FuseAdapter {
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.set_max_background(64);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // mmap of a direct-I/O handle (one opened beside passthrough handles).
+        let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
         let mut passthrough = false;
         if self.want_passthrough {
             match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
@@ -378,7 +389,7 @@ impl Filesystem for FuseAdapter {
         match self.core.open(ino.0, is_writable(flags)) {
             Ok(opened) => match self.backing_id(ino.0, &opened, |f| reply.open_backing(f)) {
                 Some(id) => reply.opened_passthrough(FileHandle(opened.fh), FopenFlags::empty(), &id),
-                None => reply.opened(FileHandle(opened.fh), FopenFlags::empty()),
+                None => reply.opened(FileHandle(opened.fh), fopen_flags(&opened)),
             },
             Err(e) => reply.error(errno("open", e)),
         }
@@ -405,7 +416,7 @@ impl Filesystem for FuseAdapter {
             Some(id) => {
                 reply.created_passthrough(&self.ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
             }
-            None => reply.created(&self.ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty()),
+            None => reply.created(&self.ttl, &a, Generation(0), FileHandle(opened.fh), fopen_flags(&opened)),
         }
     }
 

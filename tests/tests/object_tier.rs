@@ -6,6 +6,7 @@
 mod common;
 
 use std::fs;
+use std::io::Write;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -166,6 +167,15 @@ fn import_shows_a_bucket_as_files_and_skips_keys_that_are_not_names() {
     assert_eq!(fs::metadata(m.path("c4/train/shard-0000.bin")).unwrap().len(), shard0.len() as u64);
     // Nothing was copied: the bytes are fetched when read.
     assert!(tier(&m.path("c4/train/shard-0000.bin")).contains("local=0"));
+    // Data loader workers open one shard several times: a handle opened while
+    // the first (served by the daemon as it fetches) is still open reads too.
+    let first = fs::File::open(m.path("c4/train/shard-0000.bin")).unwrap();
+    let mut got = Vec::new();
+    std::io::Read::read_to_end(&mut &first, &mut got).unwrap();
+    assert!(same(&got, &shard0));
+    let again = fs::read(m.path("c4/train/shard-0000.bin")).expect("a second open beside the first");
+    assert!(same(&again, &shard0));
+    drop(first);
     assert!(same(&fs::read(m.path("c4/train/shard-0000.bin")).unwrap(), &shard0));
     assert!(same(&fs::read(m.path("c4/train/shard-0001.bin")).unwrap(), &shard1));
     assert_eq!(fs::read(m.path("c4/README")).unwrap(), b"c4 subset\n");
@@ -306,29 +316,39 @@ impl Drop for SmallDisk {
     }
 }
 
+/// In both I/O modes: with kernel passthrough (the default), a writer
+/// opened on a nearly full disk goes through the daemon, so its writes too
+/// can evict and retry; a reader opened beside it is not refused.
 #[test]
 fn a_write_that_finds_the_data_disk_full_evicts_instead_of_failing() {
     let Some(s3) = S3Server::start() else { return };
     s3.mkbucket("full");
-    let disk = SmallDisk::new("160m");
-    // Every write through the daemon (no passthrough), and a high
-    // watermark the background evictor never sees before the disk is full.
-    let args = tier_args(&s3, "full", "", &["--verify-reads", "--evict-high", "99", "--evict-low", "40"]);
-    let mnt = disk.mount(&args);
-    let old: Vec<(PathBuf, Vec<u8>)> =
-        (0..4).map(|i| (mnt.join(format!("old{i}")), pattern(30 << 20, 60 + i))).collect();
-    for (p, data) in &old {
-        fs::write(p, data).unwrap();
-    }
-    for (p, _) in &old {
-        eventually(60, "the old files are backed", || tier(p).starts_with("state=backed"));
-    }
-    // 120 MiB are on the 160 MiB disk: 60 more do not fit without eviction.
-    let new = pattern(60 << 20, 70);
-    fs::write(mnt.join("new"), &new).expect("a full disk of backed data makes room");
-    assert!(same(&fs::read(mnt.join("new")).unwrap(), &new));
-    for (p, data) in &old {
-        assert!(same(&fs::read(p).unwrap(), data), "{} reads back", p.display());
+    for (i, mode) in [&["--verify-reads"][..], &[][..]].into_iter().enumerate() {
+        let disk = SmallDisk::new("160m");
+        // A high watermark the background evictor never sees before the disk is full.
+        let mut extra = vec!["--evict-high", "99", "--evict-low", "40"];
+        extra.extend_from_slice(mode);
+        let args = tier_args(&s3, "full", &format!("m{i}"), &extra);
+        let mnt = disk.mount(&args);
+        let old: Vec<(PathBuf, Vec<u8>)> =
+            (0..4).map(|i| (mnt.join(format!("old{i}")), pattern(30 << 20, 60 + i))).collect();
+        for (p, data) in &old {
+            fs::write(p, data).unwrap();
+        }
+        for (p, _) in &old {
+            eventually(60, "the old files are backed", || tier(p).starts_with("state=backed"));
+        }
+        // 120 MiB are on the 160 MiB disk: 60 more do not fit without eviction.
+        let new = pattern(60 << 20, 70);
+        let mut w = fs::File::create(mnt.join("new")).unwrap();
+        w.write_all(&new).unwrap_or_else(|e| panic!("{mode:?}: a full disk of backed data makes room: {e}"));
+        let beside = fs::read(mnt.join("new")).unwrap_or_else(|e| panic!("{mode:?}: a reader beside the writer: {e}"));
+        assert!(same(&beside, &new), "{mode:?}");
+        drop(w);
+        assert!(same(&fs::read(mnt.join("new")).unwrap(), &new));
+        for (p, data) in &old {
+            assert!(same(&fs::read(p).unwrap(), data), "{mode:?}: {} reads back", p.display());
+        }
     }
 }
 
