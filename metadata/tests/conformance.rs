@@ -435,25 +435,29 @@ fn etcd_detects_conflicts_and_two_nodes_share_one_namespace() {
     assert_eq!(ns1.getattr(d.ino).unwrap().nlink, 2 + 120, "no lost link-count update");
 }
 
+/// A node `id` registered in the cluster's membership, with its namespace
+/// of `volume` on a connection of its own.
+fn etcd_node(endpoints: &[String], volume: &str, id: &str) -> (Namespace, Arc<EtcdKv>) {
+    use converged_metadata::membership::NodeInfo;
+    let kv = Arc::new(EtcdKv::connect(endpoints, volume, Duration::from_secs(5)).unwrap());
+    let now = Timespec::now();
+    let info = NodeInfo {
+        id: id.into(),
+        addr: String::new(),
+        capacity: 0,
+        free: 0,
+        labels: Default::default(),
+        started: now,
+        heartbeat: now,
+    };
+    kv.membership().unwrap().register(&info, Duration::from_secs(5)).unwrap();
+    (Namespace::open(kv.clone(), 0, 0).unwrap().with_node(id), kv)
+}
+
 #[test]
 fn etcd_write_lease_admits_one_writing_node() {
-    use converged_metadata::membership::NodeInfo;
     let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
-    let node = |id: &str| {
-        let kv = Arc::new(EtcdKv::connect(&cluster.endpoints, "lease", Duration::from_secs(5)).unwrap());
-        let now = Timespec::now();
-        let info = NodeInfo {
-            id: id.into(),
-            addr: String::new(),
-            capacity: 0,
-            free: 0,
-            labels: Default::default(),
-            started: now,
-            heartbeat: now,
-        };
-        kv.membership().unwrap().register(&info, Duration::from_secs(5)).unwrap();
-        (Namespace::open(kv.clone(), 0, 0).unwrap().with_node(id), kv)
-    };
+    let node = |id: &str| etcd_node(&cluster.endpoints, "lease", id);
     let (a, akv) = node("a");
     let (b, _bkv) = node("b");
     let f = a.mknod(ROOT, b"ckpt.pt", &file(0o644)).unwrap();
@@ -472,22 +476,10 @@ fn etcd_write_lease_admits_one_writing_node() {
 
 #[test]
 fn etcd_a_dead_nodes_backfill_is_taken_over() {
-    use converged_metadata::membership::NodeInfo;
     let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
     let node = |id: &str| {
-        let kv = Arc::new(EtcdKv::connect(&cluster.endpoints, "adopt", Duration::from_secs(5)).unwrap());
-        let now = Timespec::now();
-        let info = NodeInfo {
-            id: id.into(),
-            addr: String::new(),
-            capacity: 0,
-            free: 0,
-            labels: Default::default(),
-            started: now,
-            heartbeat: now,
-        };
-        kv.membership().unwrap().register(&info, Duration::from_secs(5)).unwrap();
-        (Namespace::open(kv.clone(), 0, 0).unwrap().with_node(id).with_tier(), kv)
+        let (ns, kv) = etcd_node(&cluster.endpoints, "adopt", id);
+        (ns.with_tier(), kv)
     };
     let (a, akv) = node("a");
     let (b, _bkv) = node("b");
