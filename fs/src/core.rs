@@ -161,7 +161,22 @@ struct OpenState {
     cached_handles: u32,
 }
 
+/// Counters of the daemon's own I/O, for the metrics endpoint. Bytes the
+/// kernel moves by passthrough never reach the daemon and are not counted.
+#[derive(Default)]
+pub struct CoreStats {
+    pub opens_passthrough: AtomicU64,
+    pub opens_cached: AtomicU64,
+    pub opens_direct: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub written_bytes: AtomicU64,
+    pub seals: AtomicU64,
+    pub corrupt_blocks: AtomicU64,
+}
+
 pub struct Core {
+    /// Counters for the metrics endpoint.
+    pub stats: CoreStats,
     ns: Namespace,
     store: Arc<ChunkStore>,
     cfg: CoreConfig,
@@ -255,6 +270,7 @@ impl Core {
             tier: OnceLock::new(),
             me: OnceLock::new(),
             seal_epoch: AtomicU64::new(0),
+            stats: CoreStats::default(),
         };
         core.recover()?;
         core.keep_reserve();
@@ -879,6 +895,12 @@ impl Core {
                 Io::Cached => st.cached_handles += 1,
                 Io::Direct => {}
             }
+            let counter = match io {
+                Io::Passthrough => &self.stats.opens_passthrough,
+                Io::Cached => &self.stats.opens_cached,
+                Io::Direct => &self.stats.opens_direct,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             if io == Io::Passthrough && writable {
                 // Writes go around the daemon: every chunk is checksummed again.
                 st.dirty = Dirty::All;
@@ -999,6 +1021,16 @@ impl Core {
 
     /// The adapter could not set up passthrough for this handle: from now on
     /// its writes come through the daemon, so normal dirty tracking applies.
+    /// Inodes open on this node now.
+    pub fn open_files(&self) -> usize {
+        self.open.len()
+    }
+
+    /// Files waiting for the replicator.
+    pub fn under_replicated_files(&self) -> usize {
+        self.under_replicated.0.lock().len()
+    }
+
     pub fn passthrough_refused(&self) {
         if self.passthrough.swap(false, Ordering::Relaxed) {
             tracing::warn!("kernel refused a passthrough backing file; serving all I/O through the daemon");
@@ -1015,6 +1047,12 @@ impl Core {
     /// from its backing file; a sealed file is read chunk by chunk, from the
     /// local copy or from a peer, every block checked against its crc32c.
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let out = self.read_handle(fh, offset, size)?;
+        self.stats.read_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    fn read_handle(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         let (ino, _, oi) = self.handle(fh)?;
         if oi.state.lock().unsealed {
             // Unsealed: being written here, checksums not yet computed.
@@ -1218,6 +1256,7 @@ impl Core {
         read_exact_at(&oi.file, &mut buf, start).map_err(|e| FsError::io("read backing file", e))?;
         if let Err(e) = remote::verify(ino, part.rec, part.chunk_start, start, &buf) {
             if let FsError::Corrupt { offset, .. } = &e {
+                self.stats.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(ino, offset, "checksum mismatch reading local chunk; returning EIO");
             }
             return Err(e);
@@ -1305,6 +1344,7 @@ impl Core {
         }
         let chunk_size = self.ns.chunk_size();
         oi.state.lock().dirty.add(chunk_range(offset, data.len() as u64, chunk_size));
+        self.stats.written_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(data.len() as u32)
     }
 
@@ -1568,6 +1608,7 @@ impl Core {
         short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
         let seal = Seal { size, mtime: ts_from(md.mtime(), md.mtime_nsec()), chunks, keep_unsealed };
         let sealed = self.ns.seal(inode.ino, &seal, d)?;
+        self.stats.seals.fetch_add(1, Ordering::Relaxed);
         if let Some(t) = self.tier.get() {
             t.enqueue(inode.ino, t.cfg.backfill_delay);
         }

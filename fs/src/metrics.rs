@@ -1,10 +1,11 @@
 //! Prometheus metrics of the daemon (`--metrics ADDR`, served at `/metrics`):
-//! the object tier's backlog and traffic, read from the counters the tier
-//! keeps, at each scrape.
+//! its own I/O (opens per kernel I/O mode, bytes it served, seals, bad
+//! blocks), the data disk, the cluster, and the object tier's backlog and
+//! traffic, read from the counters each part keeps, at each scrape.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Weak;
 
 use prometheus_client::collector::Collector;
@@ -16,13 +17,50 @@ use prometheus_client::registry::Registry;
 use crate::core::Core;
 
 #[derive(Debug)]
-struct TierCollector {
+struct DaemonCollector {
     core: Weak<Core>,
 }
 
-impl Collector for TierCollector {
+fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(v);
+    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: &AtomicU64) -> Result<(), std::fmt::Error> {
+    let c = ConstCounter::new(v.load(Ordering::Relaxed));
+    c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+impl Collector for DaemonCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(core) = self.core.upgrade() else { return Ok(()) };
+        let s = &core.stats;
+        let counters = [
+            ("opens_passthrough", "Opens whose I/O the kernel passes to the backing file", &s.opens_passthrough),
+            ("opens_daemon", "Opens served by the daemon through the page cache", &s.opens_cached),
+            ("opens_direct", "Opens served by the daemon with direct I/O (beside passthrough ones)", &s.opens_direct),
+            ("daemon_read_bytes", "Bytes read through the daemon (passthrough reads not counted)", &s.read_bytes),
+            (
+                "daemon_written_bytes",
+                "Bytes written through the daemon (passthrough writes not counted)",
+                &s.written_bytes,
+            ),
+            ("seals", "Files sealed: checksums and layout recorded", &s.seals),
+            ("corrupt_blocks", "Local blocks that failed their checksum when read", &s.corrupt_blocks),
+        ];
+        for (name, help, v) in counters {
+            counter(&mut encoder, name, help, v)?;
+        }
+        gauge(&mut encoder, "open_files", "Files open on this node", core.open_files() as i64)?;
+        if let Ok((avail, total)) = crate::evict::disk_space(core.data_dir()) {
+            gauge(&mut encoder, "data_disk_bytes", "Size of the data disk", total as i64)?;
+            gauge(&mut encoder, "data_disk_free_bytes", "Free space of the data disk", avail as i64)?;
+        }
+        if let Some(c) = core.cluster() {
+            let under = core.under_replicated_files() as i64;
+            gauge(&mut encoder, "under_replicated_files", "Files with fewer copies than their policy", under)?;
+            gauge(&mut encoder, "live_peers", "Other live nodes of the cluster", c.live_peers().len() as i64)?;
+        }
         let Some(t) = core.tiering() else { return Ok(()) };
         let b = t.backlog();
         let s = &t.stats;
@@ -35,8 +73,7 @@ impl Collector for TierCollector {
             ),
         ];
         for (name, help, v) in gauges {
-            let g = ConstGauge::new(v);
-            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+            gauge(&mut encoder, name, help, v)?;
         }
         let counters = [
             ("backfill_uploaded_files", "Files uploaded to the object store", &s.uploaded_files),
@@ -48,8 +85,7 @@ impl Collector for TierCollector {
             ("evicted_bytes", "Bytes of backed chunks evicted from the SSDs", &s.evicted_bytes),
         ];
         for (name, help, v) in counters {
-            let c = ConstCounter::new(v.load(Ordering::Relaxed));
-            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+            counter(&mut encoder, name, help, v)?;
         }
         Ok(())
     }
@@ -60,7 +96,7 @@ pub fn serve(addr: SocketAddr, core: Weak<Core>) -> std::io::Result<SocketAddr> 
     let listener = TcpListener::bind(addr)?;
     let bound = listener.local_addr()?;
     let mut registry = Registry::with_prefix("converged");
-    registry.register_collector(Box::new(TierCollector { core }));
+    registry.register_collector(Box::new(DaemonCollector { core }));
     std::thread::Builder::new().name("metrics".into()).spawn(move || {
         for stream in listener.incoming() {
             let Ok(mut s) = stream else { continue };

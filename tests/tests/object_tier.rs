@@ -361,19 +361,6 @@ fn nix_statvfs(p: &Path) -> (u64, u64) {
     (st.f_bavail, st.f_blocks)
 }
 
-fn scrape(addr: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
-fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))?.split(' ').nth(1)?.parse().ok()
-}
-
 #[test]
 fn an_object_store_outage_keeps_the_backlog_and_drains_it_when_the_store_returns() {
     let Some(mut s3) = S3Server::start() else { return };
@@ -424,6 +411,14 @@ fn an_object_store_outage_keeps_the_backlog_and_drains_it_when_the_store_returns
     }
     let text = scrape(&metrics);
     assert_eq!(metric(&text, "converged_backfill_backlog_files"), Some(0.0), "{text}");
+    // The daemon's own figures: every file written was opened and sealed.
+    let opens: f64 = ["converged_opens_passthrough_total", "converged_opens_daemon_total"]
+        .iter()
+        .filter_map(|n| metric(&text, n))
+        .sum();
+    assert!(opens >= written.len() as f64, "{text}");
+    assert!(metric(&text, "converged_seals_total").unwrap_or(0.0) >= written.len() as f64, "{text}");
+    assert!(metric(&text, "converged_data_disk_bytes").unwrap_or(0.0) > 0.0, "{text}");
 }
 
 fn backfill_stat(m: &Mount, field: &str) -> f64 {

@@ -50,7 +50,9 @@ fn daemon_read_path_verifies_and_serves_the_same_bytes() {
 
 #[test]
 fn corrupt_block_returns_eio_not_wrong_bytes() {
-    let mut m = Mount::with_args(&["--verify-reads"]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let metrics = format!("127.0.0.1:{port}");
+    let mut m = Mount::with_args(&["--verify-reads", "--metrics", &metrics]);
     let data = pattern(1 << 20, 3);
     fs::write(m.path("c"), &data).unwrap();
     let ino = fs::metadata(m.path("c")).unwrap().ino();
@@ -70,6 +72,10 @@ fn corrupt_block_returns_eio_not_wrong_bytes() {
     let err = f.read_exact(&mut buf).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EIO));
     assert!(m.log().contains(&format!("ino={ino}")) && m.log().contains("offset=65536"), "log names inode and offset");
+    let text = scrape(&metrics);
+    assert!(metric(&text, "converged_corrupt_blocks_total").unwrap_or(0.0) >= 1.0, "{text}");
+    assert!(metric(&text, "converged_daemon_read_bytes_total").unwrap_or(0.0) >= 65536.0, "{text}");
+    assert!(metric(&text, "converged_opens_daemon_total").unwrap_or(0.0) >= 1.0, "{text}");
 }
 
 #[test]
