@@ -214,7 +214,12 @@ pub struct Core {
     me: OnceLock<std::sync::Weak<Core>>,
     /// Counts seals that ended a local writer's session; see `settled`.
     seal_epoch: AtomicU64,
+    /// The same, per stripe of inode numbers (see `settled`).
+    seal_stripes: [AtomicU64; SEAL_STRIPES],
 }
+
+/// Stripes of inode numbers with a seal counter each.
+const SEAL_STRIPES: usize = 64;
 
 /// Chunks whose replica writes may be in flight at once while sealing.
 const REPLICATION_WINDOW: usize = 3;
@@ -270,6 +275,7 @@ impl Core {
             tier: OnceLock::new(),
             me: OnceLock::new(),
             seal_epoch: AtomicU64::new(0),
+            seal_stripes: std::array::from_fn(|_| AtomicU64::new(0)),
             stats: CoreStats::default(),
         };
         core.recover()?;
@@ -423,14 +429,24 @@ impl Core {
     /// size and only then stops taking the size from the backing file, so a
     /// record read before that commit and overlaid after it would carry the
     /// size the file had when it was opened, and the kernel would cut reads
-    /// short at it. Read again when a seal ended in between.
+    /// short at it. Read again when a seal ended in between: any seal
+    /// for the first read (its inode is not known before it), then only
+    /// seals of inodes in the same stripe, so that a node sealing
+    /// thousands of files a second does not keep a stat going round.
     fn settled(&self, read: impl Fn() -> FsResult<Attr>) -> FsResult<Attr> {
+        let epoch = self.seal_epoch.load(Ordering::SeqCst);
+        let mut attr = read()?;
+        if self.seal_epoch.load(Ordering::SeqCst) == epoch {
+            return Ok(attr);
+        }
         loop {
-            let epoch = self.seal_epoch.load(Ordering::SeqCst);
-            let attr = read()?;
-            if self.seal_epoch.load(Ordering::SeqCst) == epoch {
-                return Ok(attr);
+            let stripe = &self.seal_stripes[attr.ino as usize % SEAL_STRIPES];
+            let before = stripe.load(Ordering::SeqCst);
+            let again = read()?;
+            if again.ino == attr.ino && stripe.load(Ordering::SeqCst) == before {
+                return Ok(again);
             }
+            attr = again;
         }
     }
 
@@ -1485,6 +1501,7 @@ impl Core {
                     // Under the state lock: an attribute read that finds the
                     // file sealed also finds the epoch moved.
                     self.seal_epoch.fetch_add(1, Ordering::SeqCst);
+                    self.seal_stripes[h.ino as usize % SEAL_STRIPES].fetch_add(1, Ordering::SeqCst);
                 } else {
                     // Still unsealed in the metadata: the next mount re-seals it.
                     st.dirty = Dirty::All;
