@@ -88,12 +88,15 @@ struct Adoption {
     looked: Option<Instant>,
     scanned: Option<Instant>,
     handled: BTreeSet<String>,
+    /// The last scan found dead nodes' work (taken here or not).
+    pending: bool,
 }
 
 /// How often membership is read for newly dead nodes.
 const ADOPT_LOOK: Duration = Duration::from_secs(5);
-/// How often the tier records are scanned again while dead nodes remain (a
-/// scan that ran while the live set was changing may have left work).
+/// How often the tier records are scanned again while the last scan found
+/// dead nodes' work (what rendezvous gave to other nodes, or what a scan
+/// run while the live set was changing left).
 const ADOPT_RESCAN: Duration = Duration::from_secs(60);
 
 /// Counters for `converged status` and the metrics endpoint.
@@ -324,9 +327,10 @@ impl Core {
 
     /// A node that dies leaves its dirty files un-uploaded (it sealed them)
     /// and its renamed directories un-walked. When a node is newly seen
-    /// dead, and once a minute while any is, each live node takes over the
-    /// work that rendezvous hashing gives it; the uploads read the bytes
-    /// from the replicas.
+    /// dead (and once a minute while the last scan found any such work),
+    /// each live node takes over the work that rendezvous hashing gives
+    /// it; the uploads read the bytes from the replicas. A node that stays
+    /// dead with nothing left costs no further scans.
     fn adopt_if_nodes_died(&self, t: &Tiering) {
         let Some(cluster) = self.cluster() else { return };
         let dead = {
@@ -346,51 +350,59 @@ impl Core {
                 a.handled.clear();
                 return;
             }
-            let due = !dead.is_subset(&a.handled) || a.scanned.is_none_or(|at| at.elapsed() >= ADOPT_RESCAN);
+            let again = a.pending && a.scanned.is_none_or(|at| at.elapsed() >= ADOPT_RESCAN);
+            let due = !dead.is_subset(&a.handled) || again;
             if !due {
                 return;
             }
             dead
         };
         match self.adopt_work_of(t, cluster, &dead) {
-            Ok(n) => {
-                if n > 0 {
-                    tracing::info!(files = n, dead = ?dead, "took over the backfill of dead nodes");
+            Ok((taken, seen)) => {
+                if taken > 0 {
+                    tracing::info!(files = taken, dead = ?dead, "took over the backfill of dead nodes");
                 }
                 let mut a = t.adopted.lock();
                 a.handled = dead;
                 a.scanned = Some(Instant::now());
+                a.pending = seen > 0;
             }
             Err(e) => tracing::warn!(error = %e, "taking over dead nodes' backfill failed; retrying later"),
         }
     }
 
     /// Take the dirty or re-keying files and the renamed directories of
-    /// `dead` nodes that fall to this node. Returns how many were taken.
+    /// `dead` nodes that fall to this node. Returns how many were taken
+    /// here, and how many were found.
     fn adopt_work_of(
         &self,
         t: &Tiering,
         cluster: &crate::cluster::Cluster,
         dead: &BTreeSet<String>,
-    ) -> FsResult<usize> {
+    ) -> FsResult<(usize, usize)> {
         let ns = self.namespace();
-        let mut n = 0;
+        let (mut taken, mut seen) = (0, 0);
         for (ino, rec) in ns.tier_records(false)? {
-            if rec.state == TierState::Backed || !dead.contains(&rec.node) || !cluster.takes_over(ino) {
+            if rec.state == TierState::Backed || !dead.contains(&rec.node) {
                 continue;
             }
-            if ns.adopt_backfill(ino, &rec.node)? {
+            seen += 1;
+            if cluster.takes_over(ino) && ns.adopt_backfill(ino, &rec.node)? {
                 t.enqueue(ino, self.quiet_left(&rec));
-                n += 1;
+                taken += 1;
             }
         }
         for (dir, mark) in ns.renamed_dirs(false)? {
-            if dead.contains(&mark.node) && cluster.takes_over(dir) && ns.adopt_renamed_dir(dir, &mark)? {
+            if !dead.contains(&mark.node) {
+                continue;
+            }
+            seen += 1;
+            if cluster.takes_over(dir) && ns.adopt_renamed_dir(dir, &mark)? {
                 t.walk_renamed_dirs();
-                n += 1;
+                taken += 1;
             }
         }
-        Ok(n)
+        Ok((taken, seen))
     }
 
     /// Every backed file below a renamed directory is marked re-keying (its
