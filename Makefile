@@ -26,6 +26,8 @@ test-deps:
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 	python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
 	command -v moto_server >/dev/null && python3 -c "import boto3" 2>/dev/null || python3 -m pip install -q 'moto[server]' boto3
+	command -v azurite-blob >/dev/null || npm install -g --silent azurite@3.35.0
+	python3 -c "import azure.storage.blob" 2>/dev/null || python3 -m pip install -q azure-storage-blob
 	command -v cargo-nextest >/dev/null || $(CARGO) install cargo-nextest --locked
 	command -v pjdfstest >/dev/null || $(CARGO) install pjdfstest --locked
 

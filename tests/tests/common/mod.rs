@@ -2,6 +2,7 @@
 //! through the kernel, find the built binaries, small syscall wrappers.
 #![allow(dead_code)]
 
+pub mod azure;
 pub mod s3;
 
 use std::ffi::CString;

@@ -1,0 +1,99 @@
+//! A real Azure Blob Storage-compatible server for the object tier tests:
+//! Azurite (from npm) on a loopback port, and azure-storage-blob (through
+//! `tests/scripts/azblob.py`) as a client that is not converged's own.
+
+use std::fs;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// An Azurite blob server on a loopback port, its blobs in a temporary
+/// directory; killed on drop.
+pub struct AzureServer {
+    port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+fn azurite_bin() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|d| d.join("azurite-blob")).find(|p| p.exists())
+}
+
+impl AzureServer {
+    /// `None` (outside CI) when Azurite is not installed. Points this
+    /// process's environment (and so the daemons and commands it starts)
+    /// at it, as `AZURE_STORAGE_USE_EMULATOR` does for object_store.
+    pub fn start() -> Option<Self> {
+        let Some(bin) = azurite_bin() else {
+            assert!(std::env::var_os("CI").is_none(), "Azurite must be installed in CI (npm install -g azurite)");
+            eprintln!("azurite-blob not installed (npm install -g azurite; pip install azure-storage-blob); not run");
+            return None;
+        };
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir = tempfile::tempdir().unwrap();
+        let child = Command::new(bin)
+            .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string(), "--skipApiVersionCheck", "--silent"])
+            .arg("--location")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start azurite-blob");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "azurite-blob did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let s = AzureServer { port, child, _dir: dir };
+        std::env::set_var("AZURE_STORAGE_USE_EMULATOR", "true");
+        std::env::set_var("AZURITE_BLOB_STORAGE_URL", s.endpoint());
+        Some(s)
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn az(&self, args: &[&str]) -> std::process::Output {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/azblob.py");
+        Command::new("python3").arg(script).arg(self.endpoint()).args(args).output().expect("run azblob.py")
+    }
+
+    pub fn mkcontainer(&self, name: &str) {
+        let out = self.az(&["mkcontainer", name]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    pub fn put(&self, container: &str, name: &str, data: &[u8]) {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        fs::write(f.path(), data).unwrap();
+        let out = self.az(&["put", container, name, f.path().to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// The blob's bytes, or `None` when there is no such blob.
+    pub fn get(&self, container: &str, name: &str) -> Option<Vec<u8>> {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let out = self.az(&["get", container, name, f.path().to_str().unwrap()]);
+        if out.status.code() == Some(3) {
+            return None;
+        }
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        Some(fs::read(f.path()).unwrap())
+    }
+
+    pub fn list(&self, container: &str, prefix: &str) -> Vec<String> {
+        let out = self.az(&["list", container, prefix]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect()
+    }
+}
+
+impl Drop for AzureServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
