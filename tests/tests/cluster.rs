@@ -291,11 +291,11 @@ fn a_stopped_node_costs_only_its_own_chunks_promptly() {
 #[test]
 fn stage_spreads_an_imported_dataset_over_the_cluster() {
     let Some(s3) = common::s3::S3Server::start() else { return };
-    s3.mkbucket("datasets");
-    s3.mkbucket("vol");
+    s3.client().mkbucket("datasets");
+    s3.client().mkbucket("vol");
     // Five 64 MiB chunks, so rendezvous hashing has something to spread.
     let data = pattern(300 << 20, 77);
-    s3.put("datasets", "web/shard.bin", &data);
+    s3.client().put("datasets", "web/shard.bin", &data);
     std::env::set_var("AWS_ACCESS_KEY_ID", "test");
     std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
     let endpoint = s3.endpoint();
@@ -352,7 +352,7 @@ fn xattr_value(p: &std::path::Path, name: &str) -> String {
 #[test]
 fn a_dead_nodes_dirty_files_are_backfilled_by_the_live_nodes() {
     let Some(s3) = common::s3::S3Server::start() else { return };
-    s3.mkbucket("vol");
+    s3.client().mkbucket("vol");
     std::env::set_var("AWS_ACCESS_KEY_ID", "test");
     std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
     let endpoint = s3.endpoint();
@@ -367,10 +367,10 @@ fn a_dead_nodes_dirty_files_are_backfilled_by_the_live_nodes() {
     }
     // Closed (so replicated), not yet quiet for the backfill delay: A dies.
     c.nodes[0].crash();
-    assert!(s3.list("vol", "v/").is_empty(), "nothing was uploaded before the crash");
+    assert!(s3.client().list("vol", "v/").is_empty(), "nothing was uploaded before the crash");
     for (name, data) in &files {
         eventually(120, &format!("{name} is uploaded by a live node"), || {
-            s3.get("vol", &format!("v/{name}")).is_some_and(|o| o == *data)
+            s3.client().get("vol", &format!("v/{name}")).is_some_and(|o| o == *data)
         });
     }
     let t = xattr_value(&c.node(1).path("ckpt/shard-0.pt"), "user.converged.tier");

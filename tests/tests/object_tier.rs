@@ -62,7 +62,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 #[test]
 fn backfill_uploads_each_file_as_one_object_and_follows_renames_and_unlinks() {
     let Some(s3) = S3Server::start() else { return };
-    s3.mkbucket("ckpt");
+    s3.client().mkbucket("ckpt");
     let m = mount(&tier_args(&s3, "ckpt", "run1", &[]));
     fs::create_dir_all(m.path("step100")).unwrap();
     // Over the 16 MiB part size: a multipart upload.
@@ -82,9 +82,9 @@ fn backfill_uploads_each_file_as_one_object_and_follows_renames_and_unlinks() {
     assert!(t.starts_with("state=dirty"), "a path too long for a key stays local: {t}");
     assert_eq!(backfill_stat(&m, "failures"), 0.0, "an over-long path is not a store failure");
     fs::remove_dir_all(m.path(&deep[0])).unwrap();
-    assert!(same(&s3.get("ckpt", "run1/step100/model.pt").expect("object"), &big));
-    assert_eq!(s3.get("ckpt", "run1/step100/meta.json").unwrap(), b"{\"step\": 100}\n");
-    assert_eq!(s3.get("ckpt", "run1/empty").unwrap(), b"");
+    assert!(same(&s3.client().get("ckpt", "run1/step100/model.pt").expect("object"), &big));
+    assert_eq!(s3.client().get("ckpt", "run1/step100/meta.json").unwrap(), b"{\"step\": 100}\n");
+    assert_eq!(s3.client().get("ckpt", "run1/empty").unwrap(), b"");
     let t = tier(&m.path("step100/model.pt"));
     assert!(t.contains("etag="), "the ETag is kept: {t}");
     let status = converged().arg("status").arg(m.path("step100/model.pt")).output().unwrap();
@@ -95,26 +95,28 @@ fn backfill_uploads_each_file_as_one_object_and_follows_renames_and_unlinks() {
     let v2 = pattern(20 << 20, 2);
     fs::write(m.path("step100/model.pt"), &v2).unwrap();
     eventually(60, "the new version is backed", || {
-        s3.get("ckpt", "run1/step100/model.pt").is_some_and(|o| same(&o, &v2))
+        s3.client().get("ckpt", "run1/step100/model.pt").is_some_and(|o| same(&o, &v2))
     });
 
     // Rename: the namespace changes at once, the object moves in the background.
     fs::rename(m.path("step100/meta.json"), m.path("step100/meta-final.json")).unwrap();
     assert!(m.path("step100/meta-final.json").exists());
     eventually(60, "the object is re-keyed", || {
-        s3.list("ckpt", "run1/step100/") == vec!["run1/step100/meta-final.json", "run1/step100/model.pt"]
+        s3.client().list("ckpt", "run1/step100/") == vec!["run1/step100/meta-final.json", "run1/step100/model.pt"]
     });
     // A directory rename re-keys every backed file below it.
     fs::rename(m.path("step100"), m.path("final")).unwrap();
     eventually(60, "the directory is re-keyed", || {
-        s3.list("ckpt", "run1/") == vec!["run1/empty", "run1/final/meta-final.json", "run1/final/model.pt"]
+        s3.client().list("ckpt", "run1/") == vec!["run1/empty", "run1/final/meta-final.json", "run1/final/model.pt"]
     });
-    assert!(same(&s3.get("ckpt", "run1/final/model.pt").unwrap(), &v2));
+    assert!(same(&s3.client().get("ckpt", "run1/final/model.pt").unwrap(), &v2));
 
     // Unlink deletes the object.
     fs::remove_file(m.path("final/meta-final.json")).unwrap();
-    eventually(60, "the object of the removed file is gone", || s3.get("ckpt", "run1/final/meta-final.json").is_none());
-    assert!(s3.get("ckpt", "run1/final/model.pt").is_some(), "other objects stay");
+    eventually(60, "the object of the removed file is gone", || {
+        s3.client().get("ckpt", "run1/final/meta-final.json").is_none()
+    });
+    assert!(s3.client().get("ckpt", "run1/final/model.pt").is_some(), "other objects stay");
 
     // torch.save over a backed checkpoint: a tmp file renamed over it. The
     // replaced file's object key now belongs to the renamed file, whose
@@ -124,28 +126,28 @@ fn backfill_uploads_each_file_as_one_object_and_follows_renames_and_unlinks() {
     fs::rename(m.path("final/model.pt.tmp"), m.path("final/model.pt")).unwrap();
     eventually(60, "the renamed checkpoint is backed", || {
         tier(&m.path("final/model.pt")).starts_with("state=backed")
-            && s3.get("ckpt", "run1/final/model.pt").is_some_and(|o| same(&o, &v3))
+            && s3.client().get("ckpt", "run1/final/model.pt").is_some_and(|o| same(&o, &v3))
     });
     std::thread::sleep(Duration::from_secs(3));
-    let o = s3.get("ckpt", "run1/final/model.pt").expect("the object stays");
+    let o = s3.client().get("ckpt", "run1/final/model.pt").expect("the object stays");
     assert!(same(&o, &v3));
-    assert!(s3.get("ckpt", "run1/final/model.pt.tmp").is_none());
+    assert!(s3.client().get("ckpt", "run1/final/model.pt.tmp").is_none());
 }
 
 #[test]
 fn import_shows_a_bucket_as_files_and_skips_keys_that_are_not_names() {
     let Some(s3) = S3Server::start() else { return };
-    s3.mkbucket("datasets");
-    s3.mkbucket("scratch");
+    s3.client().mkbucket("datasets");
+    s3.client().mkbucket("scratch");
     let shard0 = pattern(3 << 20, 10);
     let shard1 = pattern(100_000, 11);
-    s3.put("datasets", "c4/train/shard-0000.bin", &shard0);
-    s3.put("datasets", "c4/train/shard-0001.bin", &shard1);
-    s3.put("datasets", "c4/README", b"c4 subset\n");
-    s3.put("datasets", "c4/bad/../escape", b"no");
+    s3.client().put("datasets", "c4/train/shard-0000.bin", &shard0);
+    s3.client().put("datasets", "c4/train/shard-0001.bin", &shard1);
+    s3.client().put("datasets", "c4/README", b"c4 subset\n");
+    s3.client().put("datasets", "c4/bad/../escape", b"no");
     let long = format!("c4/{}", "n".repeat(300));
-    s3.put("datasets", &long, b"too long");
-    s3.put("datasets", "other/unrelated", b"outside the prefix");
+    s3.client().put("datasets", &long, b"too long");
+    s3.client().put("datasets", "other/unrelated", b"outside the prefix");
     let m = mount(&tier_args(&s3, "scratch", "vol", &[]));
 
     let out = converged()
@@ -186,7 +188,7 @@ fn import_shows_a_bucket_as_files_and_skips_keys_that_are_not_names() {
 
     // A file read whole is served from the SSD as it was listed, even
     // after its object is replaced: old bytes, whole, never a mix.
-    s3.put("datasets", "c4/train/shard-0001.bin", &pattern(150_000, 12));
+    s3.client().put("datasets", "c4/train/shard-0001.bin", &pattern(150_000, 12));
     drop_caches();
     assert!(same(&fs::read(m.path("c4/train/shard-0001.bin")).unwrap(), &shard1));
 
@@ -225,9 +227,9 @@ fn import_shows_a_bucket_as_files_and_skips_keys_that_are_not_names() {
 #[test]
 fn an_imported_object_changed_in_its_bucket_is_refreshed_not_mixed() {
     let Some(s3) = S3Server::start() else { return };
-    s3.mkbucket("src");
-    s3.mkbucket("home");
-    s3.put("src", "d/a.bin", &pattern(200_000, 20));
+    s3.client().mkbucket("src");
+    s3.client().mkbucket("home");
+    s3.client().put("src", "d/a.bin", &pattern(200_000, 20));
     let m = mount(&tier_args(&s3, "home", "", &[]));
     let out =
         converged().args(["import", "s3://src/d"]).arg(m.path("d")).args(["--s3-endpoint", &s3.endpoint()]).output();
@@ -235,7 +237,7 @@ fn an_imported_object_changed_in_its_bucket_is_refreshed_not_mixed() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(fs::metadata(m.path("d/a.bin")).unwrap().len(), 200_000);
     let newer = pattern(300_000, 21);
-    s3.put("src", "d/a.bin", &newer);
+    s3.client().put("src", "d/a.bin", &newer);
     drop_caches();
     assert!(same(&fs::read(m.path("d/a.bin")).unwrap(), &newer), "the new object, whole");
     assert!(m.log().contains("imported object changed in its bucket"), "the change is logged");
@@ -244,7 +246,7 @@ fn an_imported_object_changed_in_its_bucket_is_refreshed_not_mixed() {
 #[test]
 fn a_full_data_disk_evicts_backed_chunks_and_reads_fetch_them_back() {
     let Some(s3) = S3Server::start() else { return };
-    s3.mkbucket("evict");
+    s3.client().mkbucket("evict");
     // A small data disk of its own, so the watermarks mean something.
     let disk = SmallDisk::new("160m");
     let mnt = disk.mount(&tier_args(&s3, "evict", "v", &["--evict-high", "50", "--evict-low", "30"]));
@@ -322,7 +324,7 @@ impl Drop for SmallDisk {
 #[test]
 fn a_write_that_finds_the_data_disk_full_evicts_instead_of_failing() {
     let Some(s3) = S3Server::start() else { return };
-    s3.mkbucket("full");
+    s3.client().mkbucket("full");
     for (i, mode) in [&["--verify-reads"][..], &[][..]].into_iter().enumerate() {
         let disk = SmallDisk::new("160m");
         // A high watermark the background evictor never sees before the disk is full.
@@ -364,7 +366,7 @@ fn nix_statvfs(p: &Path) -> (u64, u64) {
 #[test]
 fn an_object_store_outage_keeps_the_backlog_and_drains_it_when_the_store_returns() {
     let Some(mut s3) = S3Server::start() else { return };
-    s3.mkbucket("outage");
+    s3.client().mkbucket("outage");
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let metrics = format!("127.0.0.1:{port}");
     let m = mount(&tier_args(&s3, "outage", "p", &["--metrics", &metrics]));
@@ -401,12 +403,12 @@ fn an_object_store_outage_keeps_the_backlog_and_drains_it_when_the_store_returns
 
     // The store comes back (empty: moto keeps objects in memory) and the backlog drains.
     s3.restart();
-    s3.mkbucket("outage");
+    s3.client().mkbucket("outage");
     for (name, _) in &written {
         eventually(120, &format!("{name} is backed"), || tier(&m.path(name)).starts_with("state=backed"));
     }
     for (name, data) in &written {
-        let got = s3.get("outage", &format!("p/{name}")).unwrap_or_else(|| panic!("{name} has no object"));
+        let got = s3.client().get("outage", &format!("p/{name}")).unwrap_or_else(|| panic!("{name} has no object"));
         assert!(same(&got, data), "{name}: the object has the file's bytes");
     }
     let text = scrape(&metrics);
@@ -487,11 +489,11 @@ fn a_directory_rename_cut_short_by_a_crash_is_re_keyed_at_the_next_mount() {
 #[test]
 fn azure_blob_storage_backfills_renames_deletes_and_imports() {
     let Some(az) = common::azure::AzureServer::start() else { return };
-    az.mkcontainer("vol");
-    az.mkcontainer("datasets");
+    az.client().mkbucket("vol");
+    az.client().mkbucket("datasets");
     let shard = pattern(5 << 20, 80);
-    az.put("datasets", "c4/train/shard-0.bin", &shard);
-    az.put("datasets", "c4/README", b"c4 subset\n");
+    az.client().put("datasets", "c4/train/shard-0.bin", &shard);
+    az.client().put("datasets", "c4/README", b"c4 subset\n");
     let args: Vec<String> =
         ["--object-store", "az://vol/run", "--backfill-delay", "300ms"].iter().map(|s| s.to_string()).collect();
     let m = mount(&args);
@@ -501,13 +503,15 @@ fn azure_blob_storage_backfills_renames_deletes_and_imports() {
     for f in ["model.pt", "meta.json"] {
         eventually(60, &format!("{f} is backed"), || tier(&m.path(f)).starts_with("state=backed"));
     }
-    assert!(same(&az.get("vol", "run/model.pt").expect("blob"), &big));
-    assert_eq!(az.get("vol", "run/meta.json").unwrap(), b"{\"step\": 1}\n");
+    assert!(same(&az.client().get("vol", "run/model.pt").expect("blob"), &big));
+    assert_eq!(az.client().get("vol", "run/meta.json").unwrap(), b"{\"step\": 1}\n");
 
     fs::rename(m.path("meta.json"), m.path("meta-final.json")).unwrap();
-    eventually(60, "the blob is re-keyed", || az.list("vol", "run/") == vec!["run/meta-final.json", "run/model.pt"]);
+    eventually(60, "the blob is re-keyed", || {
+        az.client().list("vol", "run/") == vec!["run/meta-final.json", "run/model.pt"]
+    });
     fs::remove_file(m.path("model.pt")).unwrap();
-    eventually(60, "the blob of the removed file is gone", || az.get("vol", "run/model.pt").is_none());
+    eventually(60, "the blob of the removed file is gone", || az.client().get("vol", "run/model.pt").is_none());
 
     let out = converged().args(["import", "az://datasets/c4"]).arg(m.path("c4")).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

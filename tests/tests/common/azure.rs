@@ -2,11 +2,12 @@
 //! Azurite (from npm) on a loopback port, and azure-storage-blob (through
 //! `tests/scripts/azblob.py`) as a client that is not converged's own.
 
-use std::fs;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::client::ScriptClient;
 
 /// An Azurite blob server on a loopback port, its blobs in a temporary
 /// directory; killed on drop.
@@ -56,38 +57,9 @@ impl AzureServer {
         format!("http://127.0.0.1:{}", self.port)
     }
 
-    fn az(&self, args: &[&str]) -> std::process::Output {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/azblob.py");
-        Command::new("python3").arg(script).arg(self.endpoint()).args(args).output().expect("run azblob.py")
-    }
-
-    pub fn mkcontainer(&self, name: &str) {
-        let out = self.az(&["mkcontainer", name]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-
-    pub fn put(&self, container: &str, name: &str, data: &[u8]) {
-        let f = tempfile::NamedTempFile::new().unwrap();
-        fs::write(f.path(), data).unwrap();
-        let out = self.az(&["put", container, name, f.path().to_str().unwrap()]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-
-    /// The blob's bytes, or `None` when there is no such blob.
-    pub fn get(&self, container: &str, name: &str) -> Option<Vec<u8>> {
-        let f = tempfile::NamedTempFile::new().unwrap();
-        let out = self.az(&["get", container, name, f.path().to_str().unwrap()]);
-        if out.status.code() == Some(3) {
-            return None;
-        }
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        Some(fs::read(f.path()).unwrap())
-    }
-
-    pub fn list(&self, container: &str, prefix: &str) -> Vec<String> {
-        let out = self.az(&["list", container, prefix]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect()
+    /// azure-storage-blob, for checking what converged wrote.
+    pub fn client(&self) -> ScriptClient {
+        ScriptClient::new("azblob.py", self.endpoint())
     }
 }
 

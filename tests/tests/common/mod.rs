@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod azure;
+pub mod client;
 pub mod s3;
 
 use std::ffi::CString;

@@ -2,11 +2,12 @@
 //! PyPI) on a loopback port, and boto3 (through `tests/scripts/s3.py`) as an
 //! S3 client that is not converged's own.
 
-use std::fs;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::client::ScriptClient;
 
 /// A moto S3 server on a loopback port; killed on drop.
 pub struct S3Server {
@@ -62,38 +63,9 @@ impl S3Server {
         }
     }
 
-    pub fn s3(&self, args: &[&str]) -> std::process::Output {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/s3.py");
-        Command::new("python3").arg(script).arg(self.endpoint()).args(args).output().expect("run s3.py")
-    }
-
-    pub fn mkbucket(&self, bucket: &str) {
-        let out = self.s3(&["mkbucket", bucket]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-
-    pub fn put(&self, bucket: &str, key: &str, data: &[u8]) {
-        let f = tempfile::NamedTempFile::new().unwrap();
-        fs::write(f.path(), data).unwrap();
-        let out = self.s3(&["put", bucket, key, f.path().to_str().unwrap()]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-
-    /// The object's bytes, or `None` when there is no such key.
-    pub fn get(&self, bucket: &str, key: &str) -> Option<Vec<u8>> {
-        let f = tempfile::NamedTempFile::new().unwrap();
-        let out = self.s3(&["get", bucket, key, f.path().to_str().unwrap()]);
-        if out.status.code() == Some(3) {
-            return None;
-        }
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        Some(fs::read(f.path()).unwrap())
-    }
-
-    pub fn list(&self, bucket: &str, prefix: &str) -> Vec<String> {
-        let out = self.s3(&["list", bucket, prefix]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect()
+    /// boto3, for checking what converged wrote.
+    pub fn client(&self) -> ScriptClient {
+        ScriptClient::new("s3.py", self.endpoint())
     }
 }
 
