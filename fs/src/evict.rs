@@ -26,13 +26,18 @@ pub fn disk_space(path: &std::path::Path) -> FsResult<(u64, u64)> {
     Ok((st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize))
 }
 
+/// Used fraction of a filesystem with `avail` of `total` bytes free.
+fn used_fraction(avail: u64, total: u64) -> f64 {
+    if total == 0 {
+        return 0.0;
+    }
+    1.0 - avail as f64 / total as f64
+}
+
 /// Used fraction of the filesystem holding `path`.
 pub fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
     let (avail, total) = disk_space(path)?;
-    if total == 0 {
-        return Ok(0.0);
-    }
-    Ok(1.0 - avail as f64 / total as f64)
+    Ok(used_fraction(avail, total))
 }
 
 /// Free space below which writers go through the daemon rather than
@@ -48,8 +53,7 @@ impl Core {
     pub(crate) fn room_for_passthrough_writes(&self, t: &Tiering) -> bool {
         match disk_space(self.data_dir()) {
             Ok((avail, total)) => {
-                let used = if total == 0 { 0.0 } else { 1.0 - avail as f64 / total as f64 };
-                avail >= PASSTHROUGH_WRITE_HEADROOM && used <= t.cfg.evict_high
+                avail >= PASSTHROUGH_WRITE_HEADROOM && used_fraction(avail, total) <= t.cfg.evict_high
             }
             Err(_) => false,
         }

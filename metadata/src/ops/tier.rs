@@ -83,12 +83,23 @@ impl Namespace {
 
     /// Renamed directories still to walk: this node's (`mine`), or every node's.
     pub fn renamed_dirs(&self, mine: bool) -> MetaResult<Vec<(Ino, RenamedDir)>> {
-        let all = self.read(|txn| scan_all(txn, &schema::renamed_dirs()))?;
+        self.records_by_node(&schema::renamed_dirs(), mine, |m: &RenamedDir| &m.node)
+    }
+
+    /// The records under `prefix` (keyed by inode), decoded; with `mine`,
+    /// only those whose `node` is this one.
+    fn records_by_node<T: serde::de::DeserializeOwned>(
+        &self,
+        prefix: &[u8],
+        mine: bool,
+        node: impl Fn(&T) -> &String,
+    ) -> MetaResult<Vec<(Ino, T)>> {
+        let all = self.read(|txn| scan_all(txn, prefix))?;
         let mut out = Vec::new();
         for (k, v) in all {
-            let mark: RenamedDir = decode(&k, &v)?;
-            if !mine || self.is_mine(mark.node.as_bytes()) {
-                out.push((schema::key_ino(&k), mark));
+            let rec: T = decode(&k, &v)?;
+            if !mine || self.is_mine(node(&rec).as_bytes()) {
+                out.push((schema::key_ino(&k), rec));
             }
         }
         Ok(out)
@@ -190,15 +201,7 @@ impl Namespace {
 
     /// Every file's tier record; with `mine`, only those this node must act on.
     pub fn tier_records(&self, mine: bool) -> MetaResult<Vec<(Ino, TierRecord)>> {
-        let all = self.read(|txn| scan_all(txn, &schema::tier_all()))?;
-        let mut out = Vec::new();
-        for (k, v) in all {
-            let rec: TierRecord = decode(&k, &v)?;
-            if !mine || self.is_mine(rec.node.as_bytes()) {
-                out.push((schema::key_ino(&k), rec));
-            }
-        }
-        Ok(out)
+        self.records_by_node(&schema::tier_all(), mine, |r: &TierRecord| &r.node)
     }
 
     /// Dirty → Uploading, if the file is dirty and this node holds its
