@@ -20,7 +20,8 @@ uninstall:
 # pkg-config for rdma-sys, built by transport's `rdma` feature; attr for getfattr), numpy,
 # moto (a real S3-compatible server for the object tier tests) with boto3 (an S3 client
 # that is not converged's), pjdfstest and nextest.
-SYSTEM_PACKAGES = etcd-server protobuf-compiler fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config attr
+# gdb: the stress test (tests/tests/stress.rs) dumps a hung daemon's threads with it.
+SYSTEM_PACKAGES = etcd-server protobuf-compiler libprotobuf-dev fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config attr gdb
 test-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi

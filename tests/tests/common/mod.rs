@@ -13,10 +13,17 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// A built binary of this workspace (`cargo build --workspace` first).
+/// `CONVERGED_BIN_DIR` points the tests at binaries built elsewhere (for
+/// example an older build, to see a new test fail on it).
 pub fn bin(name: &str) -> PathBuf {
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let exe = std::env::current_exe().expect("current exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let dir = match std::env::var_os("CONVERGED_BIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        // target/<profile>/deps/<test> -> target/<profile>/<name>
+        None => {
+            let exe = std::env::current_exe().expect("current exe");
+            exe.parent().and_then(Path::parent).expect("target dir").to_path_buf()
+        }
+    };
     let p = dir.join(name);
     assert!(p.exists(), "{} is missing: run `cargo build --workspace` before the tests", p.display());
     p

@@ -1,0 +1,490 @@
+//! Power loss, simulated without special hardware: the data dir is an ext4
+//! on a loop device whose write-back is held back (no periodic write-back,
+//! no jbd2 commit timer), so the dirty page cache of that ext4 is what a
+//! power cut would lose. Cutting the power is copying the image file while
+//! the daemon is stopped: the copy holds what the "disk" had at that
+//! instant, including the journal, which the next mount replays.
+//!
+//! After the cut every fsynced byte reads back, a checkpoint replaced by
+//! rename reads as the old or the new version, and no file reads EIO
+//! through the verifying daemon (`--verify-reads`): checksums made durable
+//! must never describe bytes that were not.
+
+mod common;
+
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Data block checksummed as one unit by the daemon.
+const BLOCK: usize = 64 << 10;
+
+/// The image of the data disk (sparse).
+const IMAGE_SIZE: u64 = 512 << 20;
+
+/// ext4 options that leave writing back to the caller: no jbd2 commit timer
+/// within the test (commit=600), no early allocation-and-write of a file
+/// replaced by rename or truncate (auto_da_alloc, a heuristic that only
+/// starts write-back and promises nothing), no background inode-table
+/// zeroing.
+const EXT4_OPTS: &str = "commit=600,noauto_da_alloc,noinit_itable";
+
+/// Runs a command, panicking with its output when it fails.
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Serialises runs of this test on the machine (two at once would save
+/// each other's settings as the originals).
+const LOCK: &str = "/tmp/converged-power-loss.lock";
+/// The original values while they are changed, so a run that was killed
+/// before putting them back is undone by the next run.
+const SAVED: &str = "/tmp/converged-power-loss.sysctls";
+
+/// vm sysctls set for the test and put back on drop, panics included.
+struct Sysctls {
+    saved: Vec<(String, String)>,
+    _lock: File,
+}
+
+impl Sysctls {
+    fn get(name: &str) -> String {
+        let p = format!("/proc/sys/vm/{name}");
+        fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {p}: {e}")).trim().to_string()
+    }
+
+    fn set(&mut self, name: &str, value: &str) {
+        let p = format!("/proc/sys/vm/{name}");
+        self.saved.push((p.clone(), Self::get(name)));
+        let record: String = self.saved.iter().map(|(p, v)| format!("{p} {v}\n")).collect();
+        fs::write(SAVED, record).unwrap_or_else(|e| panic!("write {SAVED}: {e}"));
+        fs::write(&p, value).unwrap_or_else(|e| panic!("write {value} to {p}: {e}"));
+    }
+
+    fn restore(saved: &[(String, String)]) {
+        for (p, old) in saved.iter().rev() {
+            if let Err(e) = fs::write(p, old) {
+                eprintln!("could not restore {p} to {old}: {e}");
+            }
+        }
+    }
+
+    /// Keep dirty pages in memory until told otherwise: no periodic
+    /// write-back, no expiry, and thresholds high enough that other work
+    /// on the machine does not start background write-back of everything.
+    fn hold_writeback() -> Self {
+        let lock = File::create(LOCK).unwrap_or_else(|e| panic!("create {LOCK}: {e}"));
+        // SAFETY: flock on our own fd; released when it is closed, or the process dies.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "flock {LOCK}");
+        if let Ok(left) = fs::read_to_string(SAVED) {
+            let left: Vec<(String, String)> =
+                left.lines().filter_map(|l| l.split_once(' ').map(|(p, v)| (p.to_string(), v.to_string()))).collect();
+            eprintln!("putting back sysctls a killed run left changed: {left:?}");
+            Self::restore(&left);
+            let _ = fs::remove_file(SAVED);
+        }
+        let mut s = Sysctls { saved: Vec::new(), _lock: lock };
+        s.set("dirty_writeback_centisecs", "0");
+        s.set("dirty_expire_centisecs", "360000");
+        if Self::get("dirty_bytes") == "0" && Self::get("dirty_ratio").parse::<u32>().is_ok_and(|r| r < 80) {
+            s.set("dirty_ratio", "80");
+        }
+        if Self::get("dirty_background_bytes") == "0"
+            && Self::get("dirty_background_ratio").parse::<u32>().is_ok_and(|r| r < 60)
+        {
+            s.set("dirty_background_ratio", "60");
+        }
+        s
+    }
+}
+
+impl Drop for Sysctls {
+    fn drop(&mut self) {
+        Self::restore(&self.saved);
+        let _ = fs::remove_file(SAVED);
+    }
+}
+
+/// An ext4 image mounted through a loop device; unmounted and detached on drop.
+struct Ext4 {
+    dev: String,
+    dir: PathBuf,
+    live: bool,
+}
+
+impl Ext4 {
+    fn mount(img: &Path, dir: &Path) -> Self {
+        let dev = attach_loop(img);
+        let out = Command::new("mount").args(["-t", "ext4", "-o", EXT4_OPTS]).arg(&dev).arg(dir).output();
+        if !out.as_ref().is_ok_and(|o| o.status.success()) {
+            let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+            panic!("mount {dev} on {}: {out:?}", dir.display());
+        }
+        Ext4 { dev, dir: dir.to_path_buf(), live: true }
+    }
+
+    fn umount(&mut self) {
+        if !std::mem::replace(&mut self.live, false) {
+            return;
+        }
+        let ok = Command::new("umount").arg(&self.dir).status().is_ok_and(|s| s.success());
+        if !ok {
+            lazy_umount(&self.dir);
+        }
+        // A device still busy (lazy unmount) is detached once released.
+        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
+    }
+}
+
+impl Drop for Ext4 {
+    fn drop(&mut self) {
+        self.umount();
+    }
+}
+
+/// Attach `img` to a free loop device, making its device node if missing.
+fn attach_loop(img: &Path) -> String {
+    let mut last = String::new();
+    for _ in 0..5 {
+        // `losetup -f` names a free device (LOOP_CTL_GET_FREE creates it),
+        // but a container's /dev may lack the node.
+        if let Ok(out) = Command::new("losetup").arg("-f").output() {
+            let name = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if let Some(n) = name.strip_prefix("/dev/loop").and_then(|n| n.parse::<u32>().ok()) {
+                if !Path::new(&name).exists() {
+                    // SAFETY: mknod with a valid path; loop devices are block major 7.
+                    unsafe { libc::mknod(cstr(Path::new(&name)).as_ptr(), libc::S_IFBLK | 0o660, libc::makedev(7, n)) };
+                }
+            }
+        }
+        let out = Command::new("losetup").args(["--find", "--show"]).arg(img).output().expect("run losetup");
+        if out.status.success() {
+            return String::from_utf8_lossy(&out.stdout).trim().to_string();
+        }
+        last = String::from_utf8_lossy(&out.stderr).into_owned();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("losetup --find --show {}: {last}", img.display());
+}
+
+/// A converged daemon mounted on a given data dir; killed or unmounted on drop.
+struct Converged {
+    mnt: PathBuf,
+    pid: i32,
+    stopped: bool,
+    mounted: bool,
+}
+
+impl Converged {
+    fn mount(mnt: &Path, data: &Path, extra: &[&str]) -> Self {
+        let out = converged()
+            .arg("mount")
+            .arg(mnt)
+            .arg("--data-dir")
+            .arg(data)
+            .args(extra)
+            .output()
+            .expect("run converged mount");
+        assert!(
+            out.status.success(),
+            "converged mount on {} failed: {}{}",
+            data.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pid = fs::read_to_string(data.join("converged.lock")).unwrap().trim().parse().unwrap();
+        Converged { mnt: mnt.to_path_buf(), pid, stopped: false, mounted: true }
+    }
+
+    /// SIGSTOP the daemon and wait until every thread of it is stopped:
+    /// from then on it writes nothing.
+    fn freeze(&mut self) {
+        // SAFETY: kill(2).
+        unsafe { libc::kill(self.pid, libc::SIGSTOP) };
+        self.stopped = true;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let tasks = fs::read_dir(format!("/proc/{}/task", self.pid)).map(|d| d.flatten().collect::<Vec<_>>());
+            let all_stopped = tasks.is_ok_and(|tasks| {
+                tasks.iter().all(|t| {
+                    let stat = fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                    // The state follows the parenthesised command name.
+                    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+                    matches!(state, Some("T" | "t" | "Z" | "X") | None)
+                })
+            });
+            if all_stopped {
+                return;
+            }
+            assert!(Instant::now() < deadline, "daemon {} did not stop", self.pid);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGKILL the daemon and detach its dead mount.
+    fn kill(&mut self) {
+        if !std::mem::replace(&mut self.mounted, false) {
+            return;
+        }
+        // SAFETY: kill(2); SIGKILL ends a stopped process too.
+        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        wait_gone(self.pid);
+        lazy_umount(&self.mnt);
+    }
+
+    fn umount(&mut self) {
+        if self.stopped {
+            return self.kill();
+        }
+        if !std::mem::replace(&mut self.mounted, false) {
+            return;
+        }
+        let ok = converged().arg("umount").arg(&self.mnt).status().is_ok_and(|s| s.success());
+        if !ok {
+            self.mounted = true;
+            self.kill();
+        }
+    }
+}
+
+impl Drop for Converged {
+    fn drop(&mut self) {
+        self.umount();
+    }
+}
+
+/// Every regular file under `dir`, relative to `root`.
+fn walk(dir: &Path, root: &Path, out: &mut Vec<String>, failures: &mut Vec<String>) {
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) => return failures.push(format!("{}: readdir: {e}", dir.display())),
+    };
+    for e in rd {
+        let e = match e {
+            Ok(e) => e,
+            Err(e) => {
+                failures.push(format!("{}: readdir: {e}", dir.display()));
+                continue;
+            }
+        };
+        let rel = e.path().strip_prefix(root).unwrap().to_string_lossy().into_owned();
+        match fs::symlink_metadata(e.path()) {
+            Ok(md) if md.is_dir() => walk(&e.path(), root, out, failures),
+            Ok(md) if md.is_file() => out.push(rel),
+            Ok(_) => {}
+            Err(e) => failures.push(format!("{rel}: stat: {e}")),
+        }
+    }
+}
+
+/// A file's bytes, read in full in 1 MiB reads; the error names the offset.
+fn read_all(p: &Path) -> Result<Vec<u8>, String> {
+    let mut f = File::open(p).map_err(|e| format!("open: {e}"))?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("read at offset {}: {e}", out.len())),
+        }
+    }
+}
+
+fn write_file(p: &Path, data: &[u8], fsync: bool) -> File {
+    let mut f = File::create(p).unwrap_or_else(|e| panic!("create {}: {e}", p.display()));
+    f.write_all(data).unwrap();
+    if fsync {
+        f.sync_all().unwrap();
+    }
+    f
+}
+
+/// Whether a file of the data dir holds exactly `want`.
+fn holds(p: &Path, want: &[u8]) -> bool {
+    fs::read(p).is_ok_and(|got| got == want)
+}
+
+#[test]
+fn power_cut_loses_no_fsynced_byte_and_no_file_reads_eio() {
+    let started = Instant::now();
+    assert!(Path::new("/dev/loop-control").exists(), "this test needs loop devices (/dev/loop-control)");
+    let root = tempfile::Builder::new().prefix("converged-powerloss").tempdir_in("/var/tmp").expect("tempdir");
+    let img = root.path().join("disk.img");
+    let cut = root.path().join("disk-at-power-cut.img");
+    let disk = root.path().join("disk");
+    let disk_after = root.path().join("disk-after");
+    let mnt = root.path().join("mnt");
+    for d in [&disk, &disk_after, &mnt] {
+        fs::create_dir(d).unwrap();
+    }
+    File::create(&img).unwrap().set_len(IMAGE_SIZE).unwrap();
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
+
+    // ---- before the cut ----
+    let sysctls = Sysctls::hold_writeback();
+    let mut ext4 = Ext4::mount(&img, &disk);
+    let data = disk.join("data");
+    fs::create_dir(&data).unwrap();
+    // A clean start: the empty data dir is on the disk.
+    // SAFETY: syncfs on an open directory fd.
+    assert_eq!(unsafe { libc::syncfs(File::open(&data).unwrap().as_raw_fd()) }, 0);
+    let mut daemon = Converged::mount(&mnt, &data, &[]);
+    let p = |rel: &str| mnt.join(rel);
+    fs::create_dir(p("fsynced")).unwrap();
+    fs::create_dir(p("unsynced")).unwrap();
+
+    // (a) fsynced files: every byte must survive.
+    let a = pattern(300_000, 1);
+    drop(write_file(&p("fsynced/a.bin"), &a, true));
+    // fsynced, then more bytes appended in the same 64 KiB block, closed
+    // without fsync: the fsynced prefix must survive and read without error.
+    let appended = pattern(100_000, 2);
+    let mut f = write_file(&p("fsynced/appended.bin"), &appended, true);
+    f.write_all(&pattern(1000, 3)).unwrap();
+    drop(f);
+    // fsynced, then a few bytes overwritten in its second block, closed
+    // without fsync: every other byte must survive.
+    let overwritten = pattern(100_000, 4);
+    let hole = 70_000..70_100;
+    assert_eq!(hole.start / BLOCK, (overwritten.len() - 1) / BLOCK, "same block as the file's end");
+    let f = write_file(&p("fsynced/overwritten.bin"), &overwritten, true);
+    f.write_all_at(&pattern(hole.len(), 5), hole.start as u64).unwrap();
+    drop(f);
+
+    // (b) closed without fsync: any content, or missing, but never EIO.
+    for (name, len, seed) in [("small.bin", 10_000, 6), ("medium.bin", 1 << 20, 7), ("big.bin", 3 << 20, 8)] {
+        drop(write_file(&p(&format!("unsynced/{name}")), &pattern(len, seed), false));
+    }
+
+    // (c) a checkpoint replaced the way torch.save does it: version 1
+    // fsynced, version 2 written to a temporary file, closed without
+    // fsync and renamed over it. Either version must read back, whole.
+    let v1 = pattern(2_000_000, 10);
+    let v2 = pattern(2_500_000, 11);
+    drop(write_file(&p("ckpt.pt"), &v1, true));
+    drop(write_file(&p("ckpt.pt.tmp"), &v2, false));
+    fs::rename(p("ckpt.pt.tmp"), p("ckpt.pt")).unwrap();
+
+    // Written and still open at the cut, never fsynced: its bytes are in
+    // the page cache only, which is what shows the cut is real.
+    let open_bytes = pattern(1 << 20, 20);
+    let open_file = write_file(&p("unsynced/open.bin"), &open_bytes, false);
+    let open_ino = open_file.metadata().unwrap().ino();
+
+    // (d) the daemon's flusher makes the metadata committed at close
+    // durable within a second; then one more fsync, which commits the
+    // metadata durably too.
+    std::thread::sleep(Duration::from_millis(2500));
+    let late = pattern(50_000, 30);
+    drop(write_file(&p("fsynced/late.bin"), &late, true));
+    let open_backing = format!("chunks/{open_ino:016x}");
+    assert!(
+        holds(&data.join(&open_backing), &open_bytes),
+        "the open file's bytes should be in the data dir's page cache before the cut"
+    );
+
+    // ---- the power cut ----
+    daemon.freeze();
+    run(Command::new("cp").arg("--sparse=always").arg(&img).arg(&cut));
+    daemon.kill();
+    drop(open_file);
+    drop(sysctls);
+    ext4.umount();
+    println!("power cut at {:.1?}", started.elapsed());
+
+    // ---- after the cut ----
+    let mut ext4_after = Ext4::mount(&cut, &disk_after);
+    let data_after = disk_after.join("data");
+    // The cut lost something: the open file's bytes, only ever in the page
+    // cache, are not on the disk. Otherwise this test would prove nothing.
+    let raw = fs::read(data_after.join(&open_backing));
+    assert!(
+        !raw.as_ref().is_ok_and(|b| *b == open_bytes),
+        "the unsynced bytes of the open file reached the disk image: write-back was not held back, so this \
+         is not a power cut"
+    );
+    println!(
+        "on the disk after the cut, the open file's backing file holds {}",
+        match &raw {
+            Ok(b) => format!("{} of its {} bytes", b.len(), open_bytes.len()),
+            Err(e) => format!("nothing ({e})"),
+        }
+    );
+
+    let mut daemon_after = Converged::mount(&mnt, &data_after, &["--verify-reads"]);
+    let mut failures = Vec::new();
+    let mut check = |rel: &str, ok: &dyn Fn(&[u8]) -> Result<(), String>| match read_all(&p(rel)) {
+        Ok(got) => {
+            if let Err(e) = ok(&got) {
+                failures.push(format!("{rel}: {e}"));
+            }
+        }
+        Err(e) => failures.push(format!("{rel}: {e}")),
+    };
+    let exact = |want: &[u8], got: &[u8]| {
+        if got == want {
+            Ok(())
+        } else {
+            Err(format!("fsynced bytes differ ({} bytes read, {} fsynced)", got.len(), want.len()))
+        }
+    };
+    check("fsynced/a.bin", &|got| exact(&a, got));
+    check("fsynced/late.bin", &|got| exact(&late, got));
+    check("fsynced/appended.bin", &|got| {
+        if got.len() >= appended.len() && got[..appended.len()] == appended[..] {
+            Ok(())
+        } else {
+            Err(format!("fsynced prefix of {} bytes lost ({} bytes read)", appended.len(), got.len()))
+        }
+    });
+    check("fsynced/overwritten.bin", &|got| {
+        let (before, after) = (&overwritten[..hole.start], &overwritten[hole.end..]);
+        if got.len() == overwritten.len() && got[..hole.start] == *before && got[hole.end..] == *after {
+            Ok(())
+        } else {
+            Err(format!("fsynced bytes outside the overwritten range lost ({} bytes read)", got.len()))
+        }
+    });
+    check("ckpt.pt", &|got| {
+        if got == v1 || got == v2 {
+            Ok(())
+        } else {
+            Err(format!(
+                "neither checkpoint version ({} bytes read; version 1 has {}, version 2 {})",
+                got.len(),
+                v1.len(),
+                v2.len()
+            ))
+        }
+    });
+    // Whatever else is there reads without error.
+    let mut files = Vec::new();
+    walk(&mnt, &mnt, &mut files, &mut failures);
+    for rel in &files {
+        if let Err(e) = read_all(&p(rel)) {
+            let line = format!("{rel}: {e}");
+            if !failures.contains(&line) {
+                failures.push(line);
+            }
+        }
+    }
+    println!("after the cut: {} files, checked in {:.1?}", files.len(), started.elapsed());
+    daemon_after.umount();
+    ext4_after.umount();
+    assert!(failures.is_empty(), "after a power cut:\n  {}", failures.join("\n  "));
+}
