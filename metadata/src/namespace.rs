@@ -43,6 +43,9 @@ pub struct Namespace {
     pub(crate) clustered: bool,
     /// Files are backfilled to an object store: seals mark them dirty.
     pub(crate) tiered: bool,
+    /// Tokens of sync-pending marks: a clear after a sync drops only the
+    /// mark of the seal it synced for.
+    pub(crate) sync_tokens: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -141,6 +144,8 @@ impl Namespace {
             next_ino: Mutex::new((0, 0)),
             chunk_size: DEFAULT_CHUNK_SIZE,
             unsynced: AtomicBool::new(false),
+            // Distinct across mounts too: marks left by a crashed daemon never match.
+            sync_tokens: std::sync::atomic::AtomicU64::new(Timespec::now().sec as u64 * 1_000_000_000),
             on_no_space: OnceLock::new(),
             node: String::new(),
             clustered,

@@ -14,15 +14,17 @@
 //! | `O` ino                    | node id              | orphan: unlinked while open on that node     |
 //! | `U` ino                    | node id              | unsealed: open for writing on that node; its |
 //! |                            |                      | checksums are stale; the file's write lease  |
+//! | `S` ino                    | token(u64 BE) node   | sealed from bytes not yet known durable: the |
+//! |                            |                      | node syncs the backing file, then drops it   |
 //! | `T` ino                    | [`TierRecord`]       | backfill state and object key of a file      |
 //! | `G` ino                    | [`GarbageObject`]    | object of a purged file, to delete           |
 //! | `R` ino                    | [`RenamedDir`]       | renamed directory: objects below to re-key   |
 //! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //!
-//! A crash leaves `O` and `U` keys behind; the next mount of the same node
-//! purges its orphans and re-seals its unsealed files from their backing
-//! files. A `U` key of a node whose `L` key is gone (its lease expired) may be
+//! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
+//! node purges its orphans and re-seals its unsealed files, and those whose
+//! seal may describe bytes the disk never got, from their backing files. A `U` key of a node whose `L` key is gone (its lease expired) may be
 //! taken over by another writer.
 //!
 //! [`VolumeRecord`]: crate::types::VolumeRecord
@@ -44,6 +46,7 @@ const XATTR: u8 = b'X';
 const CHUNK: u8 = b'C';
 const ORPHAN: u8 = b'O';
 const UNSEALED: u8 = b'U';
+const SYNC_PENDING: u8 = b'S';
 const TIER: u8 = b'T';
 const GARBAGE: u8 = b'G';
 const RENAMED: u8 = b'R';
@@ -138,6 +141,14 @@ pub fn unsealed_all() -> Vec<u8> {
     vec![UNSEALED]
 }
 
+pub fn sync_pending(ino: Ino) -> Vec<u8> {
+    with_ino(SYNC_PENDING, ino)
+}
+
+pub fn sync_pending_all() -> Vec<u8> {
+    vec![SYNC_PENDING]
+}
+
 pub fn tier(ino: Ino) -> Vec<u8> {
     with_ino(TIER, ino)
 }
@@ -173,7 +184,7 @@ pub fn live_node(id: &str) -> Vec<u8> {
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 
-/// The inode number in an `I`, `O`, `U`, `T`, `G` or `R` key.
+/// The inode number in an `I`, `O`, `U`, `S`, `T`, `G` or `R` key.
 pub fn key_ino(key: &[u8]) -> Ino {
     u64::from_be_bytes(key[1..9].try_into().expect("inode key is 9 bytes"))
 }

@@ -27,6 +27,8 @@ pub const STAGE_XATTR: &[u8] = b"user.converged.stage";
 pub const LAYOUT_XATTR: &[u8] = b"user.converged.layout";
 /// Read-only, on any directory: this node's backfill backlog.
 pub const BACKFILL_XATTR: &[u8] = b"user.converged.backfill";
+/// Read-only, on any inode: the state of this node's background workers.
+pub const WORKERS_XATTR: &[u8] = b"user.converged.workers";
 /// Most replicas a policy may ask for.
 pub const MAX_REPLICAS: u32 = 8;
 

@@ -31,6 +31,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("large_layouts_seal_in_batches", large_layouts_seal_in_batches),
     ("replica_policy_is_checked_and_inherited", replica_policy_is_checked_and_inherited),
     ("tier_state_machine", tier_state_machine),
+    ("seals_of_unsynced_bytes_stay_marked_until_synced", seals_of_unsynced_bytes_stay_marked_until_synced),
 ];
 
 #[test]
@@ -183,14 +184,54 @@ fn namespace_setattr_xattr_and_seal(name: &str, kv: Arc<dyn KvEngine>) {
     let record = ChunkRecord { version: 1, len: 100, replicas: vec!["n1".into()], block_crcs: vec![42] };
     ns.mark_unsealed(f.ino).unwrap();
     assert_eq!(ns.unsealed().unwrap(), vec![f.ino], "{name}");
-    let seal =
-        converged_metadata::Seal { size: 100, mtime: t, chunks: vec![(0, record.clone())], keep_unsealed: false };
+    let seal = converged_metadata::Seal {
+        size: 100,
+        mtime: t,
+        chunks: vec![(0, record.clone())],
+        keep_unsealed: false,
+        data_durable: true,
+    };
     ns.seal(f.ino, &seal, Durability::Durable).unwrap();
     assert!(ns.unsealed().unwrap().is_empty(), "{name}");
     assert_eq!(ns.chunks(f.ino).unwrap(), vec![(0, record)], "{name}");
     assert_eq!(ns.getattr(f.ino).unwrap().size, 100, "{name}");
     ns.setattr(f.ino, &SetAttr { size: Some(0), ..Default::default() }).unwrap();
     assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: truncate drops chunk records");
+}
+
+/// A seal whose bytes are not on stable storage yet leaves a sync-pending
+/// mark; a clear for an older seal keeps the mark of a newer one; a seal of
+/// synced bytes, or a purge, drops it.
+fn seals_of_unsynced_bytes_stay_marked_until_synced(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv);
+    let f = ns.mknod(ROOT, b"f", &file(0o644)).unwrap();
+    let g = ns.mknod(ROOT, b"g", &file(0o644)).unwrap();
+    let record = ChunkRecord { version: 1, len: 10, replicas: vec!["n1".into()], block_crcs: vec![1] };
+    let seal = |data_durable| converged_metadata::Seal {
+        size: 10,
+        mtime: Timespec::now(),
+        chunks: vec![(0, record.clone())],
+        keep_unsealed: false,
+        data_durable,
+    };
+    assert!(ns.sync_pending().unwrap().is_empty(), "{name}");
+    ns.seal(f.ino, &seal(false), Durability::Buffered).unwrap();
+    ns.seal(g.ino, &seal(false), Durability::Buffered).unwrap();
+    let first = ns.sync_pending().unwrap();
+    assert_eq!(first.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![f.ino, g.ino], "{name}");
+    // f is sealed again after its sync began: its newer mark survives the clear.
+    ns.seal(f.ino, &seal(false), Durability::Buffered).unwrap();
+    ns.clear_sync_pending(&first).unwrap();
+    let left = ns.sync_pending().unwrap();
+    assert_eq!(left.len(), 1, "{name}");
+    assert_eq!(left[0].0, f.ino, "{name}");
+    assert_ne!(left[0].1, first[0].1, "{name}");
+    ns.seal(f.ino, &seal(true), Durability::Durable).unwrap();
+    assert!(ns.sync_pending().unwrap().is_empty(), "{name}: a seal of synced bytes drops the mark");
+    ns.seal(g.ino, &seal(false), Durability::Buffered).unwrap();
+    ns.unlink(ROOT, b"g").unwrap();
+    ns.purge(g.ino).unwrap();
+    assert!(ns.sync_pending().unwrap().is_empty(), "{name}: a purge drops the mark");
 }
 
 fn large_directories_list_in_pages(name: &str, kv: Arc<dyn KvEngine>) {
@@ -218,7 +259,13 @@ fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
     ns.mark_unsealed(f.ino).unwrap();
     let chunks: Vec<(u32, ChunkRecord)> = (0..300).map(|i| (i, record(i))).collect();
     let size = 300 * DEFAULT_CHUNK_SIZE as u64;
-    let seal = converged_metadata::Seal { size, mtime: Timespec::now(), chunks: chunks.clone(), keep_unsealed: false };
+    let seal = converged_metadata::Seal {
+        size,
+        mtime: Timespec::now(),
+        chunks: chunks.clone(),
+        keep_unsealed: false,
+        data_durable: true,
+    };
     ns.seal(f.ino, &seal, Durability::Durable).unwrap();
     assert_eq!(ns.chunks(f.ino).unwrap(), chunks, "{name}: every record back, in order");
     assert_eq!(ns.getattr(f.ino).unwrap().size, size, "{name}");
@@ -257,7 +304,8 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(ns.path_of(f.ino).unwrap(), Some(vec![b"ckpt".to_vec(), b"a.pt".to_vec()]), "{name}");
     let t = Timespec { sec: 1, nsec: 0 };
     let record = ChunkRecord { version: 1, len: 10, replicas: vec!["n1".into()], block_crcs: vec![7] };
-    let seal = |chunks| converged_metadata::Seal { size: 10, mtime: t, chunks, keep_unsealed: false };
+    let seal =
+        |chunks| converged_metadata::Seal { size: 10, mtime: t, chunks, keep_unsealed: false, data_durable: true };
     ns.seal(f.ino, &seal(vec![(0, record.clone())]), Durability::Durable).unwrap();
     let rec = ns.tier(f.ino).unwrap().expect("a sealed file has a tier record");
     assert_eq!((rec.state, rec.generation), (TierState::Dirty, 1), "{name}");
@@ -486,8 +534,13 @@ fn etcd_a_dead_nodes_backfill_is_taken_over() {
     let d = a.mknod(ROOT, b"run", &dir()).unwrap();
     let f = a.mknod(d.ino, b"x.pt", &file(0o644)).unwrap();
     let record = ChunkRecord { version: 1, len: 10, replicas: vec!["a".into(), "b".into()], block_crcs: vec![7] };
-    let seal =
-        converged_metadata::Seal { size: 10, mtime: Timespec::now(), chunks: vec![(0, record)], keep_unsealed: false };
+    let seal = converged_metadata::Seal {
+        size: 10,
+        mtime: Timespec::now(),
+        chunks: vec![(0, record)],
+        keep_unsealed: false,
+        data_durable: true,
+    };
     a.seal(f.ino, &seal, Durability::Durable).unwrap();
     // Opened for writing again when a dies: its write lease is left behind.
     a.mark_unsealed(f.ino).unwrap();

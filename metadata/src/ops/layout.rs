@@ -21,6 +21,23 @@ pub struct Seal {
     pub chunks: Vec<(u32, ChunkRecord)>,
     /// Whether the file stays unsealed (fsync while writers remain).
     pub keep_unsealed: bool,
+    /// Whether the bytes these checksums describe are on stable storage
+    /// already. When they are not, the seal leaves a sync-pending mark
+    /// (`S`), which the node drops once it has synced the backing file: a
+    /// crash in between re-seals the file from what the disk holds, so a
+    /// durable checksum never describes bytes the disk never got.
+    pub data_durable: bool,
+}
+
+/// The value of a sync-pending mark: the seal's token, then the node id.
+fn sync_mark(token: u64, node: &str) -> Vec<u8> {
+    [&token.to_be_bytes()[..], node.as_bytes()].concat()
+}
+
+/// (token, node) of a sync-pending mark; `None` for a malformed value.
+fn parse_sync_mark(v: &[u8]) -> Option<(u64, &[u8])> {
+    let token = u64::from_be_bytes(v.get(..8)?.try_into().ok()?);
+    Some((token, &v[8..]))
 }
 
 /// Delete the layout records of chunks `first` and beyond (one range delete).
@@ -135,6 +152,7 @@ impl Namespace {
     /// the file stays unsealed until the last one, which records the size,
     /// so a crash in between is repaired by re-sealing at the next mount.
     pub fn seal(&self, ino: Ino, seal: &Seal, durability: Durability) -> MetaResult<Inode> {
+        let token = self.sync_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let split = seal.chunks.len().saturating_sub(CHUNKS_PER_BATCH);
         for batch in seal.chunks[..split].chunks(CHUNKS_PER_BATCH) {
             self.write(Durability::Buffered, |txn| {
@@ -171,6 +189,11 @@ impl Namespace {
             }
             if !seal.keep_unsealed {
                 txn.delete(&schema::unsealed(ino));
+                // While unsealed, the `U` mark already has the file re-sealed after a crash.
+                match seal.data_durable {
+                    true => txn.delete(&schema::sync_pending(ino)),
+                    false => txn.put(&schema::sync_pending(ino), &sync_mark(token, &self.node)),
+                }
             }
             Ok(inode)
         })
@@ -205,6 +228,36 @@ impl Namespace {
                 .filter(|(_, v)| self.is_mine(v))
                 .map(|(k, _)| schema::key_ino(k))
                 .collect())
+        })
+    }
+
+    /// This node's files sealed from bytes not yet known to be on stable
+    /// storage, with the token of that seal.
+    pub fn sync_pending(&self) -> MetaResult<Vec<(Ino, u64)>> {
+        self.read(|txn| {
+            Ok(scan_all(txn, &schema::sync_pending_all())?
+                .iter()
+                .filter_map(|(k, v)| {
+                    let (token, node) = parse_sync_mark(v)?;
+                    self.is_mine(node).then(|| (schema::key_ino(k), token))
+                })
+                .collect())
+        })
+    }
+
+    /// Drop the sync-pending marks of files whose backing files were synced
+    /// after these seals, in one durable commit. A mark written by a later
+    /// seal (another token) stays: its bytes may be newer than the sync.
+    pub fn clear_sync_pending(&self, synced: &[(Ino, u64)]) -> MetaResult<()> {
+        self.write(Durability::Durable, |txn| {
+            for (ino, token) in synced {
+                let key = schema::sync_pending(*ino);
+                let current = txn.get(&key)?;
+                if current.as_deref().and_then(parse_sync_mark).is_some_and(|(t, _)| t == *token) {
+                    txn.delete(&key);
+                }
+            }
+            Ok(())
         })
     }
 
