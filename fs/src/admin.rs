@@ -11,7 +11,7 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use converged_metadata::types::{BACKFILL_XATTR, IMPORT_XATTR, LAYOUT_XATTR, STAGE_XATTR, TIER_XATTR};
+use converged_metadata::types::{BACKFILL_XATTR, IMPORT_XATTR, LAYOUT_XATTR, STAGE_XATTR, TIER_XATTR, WORKERS_XATTR};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::import::invalid_key;
@@ -83,7 +83,7 @@ fn on_converged(p: &Path) -> anyhow::Result<()> {
         if fields.len() < 5 || fields.len() < sep + 2 {
             continue;
         }
-        let mp = crate::cli::unescape_mountinfo(fields[4]);
+        let mp = crate::config::unescape_mountinfo(fields[4]);
         if abs.starts_with(&mp) && best.is_none_or(|(len, _)| mp.len() >= len) {
             best = Some((mp.len(), fields[sep + 1] == "fuse.converged"));
         }
@@ -239,6 +239,13 @@ pub fn status_path(p: &Path) -> anyhow::Result<()> {
         }
     }
     text.push_str(&format!("backfill (this node): {backfill}"));
+    let workers = get_xattr(p, WORKERS_XATTR).unwrap_or_default();
+    if !workers.is_empty() {
+        text.push_str("workers (this node):\n");
+        for line in workers.lines() {
+            text.push_str(&format!("  {line}\n"));
+        }
+    }
     // A closed pipe (`| head`) is not an error worth a panic.
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
     Ok(())

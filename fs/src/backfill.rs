@@ -264,65 +264,68 @@ impl Core {
         t.cfg.backfill_delay.saturating_sub(Duration::from_secs(since))
     }
 
-    /// One backfill worker: takes due files off the queue until the tier stops.
-    pub fn run_backfill(core: std::sync::Weak<Core>) {
-        let mut last_garbage = Instant::now() - Duration::from_secs(60);
-        loop {
-            let Some(c) = core.upgrade() else { return };
-            let Some(t) = c.tiering().cloned() else { return };
-            let work = {
-                let mut q = t.queue.lock();
-                if q.stopped {
-                    return;
-                }
-                let now = Instant::now();
-                let held = q.backoff_until.is_some_and(|u| u > now);
-                let job = if held {
-                    None
-                } else if std::mem::take(&mut q.walk_renamed) {
-                    Some(Err(()))
-                } else {
-                    q.pop_due(now).map(Ok)
-                };
-                if job.is_none() {
-                    let next = q.due.iter().next().map(|(at, _)| *at);
-                    let until = [next, q.backoff_until].into_iter().flatten().min();
-                    let wait = until.map_or(Duration::from_secs(1), |u| u.saturating_duration_since(now));
-                    t.wake.wait_for(&mut q, wait.clamp(Duration::from_millis(10), Duration::from_secs(1)));
-                }
-                job
+    /// One step of a backfill worker: take the next due file off the queue
+    /// (waiting for one at most a second) and move it one state forward;
+    /// every 2 s, delete objects of removed files and adopt dead nodes'
+    /// work. Returns `None` once the tier has stopped.
+    pub(crate) fn backfill_step(&self, last_garbage: &mut Instant) -> Option<String> {
+        let t = self.tiering().cloned()?;
+        let work = {
+            let mut q = t.queue.lock();
+            if q.stopped {
+                return None;
+            }
+            let now = Instant::now();
+            let held = q.backoff_until.is_some_and(|u| u > now);
+            let job = if held {
+                None
+            } else if std::mem::take(&mut q.walk_renamed) {
+                Some(Err(()))
+            } else {
+                q.pop_due(now).map(Ok)
             };
-            match work {
-                Some(Ok(ino)) => {
-                    let step = c.backfill_file(&t, ino);
-                    let mut q = t.queue.lock();
-                    q.busy.remove(&ino);
-                    match step {
-                        Ok(Step::Done) => {}
-                        Ok(Step::Later(after)) => q.push(ino, Instant::now() + after),
-                        Err(e) => {
-                            tracing::warn!(ino, error = %e, "backfill step failed; retrying later");
-                            q.push(ino, Instant::now() + Duration::from_secs(5));
-                        }
+            if job.is_none() {
+                let next = q.due.iter().next().map(|(at, _)| *at);
+                let until = [next, q.backoff_until].into_iter().flatten().min();
+                let wait = until.map_or(Duration::from_secs(1), |u| u.saturating_duration_since(now));
+                t.wake.wait_for(&mut q, wait.clamp(Duration::from_millis(10), Duration::from_secs(1)));
+            }
+            job
+        };
+        let mut did = String::new();
+        match work {
+            Some(Ok(ino)) => {
+                let step = self.backfill_file(&t, ino);
+                let mut q = t.queue.lock();
+                q.busy.remove(&ino);
+                match step {
+                    Ok(Step::Done) => did = format!("inode {ino} done"),
+                    Ok(Step::Later(after)) => q.push(ino, Instant::now() + after),
+                    Err(e) => {
+                        tracing::warn!(ino, error = %e, "backfill step failed; retrying later");
+                        did = format!("inode {ino} failed: {e}");
+                        q.push(ino, Instant::now() + Duration::from_secs(5));
                     }
                 }
-                Some(Err(())) => {
-                    if let Err(e) = c.walk_renamed(&t) {
-                        tracing::warn!(error = %e, "could not walk renamed directories for re-keying; retrying later");
-                        std::thread::sleep(Duration::from_secs(1));
-                        t.walk_renamed_dirs();
-                    }
-                }
-                None => {}
             }
-            if last_garbage.elapsed() >= Duration::from_secs(2) && t.backlog().retry_in.is_none() {
-                last_garbage = Instant::now();
-                if let Err(e) = c.collect_garbage(&t) {
-                    tracing::warn!(error = %e, "deleting objects of removed files failed; retrying later");
+            Some(Err(())) => {
+                did = "walked renamed directories".into();
+                if let Err(e) = self.walk_renamed(&t) {
+                    tracing::warn!(error = %e, "could not walk renamed directories for re-keying; retrying later");
+                    std::thread::sleep(Duration::from_secs(1));
+                    t.walk_renamed_dirs();
                 }
-                c.adopt_if_nodes_died(&t);
             }
+            None => {}
         }
+        if last_garbage.elapsed() >= Duration::from_secs(2) && t.backlog().retry_in.is_none() {
+            *last_garbage = Instant::now();
+            if let Err(e) = self.collect_garbage(&t) {
+                tracing::warn!(error = %e, "deleting objects of removed files failed; retrying later");
+            }
+            self.adopt_if_nodes_died(&t);
+        }
+        Some(did)
     }
 
     /// A node that dies leaves its dirty files un-uploaded (it sealed them)

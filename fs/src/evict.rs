@@ -6,7 +6,6 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use converged_metadata::types::{Ino, TierState};
 
@@ -59,23 +58,14 @@ impl Core {
         }
     }
 
-    /// The eviction loop: every second, evict down to the low watermark
-    /// when usage is above the high one.
-    pub fn run_evictor(core: std::sync::Weak<Core>) {
-        loop {
-            std::thread::sleep(Duration::from_secs(1));
-            let Some(c) = core.upgrade() else { return };
-            let Some(t) = c.tiering().cloned() else { return };
-            match disk_usage(c.data_dir()) {
-                Ok(u) if u > t.cfg.evict_high => {
-                    if let Err(e) = c.evict_until(&t, t.cfg.evict_low) {
-                        tracing::warn!(error = %e, "eviction failed");
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot measure the data disk"),
-            }
+    /// One step of the evictor: when the disk is fuller than the high
+    /// watermark, evict down to the low one. Returns the bytes freed.
+    pub(crate) fn evict_step(&self) -> FsResult<u64> {
+        let Some(t) = self.tiering().cloned() else { return Ok(0) };
+        if disk_usage(self.data_dir())? > t.cfg.evict_high {
+            return self.evict_until(&t, t.cfg.evict_low);
         }
+        Ok(0)
     }
 
     /// Evict backed chunks, least recently read first, until the disk is

@@ -676,3 +676,57 @@ fn reply_sized(reply: ReplyXattr, value: &[u8], size: u32) {
         reply.data(value);
     }
 }
+
+/// How the kernel mount is made.
+pub struct MountSpec<'a> {
+    pub mountpoint: &'a Path,
+    /// The source mount(8) and df show.
+    pub source: String,
+    /// Seconds the kernel caches names and attributes.
+    pub attr_timeout: Duration,
+    /// Ask the kernel for passthrough (off with --verify-reads).
+    pub want_passthrough: bool,
+    pub threads: usize,
+}
+
+/// Mount `core` and serve FUSE requests until the filesystem is unmounted
+/// (umount(8), or SIGTERM / SIGINT / SIGHUP to the daemon). `on_mounted`
+/// runs once the kernel mount exists, with the change feed that drops what
+/// this kernel caches of other nodes' changes.
+pub fn serve(
+    core: Arc<Core>,
+    spec: MountSpec<'_>,
+    on_mounted: impl FnOnce(converged_metadata::ChangeFeed) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let adapter = FuseAdapter::new(core, spec.attr_timeout, spec.want_passthrough);
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        fuser::MountOption::FSName(spec.source),
+        // Passed to the kernel so mounts show as type fuse.converged.
+        fuser::MountOption::CUSTOM("subtype=converged".into()),
+        fuser::MountOption::DefaultPermissions,
+        fuser::MountOption::RW,
+        fuser::MountOption::Dev,
+        fuser::MountOption::Suid,
+    ];
+    config.acl = fuser::SessionACL::All;
+    config.n_threads = Some(spec.threads);
+    config.clone_fd = true;
+    let mut session = fuser::Session::new(adapter, spec.mountpoint, &config)
+        .with_context(|| format!("mount {}", spec.mountpoint.display()))?;
+    let mut unmounter = session.unmount_callable();
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])?;
+    let mp = spec.mountpoint.to_path_buf();
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            tracing::info!(signal = sig, mountpoint = %mp.display(), "unmounting on signal");
+            if let Err(e) = unmounter.unmount() {
+                tracing::error!(error = %e, "unmount on signal failed");
+            }
+        }
+    })?;
+    on_mounted(kernel_invalidator(&session)?)?;
+    session.run().context("FUSE session")?;
+    Ok(())
+}

@@ -1,0 +1,277 @@
+//! Mount options: what `converged mount` (and `mount.converged`) accept,
+//! and the checks made before anything is created or started.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use converged_metadata::MetaUri;
+
+/// Copies of each chunk in a cluster when neither the mount nor a directory says otherwise.
+pub const DEFAULT_CLUSTER_REPLICAS: u32 = 2;
+
+#[derive(Args, Debug, Clone)]
+pub struct MountArgs {
+    /// Directory to mount on. Must exist, be a directory, and not already be a mount of converged.
+    pub mountpoint: PathBuf,
+
+    /// Directory on the local SSD that holds chunk backing files (and, by default, the metadata).
+    /// Must already exist and be writable; nothing is created when it is missing.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: PathBuf,
+
+    /// Metadata store URI: `redb:///abs/path/meta.redb` (embedded, the default is
+    /// `redb://<data-dir>/meta.redb`) or `memory:` (nothing persists; for tests).
+    #[arg(long, value_name = "URI")]
+    pub meta: Option<String>,
+
+    /// Stay in the foreground and log to stderr instead of starting a background daemon.
+    #[arg(long)]
+    pub foreground: bool,
+
+    /// Serve every read through the daemon so every block is checked against its crc32c.
+    /// Turns kernel passthrough off (reads become slower).
+    #[arg(long)]
+    pub verify_reads: bool,
+
+    /// Number of threads serving FUSE requests.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+
+    /// Seconds the kernel may cache names and attributes. On a single node every change goes
+    /// through this kernel, which keeps its cache coherent, so a long timeout is safe.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub attr_timeout: f64,
+
+    /// Log file of the background daemon [default: <data-dir>/converged.log].
+    #[arg(long, value_name = "FILE")]
+    pub log_file: Option<PathBuf>,
+
+    /// This node's id, recorded as the holder of the chunks it writes [default: the host name].
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<String>,
+
+    /// Serve this node's chunks to peers over QUIC on ADDR (host:port; port 0 picks one). Needs --tls-dir.
+    #[arg(long, value_name = "ADDR", requires = "tls_dir")]
+    pub listen: Option<std::net::SocketAddr>,
+
+    /// Directory with this node's certificate (from `converged cluster init` / `issue-cert`).
+    #[arg(long, value_name = "DIR", requires = "listen")]
+    pub tls_dir: Option<PathBuf>,
+
+    /// Failure-domain labels of this node, as `key=value,key=value` (for example rack=r1).
+    #[arg(long, value_name = "LABELS", default_value = "")]
+    pub labels: String,
+
+    /// Copies of each chunk (the writing node's included) for files whose directory sets no
+    /// `user.converged.replicas` policy [default: 2 with --listen, else 1].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub replicas: Option<u32>,
+
+    /// When fsync and close return: `replicated` once every replica is on stable storage,
+    /// `local` once the local copy is (replicas follow in the background).
+    #[arg(long, value_enum, default_value = "replicated")]
+    pub durability: crate::cluster::DurabilityMode,
+
+    /// The label naming a node's failure domain; replicas go to distinct domains first.
+    #[arg(long, default_value = "rack", value_name = "LABEL")]
+    pub failure_domain: String,
+
+    /// Seconds one call to a peer may take before the next replica is tried.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub peer_timeout: f64,
+
+    /// Seconds without a heartbeat after which the cluster considers this node dead.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600), value_name = "SECONDS")]
+    pub lease_ttl: u64,
+
+    /// Back every file with an object store: `s3://bucket/prefix`, `gs://bucket/prefix`,
+    /// `az://container/prefix` or `file:///dir`. Each closed file is uploaded as one object at
+    /// `<prefix>/<path>`; backed chunks may then be evicted from the SSDs. S3 credentials come
+    /// from the usual AWS_* variables.
+    #[arg(long, value_name = "URI")]
+    pub object_store: Option<String>,
+
+    /// S3-compatible endpoint for s3:// stores and imports (path-style requests), for example
+    /// http://127.0.0.1:9000 [default: AWS_ENDPOINT_URL, else AWS].
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
+
+    /// How long a closed file must stay unchanged before it is uploaded (`500ms`, `5s`, `2m`).
+    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = parse_duration)]
+    pub backfill_delay: Duration,
+
+    /// Files uploaded in parallel (each large file also uploads its parts in parallel).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub backfill_workers: u16,
+
+    /// Keep a file's object when the file is deleted (by default the object goes too).
+    #[arg(long)]
+    pub keep_deleted_objects: bool,
+
+    /// Percent of the data disk in use above which backed chunks are evicted.
+    #[arg(long, default_value_t = 90.0, value_name = "PERCENT")]
+    pub evict_high: f64,
+
+    /// Percent of the data disk in use that eviction brings usage down to.
+    #[arg(long, default_value_t = 80.0, value_name = "PERCENT")]
+    pub evict_low: f64,
+
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
+
+    /// Source name shown by mount(8) and df.
+    #[arg(long, hide = true)]
+    pub source: Option<String>,
+
+    /// Internal: run as the background daemon, reporting readiness on stdout.
+    #[arg(long, hide = true)]
+    pub daemonized: bool,
+}
+
+/// Everything `mount` needs, checked before anything is created or started.
+pub struct Checked {
+    pub mountpoint: PathBuf,
+    pub data_dir: PathBuf,
+    pub meta: MetaUri,
+    pub meta_str: String,
+}
+
+pub fn check(args: &MountArgs) -> anyhow::Result<Checked> {
+    let dd = &args.data_dir;
+    match std::fs::metadata(dd) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!("data dir {} does not exist", dd.display()),
+        Err(e) => bail!("data dir {}: {e}", dd.display()),
+        Ok(m) if !m.is_dir() => bail!("data dir {} is not a directory", dd.display()),
+        Ok(_) => {}
+    }
+    if !access_writable(dd) {
+        bail!("data dir {} is not writable", dd.display());
+    }
+    let data_dir = dd.canonicalize().with_context(|| format!("data dir {}", dd.display()))?;
+    let mp = &args.mountpoint;
+    match std::fs::metadata(mp) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!("mount point {} does not exist", mp.display()),
+        Err(e) => bail!("mount point {}: {e}", mp.display()),
+        Ok(m) if !m.is_dir() => bail!("mount point {} is not a directory", mp.display()),
+        Ok(_) => {}
+    }
+    let mountpoint = mp.canonicalize().with_context(|| format!("mount point {}", mp.display()))?;
+    if let Some(src) = mount_source(&mountpoint) {
+        bail!("mount point {} is already mounted (by {src})", mountpoint.display());
+    }
+    if data_dir.starts_with(&mountpoint) {
+        bail!("data dir {} lies inside the mount point {}", data_dir.display(), mountpoint.display());
+    }
+    let meta_str = match &args.meta {
+        Some(m) => m.clone(),
+        None => format!("redb://{}", data_dir.join("meta.redb").display()),
+    };
+    let meta: MetaUri = meta_str.parse()?;
+    parse_labels(&args.labels)?;
+    if let Some(dir) = &args.tls_dir {
+        let tls = converged_transport::NodeTls::load(dir).with_context(|| format!("--tls-dir {}", dir.display()))?;
+        if let Some(id) = args.node_id.as_ref().filter(|id| **id != tls.node) {
+            bail!("--node-id {id} does not match the certificate in {}, which is for node {}", dir.display(), tls.node);
+        }
+    }
+    if let Some(uri) = &args.object_store {
+        crate::objects::Location::parse(uri).map_err(|e| anyhow::anyhow!("--object-store: {e}"))?;
+    }
+    let pct = |v: f64| v.is_finite() && (1.0..=99.0).contains(&v);
+    if !pct(args.evict_high) || !pct(args.evict_low) || args.evict_low >= args.evict_high {
+        bail!(
+            "--evict-low ({}) and --evict-high ({}) must be percentages between 1 and 99, low below high",
+            args.evict_low,
+            args.evict_high
+        );
+    }
+    if !(args.attr_timeout.is_finite() && (0.0..=3600.0).contains(&args.attr_timeout)) {
+        bail!("--attr-timeout must be between 0 and 3600 seconds, got {}", args.attr_timeout);
+    }
+    Ok(Checked { mountpoint, data_dir, meta, meta_str })
+}
+
+/// `500ms`, `5s`, `2m`, `1h`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (try 500ms, 5s, 2m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        other => return Err(format!("unknown duration unit {other:?} (use ms, s, m or h)")),
+    };
+    if !secs.is_finite() || !(0.0..=86_400.0 * 7.0).contains(&secs) {
+        return Err(format!("{s:?} is out of range (0 to 7 days)"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+pub fn parse_labels(s: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let Some((k, v)) = part.split_once('=').filter(|(k, v)| !k.is_empty() && !v.is_empty()) else {
+            bail!("label {part:?} is not key=value");
+        };
+        out.insert(k.to_string(), v.to_string());
+    }
+    Ok(out)
+}
+
+pub fn node_id(args: &MountArgs) -> String {
+    let from_cert = args.tls_dir.as_ref().and_then(|d| std::fs::read_to_string(d.join("node.name")).ok());
+    args.node_id.clone().or(from_cert.map(|s| s.trim().to_string())).unwrap_or_else(hostname)
+}
+
+fn access_writable(p: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: access(2) with a valid C string.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) == 0 }
+}
+
+/// Undo mountinfo's octal escapes (`\040` for a space).
+pub fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The source of the mount at exactly `path`, if one is there.
+pub fn mount_source(path: &Path) -> Option<String> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mut found = None;
+    for line in info.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else { continue };
+        if fields.len() < sep + 3 || fields.len() < 5 {
+            continue;
+        }
+        if Path::new(&unescape_mountinfo(fields[4])) == path {
+            // The last matching line is the mount on top.
+            found = Some(format!("{} {}", fields[sep + 1], unescape_mountinfo(fields[sep + 2])));
+        }
+    }
+    found
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "local".into())
+}

@@ -1,0 +1,145 @@
+//! Attributes: the namespace record, overlaid with what the backing file
+//! knows while a writer here is ahead of the metadata; and truncation, which
+//! goes through the write path like any other change of a file's bytes.
+
+use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use converged_metadata::types::*;
+use converged_metadata::MetaError;
+
+use super::write::set_file_times;
+use super::{chunk_range, ts_from, Attr, Core};
+use crate::error::{FsError, FsResult};
+
+/// Stripes of inode numbers with a seal counter each.
+const SEAL_STRIPES: usize = 64;
+
+/// Counts seals that ended a local writer's session, in all and per stripe
+/// of inode numbers; see [`Core::settled`].
+pub(super) struct SealCounters {
+    all: AtomicU64,
+    stripes: [AtomicU64; SEAL_STRIPES],
+}
+
+impl Default for SealCounters {
+    fn default() -> Self {
+        SealCounters { all: AtomicU64::new(0), stripes: std::array::from_fn(|_| AtomicU64::new(0)) }
+    }
+}
+
+impl SealCounters {
+    pub fn bump(&self, ino: Ino) {
+        self.all.fetch_add(1, Ordering::SeqCst);
+        self.stripes[ino as usize % SEAL_STRIPES].fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Core {
+    /// Overlay what the backing file knows while writes may bypass the daemon.
+    fn overlay(&self, mut inode: Inode) -> FsResult<Attr> {
+        if inode.kind != FileKind::Regular {
+            return Ok(inode);
+        }
+        if let Some(oi) = self.open.get(inode.ino) {
+            if oi.state.lock().write.reads_backing_file() {
+                let md = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
+                inode.size = md.len();
+                let mtime = ts_from(md.mtime(), md.mtime_nsec());
+                inode.mtime = mtime;
+                inode.ctime = inode.ctime.max(mtime);
+            }
+        }
+        Ok(inode)
+    }
+
+    /// Attributes that no local seal raced. Release commits a file's sealed
+    /// size and only then stops taking the size from the backing file, so a
+    /// record read before that commit and overlaid after it would carry the
+    /// size the file had when it was opened, and the kernel would cut reads
+    /// short at it. Read again when a seal ended in between: any seal
+    /// for the first read (its inode is not known before it), then only
+    /// seals of inodes in the same stripe, so that a node sealing
+    /// thousands of files a second does not keep a stat going round.
+    fn settled(&self, read: impl Fn() -> FsResult<Attr>) -> FsResult<Attr> {
+        let epoch = self.seals.all.load(Ordering::SeqCst);
+        let mut attr = read()?;
+        if self.seals.all.load(Ordering::SeqCst) == epoch {
+            return Ok(attr);
+        }
+        loop {
+            let stripe = &self.seals.stripes[attr.ino as usize % SEAL_STRIPES];
+            let before = stripe.load(Ordering::SeqCst);
+            let again = read()?;
+            if again.ino == attr.ino && stripe.load(Ordering::SeqCst) == before {
+                return Ok(again);
+            }
+            attr = again;
+        }
+    }
+
+    pub fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        self.settled(|| self.lookup_once(parent, name))
+    }
+
+    fn lookup_once(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        match self.ns.lookup(parent, name) {
+            // An imported directory not listed yet: list it, then look again.
+            Err(MetaError::NotFound) if self.tier.get().is_some() && self.materialize(parent)? => {
+                self.overlay(self.ns.lookup(parent, name)?)
+            }
+            Ok(inode) if inode.kind == FileKind::Regular && self.tier.get().is_some() => {
+                // An imported object replaced in its bucket shows its new size at once.
+                match self.check_import(inode.ino) {
+                    Ok(true) => self.overlay(self.ns.getattr(inode.ino)?),
+                    Ok(false) => self.overlay(inode),
+                    Err(e) => {
+                        tracing::warn!(ino = inode.ino, error = %e, "could not check an imported object");
+                        self.overlay(inode)
+                    }
+                }
+            }
+            r => self.overlay(r?),
+        }
+    }
+
+    pub fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        self.settled(|| self.overlay(self.ns.getattr(ino)?))
+    }
+
+    /// setattr. A size change is a write: the file is opened for writing
+    /// here for its length (taking the write lease and the chunks held
+    /// elsewhere when no writer has them), cut, and released, which seals
+    /// it when no other writer remains.
+    pub fn setattr(&self, ino: Ino, attr: &SetAttr) -> FsResult<Attr> {
+        if let Some(size) = attr.size {
+            let before = self.getattr(ino)?;
+            if before.kind == FileKind::Directory {
+                return Err(MetaError::IsDir.into());
+            }
+            self.truncate(ino, before.size, size)?;
+        }
+        let inode = self.ns.setattr(ino, attr)?;
+        if attr.atime.is_some() || attr.mtime.is_some() {
+            if let Some(oi) = self.open.get(ino) {
+                // Keep the backing file's times in step: they are the source
+                // of mtime while the file is unsealed.
+                set_file_times(&oi.file, &inode)?;
+            }
+        }
+        self.getattr(ino)
+    }
+
+    fn truncate(&self, ino: Ino, old_size: u64, size: u64) -> FsResult<()> {
+        let fh = self.open_for_core(ino)?;
+        let cut = self.open.handle(fh).and_then(|(_, _, oi)| {
+            oi.file.set_len(size).map_err(|e| FsError::io("truncate backing file", e))?;
+            let mut st = oi.state.lock();
+            st.write.mark_dirty(chunk_range(old_size.min(size), 0, self.ns.chunk_size()));
+            st.layout = None;
+            Ok(())
+        });
+        let released = self.release(fh);
+        cut.and(released)
+    }
+}

@@ -1,0 +1,239 @@
+//! Crash recovery at mount, and the order in which things reach stable
+//! storage: a file's bytes before the checksums that describe them, a
+//! rename's new bytes before the old file's backing file goes, a purge
+//! before the bytes it frees.
+//!
+//! A seal at close is committed buffered, with a sync-pending mark (`S`).
+//! Any durable commit may carry it to disk before the bytes it describes,
+//! and the mark goes with it: after a crash the file is re-sealed from what
+//! the disk holds instead of failing its checksums. The flusher syncs the
+//! backing files of marked seals, then drops their marks in its durable
+//! commit; only then are purged backing files removed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use converged_metadata::types::*;
+use converged_metadata::{Durability, MetaError};
+use parking_lot::{Condvar, Mutex};
+
+use super::open::Claim;
+use super::write::Dirty;
+use super::Core;
+use crate::chunkstore::ChunkStore;
+use crate::error::{FsError, FsResult};
+
+/// Purged data waiting for a flush that wakes the flusher early.
+const WAKE_FLUSHER_BYTES: u64 = 1 << 30;
+const WAKE_FLUSHER_FILES: usize = 50_000;
+
+/// Above this many files to sync, one `syncfs` of the data disk is cheaper
+/// than an `fdatasync` each.
+const SYNCFS_ABOVE: usize = 32;
+
+/// What waits for the next flush. Leaf locks: nothing is taken under them.
+#[derive(Default)]
+pub(super) struct Pending {
+    /// Backing files of purged inodes, removed only once the purge is
+    /// durable: a crash before that brings the inode back with its data.
+    doomed: Mutex<Vec<Ino>>,
+    doomed_bytes: AtomicU64,
+    /// Files closed while still empty: nothing to checksum, so their
+    /// unsealed mark is cleared in one batch by the next flush instead of a
+    /// commit per close (what makes creating many empty files cheap).
+    unseal_later: Mutex<Vec<Ino>>,
+    /// Wakes the flusher early (a purge wants its space back).
+    flush_now: (Mutex<bool>, Condvar),
+}
+
+impl Core {
+    /// Bring metadata and chunks back into agreement after a stop.
+    pub(super) fn recover(&self) -> FsResult<()> {
+        let orphans = self.ns.orphans()?;
+        for ino in &orphans {
+            self.ns.purge(*ino)?;
+            self.store.remove(*ino)?;
+        }
+        // Files open for writing when the daemon stopped, and files whose
+        // seal may describe bytes the disk never got: sealed again from what
+        // the backing file holds now.
+        let mut reseal: Vec<Ino> = self.ns.unsealed()?;
+        reseal.extend(self.ns.sync_pending()?.into_iter().map(|(ino, _)| ino));
+        reseal.sort_unstable();
+        reseal.dedup();
+        for ino in &reseal {
+            match self.ns.getattr(*ino) {
+                Ok(inode) => {
+                    let file = self.store.open_backing(*ino)?;
+                    self.seal_file(&inode, &file, &Dirty::All, false, Durability::Buffered, false)?;
+                    // Sealed before the cluster is attached: replicas follow in the background.
+                    self.under_replicated.0.lock().insert(*ino);
+                }
+                Err(MetaError::NotFound) => {
+                    self.ns.purge(*ino)?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let mut strays = 0;
+        for ino in self.store.list()? {
+            if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
+                self.store.remove(ino)?;
+                strays += 1;
+            }
+        }
+        self.flush()?;
+        if !orphans.is_empty() || !reseal.is_empty() || strays > 0 {
+            tracing::info!(
+                orphans = orphans.len(),
+                resealed = reseal.len(),
+                stray_backing_files = strays,
+                "recovered after an unclean stop"
+            );
+        }
+        Ok(())
+    }
+
+    /// Queue the backing file of a purged inode for removal after the next
+    /// durable flush. Deleting many small files shares one flush a second;
+    /// a lot of space waiting to be freed wakes the flusher at once.
+    pub(super) fn doom(&self, ino: Ino) {
+        let bytes = std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len());
+        let files = {
+            let mut doomed = self.pending.doomed.lock();
+            doomed.push(ino);
+            doomed.len()
+        };
+        let pending = self.pending.doomed_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        if pending >= WAKE_FLUSHER_BYTES || files >= WAKE_FLUSHER_FILES {
+            *self.pending.flush_now.0.lock() = true;
+            self.pending.flush_now.1.notify_one();
+        }
+    }
+
+    /// A file closed empty keeps its unsealed mark until the next flush.
+    pub(super) fn unseal_later(&self, ino: Ino) {
+        self.pending.unseal_later.lock().push(ino);
+    }
+
+    /// Wait until `period` passed or a flush is wanted now.
+    pub(crate) fn wait_for_flush(&self, period: Duration) {
+        let mut wanted = self.pending.flush_now.0.lock();
+        if !*wanted {
+            self.pending.flush_now.1.wait_for(&mut wanted, period);
+        }
+        *wanted = false;
+    }
+
+    /// Make buffered namespace changes durable, after the bytes of the
+    /// seals among them; then remove the backing files of inodes purged
+    /// before. Called every second by the flusher and at unmount.
+    pub fn flush(&self) -> FsResult<()> {
+        self.clear_unsealed_batch()?;
+        let doomed = std::mem::take(&mut *self.pending.doomed.lock());
+        self.pending.doomed_bytes.store(0, Ordering::Relaxed);
+        if let Err(e) = self.make_durable() {
+            // Not durable: the purges may come back after a crash, so their
+            // data must stay.
+            self.pending.doomed.lock().extend(doomed);
+            return Err(e);
+        }
+        for ino in doomed {
+            // A metadata reopen after a disk-full error rolls back to the last
+            // durable commit and may bring the inode back: then keep its data.
+            if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
+                self.store.remove(ino)?;
+            }
+        }
+        self.keep_reserve();
+        Ok(())
+    }
+
+    /// One durable metadata commit, preceded by a sync of the bytes of every
+    /// seal still marked sync-pending, whose marks it drops.
+    pub(super) fn make_durable(&self) -> FsResult<()> {
+        let pending = self.ns.sync_pending()?;
+        if pending.is_empty() {
+            self.ns.sync_if_dirty()?;
+            return Ok(());
+        }
+        if pending.len() > SYNCFS_ABOVE {
+            self.store.sync_filesystem().map_err(|e| FsError::io("syncfs data disk", e))?;
+        } else {
+            for (ino, _) in &pending {
+                self.sync_backing_file(*ino)?;
+            }
+        }
+        self.ns.clear_sync_pending(&pending)?;
+        Ok(())
+    }
+
+    /// Put the bytes of `ino`'s backing file on stable storage.
+    pub(super) fn sync_backing_file(&self, ino: Ino) -> FsResult<()> {
+        match std::fs::File::open(self.store.path(ino)) {
+            Ok(f) => f.sync_data().map_err(|e| FsError::io("sync backing file", e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(FsError::io("open backing file to sync", e)),
+        }
+    }
+
+    /// Drop the unsealed marks of files closed empty, holding each closed
+    /// while the batch commits (an opener waits, then takes the lease anew).
+    /// A file open again keeps its mark: its writer's seal drops it, or, when
+    /// only readers have it open, a later batch does.
+    fn clear_unsealed_batch(&self) -> FsResult<()> {
+        let mut inos = std::mem::take(&mut *self.pending.unseal_later.lock());
+        if inos.is_empty() {
+            return Ok(());
+        }
+        // A file closed empty twice is queued twice; held once.
+        inos.sort_unstable();
+        inos.dedup();
+        // Several inodes are held at once here, so none is waited for:
+        // one that another holder has (an unlink, an eviction) comes back
+        // in the next batch.
+        let mut held = Vec::with_capacity(inos.len());
+        let mut later = Vec::new();
+        for ino in inos {
+            match self.open.try_claim_closed(ino) {
+                Some(Claim::Closed(h)) => held.push(h),
+                Some(Claim::Open(oi)) => {
+                    if matches!(oi.state.lock().write, super::write::WriteState::Sealed) {
+                        later.push(ino);
+                    }
+                }
+                None => later.push(ino),
+            }
+        }
+        self.pending.unseal_later.lock().extend(later);
+        let clear: Vec<Ino> = held.iter().map(|h| h.ino()).collect();
+        let r = self.ns.clear_unsealed(&clear);
+        drop(held);
+        if let Err(e) = r {
+            self.pending.unseal_later.lock().extend(clear);
+            return Err(e.into());
+        }
+        if let Some(t) = self.tier.get() {
+            for ino in clear {
+                t.enqueue(ino, t.cfg.backfill_delay);
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-create the metadata reserve once the disk has room again.
+    pub(super) fn keep_reserve(&self) {
+        if let Ok(st) = self.statfs() {
+            let frsize = st.f_frsize.max(1);
+            let reserve = crate::chunkstore::reserve_size(st.f_blocks * frsize);
+            // An existing reserve is left as it is; a missing one is made
+            // only once the disk has room to spare.
+            if st.f_bavail * frsize > 4 * reserve {
+                self.store.ensure_reserve(reserve);
+            }
+            if let Some(meta) = &self.cfg.meta_file {
+                ChunkStore::preallocate(meta, reserve);
+            }
+        }
+    }
+}

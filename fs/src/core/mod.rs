@@ -1,0 +1,545 @@
+//! The filesystem core: one method per FUSE operation, with no FUSE types in
+//! sight. The adapter (`fuse.rs`) calls one method here per request; tests
+//! drive it directly. It owns the per-inode state of files open on this node
+//! and the order in which that state, the metadata and the disk change.
+//!
+//! Where things are:
+//! - `mod.rs` (this file): the facade; namespace, xattr and directory operations.
+//! - `open.rs`: the handle table, the open-inode table with its gates, and the
+//!   choice of the kernel's I/O mode for a handle.
+//! - `write.rs`: the write path; a file's write state is one enum
+//!   ([`write::WriteState`]) whose transitions all live there.
+//! - `read.rs`: the read path; one `locate` step says where each range of a
+//!   file comes from (hole, local copy, peer, object store).
+//! - `attr.rs`: attributes, and truncation through the write path.
+//! - `durability.rs`: crash recovery at mount, and the flush that makes
+//!   buffered metadata durable only after the bytes it describes.
+//! - `replicate.rs`: topping up under-replicated chunks.
+//!
+//! # Lock order
+//!
+//! Every lock in the core, in the order it may be taken. A lock may be
+//! taken while holding only locks above it in this list.
+//!
+//! 1. `open` (a shard of the open-inode table, [`open::OpenTable`]): held
+//!    only to look up, insert or remove a slot. Inside it, only (2) may be
+//!    taken, for a constant-time update.
+//! 2. `OpenInode::state` (one file's [`open::OpenState`]): never held across
+//!    I/O, a KV transaction or a network call. Long work (checksums, replica
+//!    writes, commits, hydration) runs with the state in a transitional
+//!    [`write::WriteState`] (`Leasing`, `Publishing`, `Sealing`) and no lock
+//!    held; others wait on `OpenInode::changed`, holding nothing.
+//! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
+//!    `doomed`, `unseal_later`, `spares`, `under_replicated`, `flush_now`,
+//!    the tier's tables.
+//!
+//! And across the boundaries:
+//! - **No in-memory lock is taken inside a KV transaction closure**: what a
+//!   transaction needs is read before it starts (for example the gate an
+//!   unlink holds on the inode it may purge), and acted on after it commits.
+//! - **No lock is held across a KV transaction, a disk sync or a network
+//!   call.** A gate ([`open::Held`]) may be: it is not a lock but a promise
+//!   that the inode stays closed here, and its holder waits for nothing that
+//!   a waiter on it could hold.
+//!
+//! With these rules the KV engine's write slot is never waited for by a
+//! thread holding an in-memory lock, and no thread holding the write slot
+//! waits for one, so no cycle can form through it.
+
+mod attr;
+mod durability;
+mod open;
+mod read;
+mod replicate;
+mod write;
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use converged_metadata::types::*;
+use converged_metadata::{MetaError, Namespace, Unlinked};
+use dashmap::DashMap;
+use parking_lot::Mutex;
+
+use crate::backfill::Tiering;
+use crate::chunkstore::ChunkStore;
+use crate::cluster::Cluster;
+use crate::error::{FsError, FsResult};
+
+pub use open::Opened;
+use open::{Claim, OpenTable};
+pub use replicate::Replicated;
+
+pub struct CoreConfig {
+    pub data_dir: PathBuf,
+    /// This node's id, recorded as the replica of every chunk it seals.
+    pub node_id: String,
+    /// Serve every read through the daemon so every byte is checksum-verified.
+    pub verify_reads: bool,
+    /// The embedded metadata file when it lives on the data disk; kept
+    /// preallocated so a disk full of chunks cannot starve it.
+    pub meta_file: Option<PathBuf>,
+}
+
+/// Attributes as the caller sees them: the namespace record, with size and
+/// mtime taken from the backing file while the file is being written here.
+pub type Attr = Inode;
+
+/// A directory snapshot held by an open directory handle: (name, entry) pairs.
+pub type Listing = Arc<Vec<(Vec<u8>, Dentry)>>;
+
+/// Counters of the daemon's own I/O, for the metrics endpoint. Bytes the
+/// kernel moves by passthrough never reach the daemon and are not counted.
+#[derive(Default)]
+pub struct CoreStats {
+    pub opens_passthrough: AtomicU64,
+    pub opens_cached: AtomicU64,
+    pub opens_direct: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub written_bytes: AtomicU64,
+    pub seals: AtomicU64,
+    pub corrupt_blocks: AtomicU64,
+}
+
+pub struct Core {
+    /// Counters for the metrics endpoint.
+    pub stats: CoreStats,
+    ns: Namespace,
+    store: Arc<ChunkStore>,
+    cfg: CoreConfig,
+    /// Files open on this node, and the handles on them.
+    open: OpenTable,
+    dirs: DashMap<u64, Listing>,
+    passthrough: AtomicBool,
+    /// What waits for the next flush: purged backing files, files closed
+    /// empty, and the wake-up of the flusher.
+    pending: durability::Pending,
+    /// Backing files made ahead of time for the next inode numbers, so a
+    /// create does not wait for the local filesystem to create one.
+    spares: Mutex<std::collections::HashMap<Ino, File>>,
+    spares_low: parking_lot::Condvar,
+    /// Set at shutdown so no spare is made after.
+    spares_stopped: AtomicBool,
+    /// Peers, when this node is part of a cluster.
+    cluster: OnceLock<Arc<Cluster>>,
+    /// Files whose chunks have fewer copies than their policy asks, for the
+    /// replicator (durability=local, or peers that did not answer).
+    under_replicated: (Mutex<std::collections::BTreeSet<Ino>>, parking_lot::Condvar),
+    /// The object store tier, when the mount has one.
+    tier: OnceLock<Arc<Tiering>>,
+    /// This core, for work it hands to background threads (object readahead).
+    me: OnceLock<std::sync::Weak<Core>>,
+    /// Seals that ended a local writer's session; see `attr::settled`.
+    seals: attr::SealCounters,
+    /// The daemon's background workers, for `status`.
+    workers: OnceLock<Arc<crate::workers::Supervisor>>,
+}
+
+/// Backing files kept ready ahead of creates.
+const SPARES: usize = 256;
+
+fn chunk_range(offset: u64, len: u64, chunk_size: u32) -> std::ops::RangeInclusive<u32> {
+    let cs = chunk_size.max(1) as u64;
+    let first = (offset / cs) as u32;
+    let last = ((offset + len.max(1) - 1) / cs) as u32;
+    first..=last
+}
+
+fn ts_from(sec: i64, nsec: i64) -> Timespec {
+    Timespec { sec, nsec: nsec as u32 }
+}
+
+impl Core {
+    /// Open the core and bring metadata and chunks back into agreement:
+    /// purge orphans, re-seal files that were open for writing or whose
+    /// bytes were not known durable, drop backing files whose inode is gone.
+    pub fn start(ns: Namespace, cfg: CoreConfig) -> FsResult<Self> {
+        let store = Arc::new(ChunkStore::open(&cfg.data_dir)?);
+        let s = store.clone();
+        ns.set_no_space_handler(move || s.release_reserve());
+        let core = Core {
+            ns,
+            store,
+            cfg,
+            open: OpenTable::default(),
+            dirs: DashMap::new(),
+            passthrough: AtomicBool::new(false),
+            pending: durability::Pending::default(),
+            spares: Mutex::default(),
+            spares_low: parking_lot::Condvar::new(),
+            spares_stopped: AtomicBool::new(false),
+            cluster: OnceLock::new(),
+            under_replicated: Default::default(),
+            tier: OnceLock::new(),
+            me: OnceLock::new(),
+            seals: attr::SealCounters::default(),
+            workers: OnceLock::new(),
+            stats: CoreStats::default(),
+        };
+        core.recover()?;
+        core.keep_reserve();
+        Ok(core)
+    }
+
+    /// Join the cluster: from now on chunks are replicated to peers and read
+    /// from them when this node does not hold them.
+    pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
+        let weak = Arc::downgrade(self);
+        cluster.set_stager(Box::new(move |ino, chunk| {
+            let core = weak.upgrade().ok_or_else(|| converged_transport::ServiceError {
+                errno: libc::ESHUTDOWN,
+                msg: "node is stopping".into(),
+            })?;
+            core.stage_chunk(ino, chunk)
+                .map_err(|e| converged_transport::ServiceError { errno: e.errno(), msg: e.to_string() })
+        }));
+        let _ = self.cluster.set(cluster);
+        self.under_replicated.1.notify_one();
+    }
+
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.get()
+    }
+
+    /// Back files with the object store: backfill, import, eviction.
+    pub fn attach_tier(self: &Arc<Self>, tier: Arc<Tiering>) {
+        let _ = self.tier.set(tier);
+        let _ = self.me.set(Arc::downgrade(self));
+    }
+
+    /// The supervisor whose workers `status` reports.
+    pub fn attach_workers(&self, workers: Arc<crate::workers::Supervisor>) {
+        let _ = self.workers.set(workers);
+    }
+
+    pub fn tiering(&self) -> Option<&Arc<Tiering>> {
+        self.tier.get()
+    }
+
+    /// Run `f` while no handle is open on `ino` and none can open (opens
+    /// wait); `None` when the file is open here.
+    pub(crate) fn while_closed<T>(&self, ino: Ino, f: impl FnOnce() -> T) -> Option<T> {
+        match self.open.claim_closed(ino) {
+            Claim::Closed(_held) => Some(f()),
+            Claim::Open(_) => None,
+        }
+    }
+
+    /// Whether a writer here has the file's bytes ahead of its metadata.
+    pub(crate) fn is_being_written(&self, ino: Ino) -> bool {
+        self.open.get(ino).is_some_and(|oi| oi.state.lock().write.reads_backing_file())
+    }
+
+    pub(crate) fn data_dir(&self) -> &std::path::Path {
+        &self.cfg.data_dir
+    }
+
+    fn node_id(&self) -> &str {
+        &self.cfg.node_id
+    }
+
+    /// Whether this node holds a current copy of the chunk. Without a
+    /// cluster every chunk with a replica is local, whatever node id sealed it.
+    /// A chunk with no replica at all was evicted (or never fetched, when
+    /// imported): its bytes are in the object store only.
+    pub(crate) fn is_local(&self, rec: &converged_metadata::ChunkRecord) -> bool {
+        match self.cluster.get() {
+            None => !rec.replicas.is_empty(),
+            Some(_) => rec.replicas.iter().any(|r| r == self.node_id()),
+        }
+    }
+
+    pub fn chunk_store(&self) -> Arc<ChunkStore> {
+        self.store.clone()
+    }
+
+    pub fn namespace(&self) -> &Namespace {
+        &self.ns
+    }
+
+    /// Called by the adapter once the kernel has agreed to passthrough.
+    pub fn set_passthrough(&self, on: bool) {
+        self.passthrough.store(on && !self.cfg.verify_reads, Ordering::Relaxed);
+    }
+
+    pub fn passthrough(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// The adapter could not set up passthrough for a handle: from now on
+    /// I/O comes through the daemon.
+    pub fn passthrough_refused(&self) {
+        if self.passthrough.swap(false, Ordering::Relaxed) {
+            tracing::warn!("kernel refused a passthrough backing file; serving all I/O through the daemon");
+        }
+    }
+
+    /// Inodes open on this node now.
+    pub fn open_files(&self) -> usize {
+        self.open.len()
+    }
+
+    /// Files waiting for the replicator.
+    pub fn under_replicated_files(&self) -> usize {
+        self.under_replicated.0.lock().len()
+    }
+
+    // ---- namespace ----
+
+    pub fn mknod(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> FsResult<Attr> {
+        Ok(self.ns.mknod(parent, name, node)?)
+    }
+
+    pub fn link(&self, ino: Ino, newparent: Ino, newname: &[u8]) -> FsResult<Attr> {
+        self.ns.link(ino, newparent, newname)?;
+        self.getattr(ino)
+    }
+
+    pub fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        Ok(self.ns.readlink(ino)?)
+    }
+
+    /// Unlink a name. When it was the inode's last name and the inode is not
+    /// open here, its records go in the same transaction: the inode is held
+    /// closed (opens wait) from before the transaction to after it, and the
+    /// transaction is told which inode it may purge instead of asking the
+    /// open table from inside.
+    pub fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let target = self.ns.lookup(parent, name)?;
+        let held = match target.kind {
+            FileKind::Directory => return Err(MetaError::IsDir.into()),
+            FileKind::Regular => match self.open.claim_closed(target.ino) {
+                Claim::Closed(held) => Some(held),
+                Claim::Open(_) => None,
+            },
+            // Not opened through the daemon: nothing here can hold it.
+            _ => None,
+        };
+        let may_purge = match target.kind {
+            FileKind::Regular => held.as_ref().map(|h| h.ino()),
+            _ => Some(target.ino),
+        };
+        let gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge)?;
+        if gone.purged {
+            self.doom(gone.ino);
+            return Ok(());
+        }
+        drop(held);
+        self.forget_orphan(gone)
+    }
+
+    pub fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        Ok(self.ns.rmdir(parent, name)?)
+    }
+
+    /// Rename, atomically in one transaction. A rename that replaces a
+    /// regular file first puts the new file's bytes on stable storage (as
+    /// ext4 does for `rename` over a file), so that after a power cut the
+    /// name holds one whole version: the old one, whose backing file goes
+    /// only after the rename is durable, or the new one.
+    pub fn rename(&self, parent: Ino, name: &[u8], newparent: Ino, newname: &[u8], mode: RenameMode) -> FsResult<()> {
+        if mode != RenameMode::Exchange {
+            if let (Ok(src), Ok(dst)) = (self.ns.lookup(parent, name), self.ns.lookup(newparent, newname)) {
+                if src.kind == FileKind::Regular && dst.kind == FileKind::Regular && src.ino != dst.ino {
+                    self.sync_backing_file(src.ino)?;
+                }
+            }
+        }
+        if let Some(victim) = self.ns.rename(parent, name, newparent, newname, mode)? {
+            self.forget_orphan(victim)?;
+        }
+        if let Some(t) = self.tier.get() {
+            // Backed objects move to the new key in the background.
+            // The rename is done; a name already gone again has nothing to re-key.
+            let mut moved = vec![self.ns.lookup(newparent, newname)];
+            if mode == RenameMode::Exchange {
+                moved.push(self.ns.lookup(parent, name));
+            }
+            for inode in moved.into_iter().flatten() {
+                match inode.kind {
+                    FileKind::Directory => t.walk_renamed_dirs(),
+                    FileKind::Regular => t.enqueue(inode.ino, std::time::Duration::ZERO),
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An inode lost its last name: drop it now, or at last close if open here.
+    fn forget_orphan(&self, gone: Unlinked) -> FsResult<()> {
+        if !gone.orphaned {
+            return Ok(());
+        }
+        match self.open.claim_closed(gone.ino) {
+            Claim::Open(oi) => {
+                oi.state.lock().orphaned = true;
+                Ok(())
+            }
+            Claim::Closed(_held) => self.purge(gone.ino),
+        }
+    }
+
+    /// Drop the records of an orphan; its backing file goes after the next
+    /// durable flush. The caller holds it closed.
+    fn purge(&self, ino: Ino) -> FsResult<()> {
+        if self.ns.purge(ino)? {
+            self.doom(ino);
+        }
+        Ok(())
+    }
+
+    // ---- xattrs ----
+
+    /// `caller` is the uid asking: only root may import (the daemon's
+    /// credentials read the bucket, whoever set the attribute).
+    pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode, caller: u32) -> FsResult<()> {
+        match name {
+            STAGE_XATTR => {
+                let n = parse_replicas(value).ok_or(FsError::Invalid("stage: replica count must be 1..=8"))?;
+                self.stage_file(ino, n)
+            }
+            IMPORT_XATTR if caller != 0 => Err(MetaError::NotPermitted("only root may import a bucket").into()),
+            IMPORT_XATTR => self.start_import(ino, value, mode),
+            TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR => Err(FsError::Invalid("read-only attribute")),
+            _ => Ok(self.ns.setxattr(ino, name, value, mode)?),
+        }
+    }
+
+    pub fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        match name {
+            TIER_XATTR => self.describe_tier(ino),
+            LAYOUT_XATTR => self.describe_layout(ino),
+            BACKFILL_XATTR => self.describe_backfill(),
+            WORKERS_XATTR => match self.workers.get() {
+                Some(w) => Ok(w.report().into_bytes()),
+                None => Err(MetaError::NoAttr.into()),
+            },
+            _ => Ok(self.ns.getxattr(ino, name)?),
+        }
+    }
+
+    pub fn listxattr(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        Ok(self.ns.listxattr(ino)?)
+    }
+
+    pub fn removexattr(&self, ino: Ino, name: &[u8]) -> FsResult<()> {
+        Ok(self.ns.removexattr(ino, name)?)
+    }
+
+    // ---- directories ----
+
+    /// Directory handles hold a snapshot of the entries, so offsets stay
+    /// stable while the directory changes underneath a reader.
+    pub fn opendir(&self, ino: Ino) -> FsResult<u64> {
+        self.ns.getattr(ino)?;
+        Ok(self.open.new_fh())
+    }
+
+    /// Entries from `offset` on; offset 0 (re)takes the snapshot. Returns
+    /// (entry offset, name, dentry); `.` and `..` are offsets 1 and 2.
+    pub fn readdir(&self, ino: Ino, fh: u64, offset: u64) -> FsResult<Listing> {
+        if offset == 0 || !self.dirs.contains_key(&fh) {
+            if self.tier.get().is_some() {
+                self.materialize(ino)?;
+            }
+            let dir = self.ns.getattr(ino)?;
+            let mut entries = vec![
+                (b".".to_vec(), Dentry { ino, kind: FileKind::Directory }),
+                (b"..".to_vec(), Dentry { ino: dir.parent, kind: FileKind::Directory }),
+            ];
+            entries.extend(self.ns.readdir(ino)?);
+            self.dirs.insert(fh, Arc::new(entries));
+        }
+        Ok(self.dirs.get(&fh).map(|e| e.clone()).unwrap_or_default())
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.dirs.remove(&fh);
+    }
+
+    pub fn fsyncdir(&self) -> FsResult<()> {
+        self.make_durable()
+    }
+
+    pub fn statfs(&self) -> FsResult<libc::statvfs> {
+        let path = std::ffi::CString::new(self.cfg.data_dir.as_os_str().as_encoded_bytes())
+            .map_err(|_| FsError::Invalid("data dir path has a NUL byte"))?;
+        // SAFETY: statvfs fills the struct we pass.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+            return Err(FsError::io("statvfs data dir", std::io::Error::last_os_error()));
+        }
+        Ok(st)
+    }
+
+    // ---- spares ----
+
+    fn take_spare(&self, ino: Ino) -> Option<File> {
+        let mut spares = self.spares.lock();
+        let f = spares.remove(&ino);
+        if spares.len() < SPARES / 2 {
+            self.spares_low.notify_one();
+        }
+        f
+    }
+
+    /// Wait until creates have used half the spares, or `period` passed.
+    /// Returns false once the core is shutting down.
+    pub(crate) fn wait_for_spares_low(&self, period: std::time::Duration) -> bool {
+        let mut spares = self.spares.lock();
+        self.spares_low.wait_for(&mut spares, period);
+        !self.spares_stopped.load(Ordering::SeqCst)
+    }
+
+    /// Make backing files for the next inode numbers. Spares for numbers
+    /// already handed out are closed; one is deleted only when its inode
+    /// turned out not to be a regular file, since a regular file may be
+    /// opening its backing file by path at this moment. Returns how many
+    /// it made.
+    pub(crate) fn make_spares(&self) -> usize {
+        let upcoming = self.ns.upcoming_inos(SPARES as u64);
+        let stale: Vec<Ino> = self.spares.lock().keys().copied().filter(|i| *i < upcoming.start).collect();
+        for ino in stale {
+            self.spares.lock().remove(&ino);
+            if matches!(self.ns.getattr(ino), Ok(i) if i.kind != FileKind::Regular) {
+                let _ = self.store.remove(ino);
+            }
+        }
+        let mut made = 0;
+        for ino in upcoming {
+            if self.spares_stopped.load(Ordering::SeqCst) {
+                break;
+            }
+            if self.spares.lock().contains_key(&ino) || self.open.get(ino).is_some() {
+                continue;
+            }
+            if let Some(f) = self.store.create_spare(ino) {
+                made += 1;
+                self.spares.lock().insert(ino, f);
+            }
+        }
+        made
+    }
+
+    /// Flush the namespace to stable storage (unmount).
+    pub fn shutdown(&self) {
+        // Spares not used by a regular file would be strays at the next mount.
+        self.spares_stopped.store(true, Ordering::SeqCst);
+        for (ino, _) in std::mem::take(&mut *self.spares.lock()) {
+            let unused = match self.ns.getattr(ino) {
+                Err(MetaError::NotFound) => true,
+                Ok(inode) => inode.kind != FileKind::Regular,
+                Err(_) => false,
+            };
+            if unused {
+                let _ = self.store.remove(ino);
+            }
+        }
+        if let Err(e) = self.flush() {
+            tracing::error!(error = %e, "final metadata sync failed");
+        }
+    }
+}

@@ -1,0 +1,427 @@
+//! Files open on this node: the handle table (fh → handle), the open-inode
+//! table (ino → per-inode state, or a gate that holds a closed inode
+//! closed), and the choice of the kernel's I/O mode for each handle.
+//!
+//! This module owns locks (1) and (2) of the order in `core/mod.rs`; it
+//! never calls the namespace or the disk while holding them.
+
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use converged_metadata::types::*;
+use dashmap::DashMap;
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use super::read::Layout;
+use super::write::WriteState;
+use super::Core;
+use crate::error::{FsError, FsResult};
+use crate::remote::Readahead;
+
+/// What an open hands back: the handle, and the backing file when reads and
+/// writes may go straight to it (kernel passthrough).
+pub struct Opened {
+    pub fh: u64,
+    pub backing: Option<Arc<File>>,
+    /// Served by the daemon outside the kernel's page cache (FOPEN_DIRECT_IO).
+    pub direct_io: bool,
+}
+
+/// How the kernel does a handle's I/O. It refuses a passthrough open while
+/// a cached one of the same inode is open, and the reverse (the open fails
+/// with EIO), but direct I/O opens mix with both; so a new open follows
+/// the mode of the handles already open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Io {
+    /// Kernel passthrough to the backing file.
+    Passthrough,
+    /// Through the daemon, with the kernel's page cache.
+    Cached,
+    /// Through the daemon, without the page cache: beside passthrough
+    /// handles, and for the core's own handles (truncation).
+    Direct,
+}
+
+pub(super) struct Handle {
+    pub ino: Ino,
+    pub writable: bool,
+    pub io: Io,
+}
+
+/// Per-inode state while at least one handle is open on this node.
+pub(super) struct OpenInode {
+    pub file: Arc<File>,
+    pub state: Mutex<OpenState>,
+    /// Signalled whenever `state.write` leaves a transitional state.
+    pub changed: Condvar,
+    /// Windows fetched from peers for chunks this node does not hold.
+    pub readahead: Mutex<Readahead>,
+}
+
+#[derive(Default)]
+pub(super) struct OpenState {
+    pub opens: u32,
+    pub writers: u32,
+    /// The file's write state (see `write.rs`, which owns its transitions).
+    pub write: WriteState,
+    /// Unlinked while open: never sealed again, purged at last close.
+    pub orphaned: bool,
+    /// Layout of a sealed file, loaded on the first read through the daemon.
+    pub layout: Option<Arc<Layout>>,
+    /// Handles open in each kernel I/O mode (see [`Io`]).
+    pub passthrough_handles: u32,
+    pub cached_handles: u32,
+}
+
+impl OpenInode {
+    /// The state once no transition is under way: waits (holding nothing
+    /// else) while the write state is `Leasing`, `Publishing` or `Sealing`.
+    pub fn settled_state(&self) -> MutexGuard<'_, OpenState> {
+        let mut st = self.state.lock();
+        while st.write.in_transition() {
+            self.changed.wait(&mut st);
+        }
+        st
+    }
+}
+
+/// A slot of the open-inode table.
+enum Slot {
+    Open(Arc<OpenInode>),
+    /// Closed here and held so by an unlink's purge, an eviction or a batch
+    /// of unsealed marks being cleared: opens wait until it is released.
+    Held(Arc<Gate>),
+}
+
+#[derive(Default)]
+struct Gate {
+    released: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Gate {
+    fn wait(&self) {
+        let mut released = self.released.lock();
+        while !*released {
+            self.cv.wait(&mut released);
+        }
+    }
+}
+
+/// A closed inode held closed; opens of it wait until this is dropped.
+pub(crate) struct Held<'a> {
+    table: &'a OpenTable,
+    ino: Ino,
+    gate: Arc<Gate>,
+}
+
+impl Held<'_> {
+    pub fn ino(&self) -> Ino {
+        self.ino
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.table.inodes.remove_if(&self.ino, |_, slot| matches!(slot, Slot::Held(g) if Arc::ptr_eq(g, &self.gate)));
+        *self.gate.released.lock() = true;
+        self.gate.cv.notify_all();
+    }
+}
+
+/// Whether an inode is open here, or held closed by the caller.
+pub(crate) enum Claim<'a> {
+    Open(Arc<OpenInode>),
+    Closed(Held<'a>),
+}
+
+/// The handle table and the open-inode table.
+#[derive(Default)]
+pub(super) struct OpenTable {
+    inodes: DashMap<Ino, Slot>,
+    handles: DashMap<u64, Handle>,
+    next_fh: AtomicU64,
+}
+
+impl OpenTable {
+    pub fn new_fh(&self) -> u64 {
+        self.next_fh.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Inodes open here.
+    pub fn len(&self) -> usize {
+        self.inodes.iter().filter(|s| matches!(s.value(), Slot::Open(_))).count()
+    }
+
+    /// The state of `ino` if it is open here.
+    pub fn get(&self, ino: Ino) -> Option<Arc<OpenInode>> {
+        match self.inodes.get(&ino).as_deref() {
+            Some(Slot::Open(oi)) => Some(oi.clone()),
+            _ => None,
+        }
+    }
+
+    /// Hold `ino` closed, or return its state if it is open. Waits while
+    /// another holder has it.
+    pub fn claim_closed(&self, ino: Ino) -> Claim<'_> {
+        loop {
+            let gate = match self.inodes.entry(ino) {
+                dashmap::Entry::Vacant(v) => {
+                    let gate = Arc::new(Gate::default());
+                    v.insert(Slot::Held(gate.clone()));
+                    return Claim::Closed(Held { table: self, ino, gate });
+                }
+                dashmap::Entry::Occupied(o) => match o.get() {
+                    Slot::Open(oi) => return Claim::Open(oi.clone()),
+                    Slot::Held(g) => g.clone(),
+                },
+            };
+            gate.wait();
+        }
+    }
+
+    /// [`OpenTable::claim_closed`] without waiting: `None` while another
+    /// holder has the inode.
+    pub fn try_claim_closed(&self, ino: Ino) -> Option<Claim<'_>> {
+        match self.inodes.entry(ino) {
+            dashmap::Entry::Vacant(v) => {
+                let gate = Arc::new(Gate::default());
+                v.insert(Slot::Held(gate.clone()));
+                Some(Claim::Closed(Held { table: self, ino, gate }))
+            }
+            dashmap::Entry::Occupied(o) => match o.get() {
+                Slot::Open(oi) => Some(Claim::Open(oi.clone())),
+                Slot::Held(_) => None,
+            },
+        }
+    }
+
+    /// Count one more open of `ino`, creating its state with `file` (the
+    /// backing file, opened by the caller outside any lock) when it is not
+    /// open yet. Waits while the inode is held closed.
+    pub fn open_inode(&self, ino: Ino, file: impl Fn() -> FsResult<File>) -> FsResult<Arc<OpenInode>> {
+        loop {
+            if let Some(oi) = self.count_open(ino) {
+                return Ok(oi);
+            }
+            let fresh = Arc::new(OpenInode {
+                file: Arc::new(file()?),
+                state: Mutex::default(),
+                changed: Condvar::new(),
+                readahead: Mutex::default(),
+            });
+            let gate = match self.inodes.entry(ino) {
+                dashmap::Entry::Vacant(v) => {
+                    fresh.state.lock().opens = 1;
+                    v.insert(Slot::Open(fresh.clone()));
+                    return Ok(fresh);
+                }
+                dashmap::Entry::Occupied(o) => match o.get() {
+                    // Opened meanwhile by another thread: count on its state.
+                    Slot::Open(_) => None,
+                    Slot::Held(g) => Some(g.clone()),
+                },
+            };
+            if let Some(g) = gate {
+                g.wait();
+            }
+        }
+    }
+
+    fn count_open(&self, ino: Ino) -> Option<Arc<OpenInode>> {
+        let slot = self.inodes.get(&ino)?;
+        match &*slot {
+            Slot::Open(oi) => {
+                oi.state.lock().opens += 1;
+                Some(oi.clone())
+            }
+            Slot::Held(_) => None,
+        }
+    }
+
+    /// Count one open less; drops the state at the last. Returns whether the
+    /// inode was orphaned and is now closed (to be purged).
+    pub fn close_inode(&self, ino: Ino, io: Io) -> bool {
+        let mut purge = false;
+        self.inodes.remove_if(&ino, |_, slot| {
+            let Slot::Open(oi) = slot else { return false };
+            let mut st = oi.state.lock();
+            st.opens -= 1;
+            match io {
+                Io::Passthrough => st.passthrough_handles -= 1,
+                Io::Cached => st.cached_handles -= 1,
+                Io::Direct => {}
+            }
+            purge = st.opens == 0 && st.orphaned;
+            st.opens == 0
+        });
+        purge
+    }
+
+    pub fn insert_handle(&self, fh: u64, h: Handle) {
+        self.handles.insert(fh, h);
+    }
+
+    pub fn set_writable(&self, fh: u64) {
+        if let Some(mut h) = self.handles.get_mut(&fh) {
+            h.writable = true;
+        }
+    }
+
+    pub fn set_io(&self, fh: u64, io: Io) {
+        if let Some(mut h) = self.handles.get_mut(&fh) {
+            h.io = io;
+        }
+    }
+
+    pub fn remove_handle(&self, fh: u64) -> Option<Handle> {
+        self.handles.remove(&fh).map(|(_, h)| h)
+    }
+
+    /// (inode, writable, state) of an open handle.
+    pub fn handle(&self, fh: u64) -> FsResult<(Ino, bool, Arc<OpenInode>)> {
+        let (ino, writable) = {
+            let h = self.handles.get(&fh).ok_or(FsError::BadHandle(fh))?;
+            (h.ino, h.writable)
+        };
+        let oi = self.get(ino).ok_or(FsError::BadHandle(fh))?;
+        Ok((ino, writable, oi))
+    }
+}
+
+impl Core {
+    /// Create a regular file and open it (open with O_CREAT). A file created
+    /// for writing starts unsealed in the creating transaction.
+    pub fn create(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> FsResult<(super::Attr, Opened)> {
+        let inode = self.ns.mknod(parent, name, node)?;
+        let opened = self.open_inner(inode.ino, node.unsealed, node.unsealed, true)?;
+        Ok((inode, opened))
+    }
+
+    /// Open `ino`; `writable` for O_WRONLY / O_RDWR.
+    pub fn open(&self, ino: Ino, writable: bool) -> FsResult<Opened> {
+        self.open_inner(ino, writable, false, true)
+    }
+
+    /// A writable handle for the core's own use (truncation), which the
+    /// kernel never sees: through the daemon, counted in no I/O mode.
+    pub(super) fn open_for_core(&self, ino: Ino) -> FsResult<u64> {
+        Ok(self.open_inner(ino, true, false, false)?.fh)
+    }
+
+    /// Register the open first, then read the inode: an unlink that purges
+    /// holds the inode closed until its purge is committed, so an open that
+    /// got past it finds the inode (ENOENT otherwise), never a half-purged one.
+    fn open_inner(&self, ino: Ino, writable: bool, created_unsealed: bool, kernel: bool) -> FsResult<Opened> {
+        let oi = self.open.open_inode(ino, || match self.take_spare(ino) {
+            Some(f) => Ok(f),
+            None => self.store.open_backing(ino),
+        })?;
+        let fh = self.open.new_fh();
+        // Direct (counted nowhere) until the mode is settled below, and not
+        // writable until it counts as a writer: a failed open releases it.
+        self.open.insert_handle(fh, Handle { ino, writable: false, io: Io::Direct });
+        match self.open_checked(fh, ino, &oi, writable, created_unsealed, kernel) {
+            Ok(opened) => Ok(opened),
+            Err(e) => {
+                let _ = self.release(fh);
+                Err(e)
+            }
+        }
+    }
+
+    fn open_checked(
+        &self,
+        fh: u64,
+        ino: Ino,
+        oi: &OpenInode,
+        writable: bool,
+        created_unsealed: bool,
+        kernel: bool,
+    ) -> FsResult<Opened> {
+        let inode = self.ns.getattr(ino)?;
+        match inode.kind {
+            FileKind::Regular => {}
+            FileKind::Directory => return Err(converged_metadata::MetaError::IsDir.into()),
+            _ => return Err(FsError::Invalid("open of a special file through the daemon")),
+        }
+        if inode.nlink == 0 {
+            // An orphan the kernel still holds: purged at its last close here.
+            oi.state.lock().orphaned = true;
+        }
+        if writable {
+            self.begin_writer(ino, oi, created_unsealed)?;
+            self.open.set_writable(fh);
+        }
+        if !kernel {
+            return Ok(Opened { fh, backing: None, direct_io: true });
+        }
+        let mut passthrough = self.passthrough();
+        if passthrough && writable {
+            if let Some(t) = self.tier.get() {
+                passthrough = self.room_for_passthrough_writes(t);
+            }
+        }
+        let sealed = !oi.state.lock().write.reads_backing_file();
+        if !writable && self.tier.get().is_some() && sealed && self.check_import(ino)? {
+            oi.state.lock().layout = None;
+        }
+        let partial = self.cluster.get().is_some() || self.tier.get().is_some();
+        if passthrough && !writable && partial && sealed {
+            // Close-to-open: read the layout as it is now; the kernel may
+            // read the backing file directly only if every chunk is here...
+            oi.state.lock().layout = None;
+            let layout = self.layout(ino, oi)?;
+            // ... and the backing file has the file's size: passthrough reads
+            // to the backing file's end.
+            let same_size = oi.file.metadata().is_ok_and(|m| m.len() == layout.size);
+            passthrough = same_size && layout.chunks.iter().flatten().all(|r| self.is_local(r));
+        }
+        let io = self.choose_io(oi, passthrough, writable);
+        self.open.set_io(fh, io);
+        Ok(Opened { fh, backing: (io == Io::Passthrough).then(|| oi.file.clone()), direct_io: io == Io::Direct })
+    }
+
+    /// The kernel I/O mode of a new handle, given the handles already open.
+    fn choose_io(&self, oi: &OpenInode, passthrough: bool, writable: bool) -> Io {
+        let mut st = oi.state.lock();
+        let io = match (passthrough, st.cached_handles > 0, st.passthrough_handles > 0) {
+            (true, false, _) => Io::Passthrough,
+            (true, true, _) => Io::Cached,
+            (false, _, true) => Io::Direct,
+            (false, _, false) => Io::Cached,
+        };
+        let counter = match io {
+            Io::Passthrough => {
+                st.passthrough_handles += 1;
+                &self.stats.opens_passthrough
+            }
+            Io::Cached => {
+                st.cached_handles += 1;
+                &self.stats.opens_cached
+            }
+            Io::Direct => &self.stats.opens_direct,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if io == Io::Passthrough && writable {
+            // Writes go around the daemon: every chunk is checksummed again.
+            st.write.dirty_all();
+        }
+        io
+    }
+
+    /// release(2) of a handle: the last writer seals the file; the last
+    /// handle of an orphan purges it.
+    pub fn release(&self, fh: u64) -> FsResult<()> {
+        let h = self.open.remove_handle(fh).ok_or(FsError::BadHandle(fh))?;
+        let Some(oi) = self.open.get(h.ino) else { return Ok(()) };
+        let result = if h.writable { self.end_writer(h.ino, &oi) } else { Ok(()) };
+        if self.open.close_inode(h.ino, h.io) {
+            if let super::Claim::Closed(_held) = self.open.claim_closed(h.ino) {
+                self.purge(h.ino)?;
+            }
+        }
+        result
+    }
+}

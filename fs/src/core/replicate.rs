@@ -1,0 +1,112 @@
+//! Topping up under-replicated chunks: files whose chunks have fewer copies
+//! than their policy asks (durability=local, peers that did not answer,
+//! files re-sealed at mount). The replicator worker calls one step at a time.
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::Duration;
+
+use converged_metadata::types::*;
+use converged_metadata::MetaError;
+
+use super::Core;
+use crate::chunkstore::read_exact_at;
+use crate::error::{FsError, FsResult};
+use crate::remote;
+
+/// What one replicator step did.
+pub enum Replicated {
+    /// Nothing queued (or no cluster yet).
+    Idle,
+    /// Every queued file has its copies.
+    Done(usize),
+    /// Too few live peers, or a failure: the file is queued again.
+    Short(Ino),
+}
+
+impl Core {
+    /// Wait (at most `period`) for files to replicate, then copy the chunks
+    /// of each queued file this node is primary of to more peers.
+    pub(crate) fn replicate_step(&self, period: Duration) -> Replicated {
+        let batch = {
+            let mut q = self.under_replicated.0.lock();
+            if q.is_empty() || self.cluster.get().is_none() {
+                self.under_replicated.1.wait_for(&mut q, period);
+            }
+            if self.cluster.get().is_none() || q.is_empty() {
+                return Replicated::Idle;
+            }
+            std::mem::take(&mut *q)
+        };
+        let mut done = 0;
+        let mut batch = batch.into_iter();
+        while let Some(ino) = batch.next() {
+            // A file still being written here is done at its next seal.
+            if self.is_being_written(ino) {
+                continue;
+            }
+            let ok = self.replicate_file_to(ino, None).unwrap_or_else(|e| {
+                tracing::warn!(ino, error = %e, "background replication failed; retrying later");
+                false
+            });
+            if !ok {
+                let mut q = self.under_replicated.0.lock();
+                q.insert(ino);
+                q.extend(batch);
+                return Replicated::Short(ino);
+            }
+            done += 1;
+        }
+        Replicated::Done(done)
+    }
+
+    /// Copy the chunks of `ino` this node is primary of (or, with `copies`,
+    /// every chunk it holds: staging with `--replicas`) to more peers, until
+    /// each has as many copies as asked (the policy's, or `copies`).
+    /// Returns whether every chunk has them.
+    pub(crate) fn replicate_file_to(&self, ino: Ino, copies: Option<usize>) -> FsResult<bool> {
+        let Some(cluster) = self.cluster.get() else { return Ok(true) };
+        let inode = match self.ns.getattr(ino) {
+            Ok(i) => i,
+            Err(MetaError::NotFound) => return Ok(true),
+            Err(e) => return Err(e.into()),
+        };
+        let want = match copies {
+            Some(n) => n.max(1),
+            None => self.ns.replicas_policy(ino)?.unwrap_or(cluster.default_replicas()).max(1) as usize,
+        };
+        let cs = inode.chunk_size.max(1) as u64;
+        let file = match File::open(self.store.path(ino)) {
+            Ok(f) => f,
+            Err(_) => return Ok(true),
+        };
+        let mut short = false;
+        for (index, rec) in self.ns.chunks(ino)? {
+            let ours = match copies {
+                Some(_) => self.is_local(&rec),
+                None => rec.replicas.first().map(String::as_str) == Some(self.node_id()),
+            };
+            if rec.replicas.len() >= want || !ours {
+                continue;
+            }
+            let start = index as u64 * cs;
+            let mut data = vec![0u8; rec.len as usize];
+            read_exact_at(&file, &mut data, start).map_err(|e| FsError::io("read chunk to replicate", e))?;
+            if remote::verify(ino, &rec, start, start, &data).is_err() {
+                // Changed since this record was sealed: a newer seal follows.
+                continue;
+            }
+            let last = start + rec.len as u64 >= inode.size;
+            let missing = want - rec.replicas.len();
+            let ranked = cluster.plan(ino, index, &rec.replicas);
+            let copies =
+                cluster.block_on(cluster.clone().push(ino, index, start, Arc::new(data), last, missing, ranked));
+            short |= rec.replicas.len() + copies.len() < want;
+            if !copies.is_empty() {
+                self.ns.add_replicas(ino, index, rec.version, &copies)?;
+                tracing::debug!(ino, chunk = index, ?copies, "replicated in the background");
+            }
+        }
+        Ok(!short)
+    }
+}

@@ -1,0 +1,280 @@
+//! Daemon assembly: the one place that builds a node from its mount
+//! options, in order: metadata engine → namespace → core → cluster (peers,
+//! membership) → object tier → workers → the kernel mount. `cli.rs` parses
+//! and checks the options; `fuse.rs` is the only module that knows fuser.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use converged_metadata::{MetaUri, Namespace};
+
+use crate::config::{node_id, parse_labels, Checked, MountArgs, DEFAULT_CLUSTER_REPLICAS};
+use crate::core::{Core, CoreConfig};
+
+/// Printed by a background daemon on its stdout once the mount answers.
+pub const READY: &str = "converged: mount ready";
+
+fn node_info(
+    args: &MountArgs,
+    data_dir: &Path,
+    addr: String,
+) -> anyhow::Result<converged_metadata::membership::NodeInfo> {
+    let (capacity, free) = disk_space(data_dir);
+    let now = converged_metadata::types::Timespec::now();
+    Ok(converged_metadata::membership::NodeInfo {
+        id: node_id(args),
+        addr,
+        capacity,
+        free,
+        labels: parse_labels(&args.labels)?,
+        started: now,
+        heartbeat: now,
+    })
+}
+
+pub(crate) fn disk_space(p: &Path) -> (u64, u64) {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return (0, 0) };
+    // SAFETY: statvfs into a zeroed struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return (0, 0);
+    }
+    (st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+}
+
+/// Register in the volume's membership (etcd) and heartbeat until the
+/// engine goes away. Embedded engines have no membership: a single node.
+fn join_cluster(
+    engine: &Arc<dyn converged_metadata::KvEngine>,
+    args: &MountArgs,
+    data_dir: &Path,
+    addr: String,
+) -> anyhow::Result<()> {
+    let Some(m) = engine.membership() else { return Ok(()) };
+    let ttl = Duration::from_secs(args.lease_ttl);
+    let mut info = node_info(args, data_dir, addr)?;
+    m.register(&info, ttl).context("register in the cluster")?;
+    tracing::info!(node = %info.id, ttl = args.lease_ttl, "registered in the cluster");
+    let weak = Arc::downgrade(engine);
+    let data_dir = data_dir.to_path_buf();
+    std::thread::Builder::new().name("heartbeat".into()).spawn(move || loop {
+        std::thread::sleep(ttl / 3);
+        let Some(engine) = weak.upgrade() else { return };
+        let Some(m) = engine.membership() else { return };
+        (info.capacity, info.free) = disk_space(&data_dir);
+        info.heartbeat = converged_metadata::types::Timespec::now();
+        if let Err(e) = m.heartbeat(&info) {
+            tracing::warn!(error = %e, "heartbeat failed; retrying");
+        }
+    })?;
+    Ok(())
+}
+
+fn lock_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("converged.lock")
+}
+
+/// Hold an exclusive lock on the data dir for the daemon's life, so two
+/// daemons never share one. Waits a while for a daemon that is exiting.
+pub(crate) fn lock_data_dir(data_dir: &Path, wait: Duration) -> anyhow::Result<File> {
+    let path = lock_path(data_dir);
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    let deadline = Instant::now() + wait;
+    loop {
+        // SAFETY: flock on our own fd.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let mut pid = String::new();
+            let _ = f.read_to_string(&mut pid);
+            bail!("data dir {} is in use by another converged daemon (pid {})", data_dir.display(), pid.trim());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f.set_len(0)?;
+    write!(f, "{}", std::process::id())?;
+    Ok(f)
+}
+
+fn init_tracing(log_file: Option<&Path>) -> anyhow::Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("CONVERGED_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match log_file {
+        Some(path) => {
+            let file = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("open log file {}", path.display()))?;
+            builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).init();
+        }
+        None => builder.with_writer(std::io::stderr).init(),
+    }
+    // A background daemon's stderr is /dev/null: a panic goes to the log too.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        tracing::error!(%info, "panicked");
+        default_hook(info);
+    }));
+    Ok(())
+}
+
+/// Run the daemon in this process until the filesystem is unmounted.
+pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
+    let log_file = if args.daemonized {
+        Some(args.log_file.clone().unwrap_or_else(|| c.data_dir.join("converged.log")))
+    } else {
+        None
+    };
+    init_tracing(log_file.as_deref())?;
+    let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
+    let engine = converged_metadata::open_engine(&c.meta).with_context(|| format!("open metadata {}", c.meta_str))?;
+    // Shared metadata: a node-local cache of inodes and names, kept honest
+    // by the engine's change feed.
+    let engine = if engine.membership().is_some() {
+        converged_metadata::CachedKv::wrap(engine).context("watch the metadata for other nodes' changes")?
+    } else {
+        engine
+    };
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let tier = match &args.object_store {
+        Some(uri) => {
+            let opts = crate::objects::StoreOptions { s3_endpoint: args.s3_endpoint.clone() };
+            let objects =
+                crate::objects::ObjectTier::open(uri, opts).with_context(|| format!("--object-store {uri}"))?;
+            // Mount even while the store is down: the backlog waits for it.
+            if let Err(e) = objects.probe(objects.home()) {
+                tracing::warn!(error = %e, "object store not reachable yet; backfill will retry");
+            }
+            Some(Arc::new(crate::backfill::Tiering::new(
+                objects,
+                crate::backfill::TierConfig {
+                    backfill_delay: args.backfill_delay,
+                    keep_deleted: args.keep_deleted_objects,
+                    evict_high: args.evict_high / 100.0,
+                    evict_low: args.evict_low / 100.0,
+                    workers: args.backfill_workers as usize,
+                },
+            )))
+        }
+        None => None,
+    };
+    let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node_id(args));
+    if tier.is_some() {
+        ns = ns.with_tier();
+    }
+    let core = Arc::new(Core::start(
+        ns,
+        CoreConfig {
+            data_dir: c.data_dir.clone(),
+            node_id: node_id(args),
+            verify_reads: args.verify_reads,
+            meta_file: match &c.meta {
+                MetaUri::Redb(path) => Some(path.clone()),
+                MetaUri::Memory | MetaUri::Etcd { .. } => None,
+            },
+        },
+    )?);
+    let workers = crate::workers::Supervisor::new();
+    core.attach_workers(workers.clone());
+    // The peer data plane: this node's chunks, served over QUIC with mutual
+    // TLS, and the replicas and remote reads of its own files.
+    let mut addr = String::new();
+    if let (Some(listen), Some(dir)) = (&args.listen, &args.tls_dir) {
+        let tls = converged_transport::NodeTls::load(dir)?;
+        let node = tls.node.clone();
+        let cluster = crate::cluster::Cluster::start(
+            crate::cluster::ClusterConfig {
+                node: node_id(args),
+                listen: *listen,
+                tls,
+                default_replicas: args.replicas.unwrap_or(DEFAULT_CLUSTER_REPLICAS),
+                durability: args.durability,
+                failure_domain: args.failure_domain.clone(),
+                peer_timeout: Duration::from_secs_f64(args.peer_timeout.max(0.1)),
+            },
+            engine.clone(),
+            core.chunk_store(),
+        )
+        .with_context(|| format!("listen on {listen}"))?;
+        addr = cluster.local_addr().to_string();
+        tracing::info!(%addr, %node, replicas = cluster.default_replicas(), durability = ?args.durability, "serving chunks to peers");
+        core.attach_cluster(cluster);
+    }
+    join_cluster(&engine, args, &c.data_dir, addr)?;
+    if let Some(t) = &tier {
+        core.attach_tier(t.clone());
+        core.resume_backfill()?;
+        for i in 0..t.cfg.workers {
+            workers.start(crate::workers::Backfiller::new(Arc::downgrade(&core), i))?;
+        }
+        workers.start(crate::workers::Evictor { core: Arc::downgrade(&core) })?;
+        tracing::info!(store = %t.objects.home().url(), delay = ?t.cfg.backfill_delay, "backfilling to the object store");
+    }
+    if let Some(addr) = args.metrics {
+        let bound = crate::metrics::serve(addr, Arc::downgrade(&core)).with_context(|| format!("--metrics {addr}"))?;
+        tracing::info!(%bound, "serving Prometheus metrics at /metrics");
+    }
+
+    // Buffered namespace commits become durable within a second (as a local
+    // filesystem's journal commit); fsync makes them durable at once.
+    workers.start(crate::workers::Flusher { core: Arc::downgrade(&core), period: Duration::from_secs(1) })?;
+    workers.start(crate::workers::Spares { core: Arc::downgrade(&core) })?;
+    workers.start(crate::workers::Replicator { core: Arc::downgrade(&core) })?;
+    let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
+    let spec = crate::fuse::MountSpec {
+        mountpoint: &c.mountpoint,
+        source,
+        attr_timeout: Duration::from_secs_f64(args.attr_timeout),
+        want_passthrough: !args.verify_reads,
+        threads: args.threads as usize,
+    };
+    crate::fuse::serve(core, spec, |feed| {
+        // Changes other nodes make evict what this kernel caches of them.
+        engine.watch(feed)?;
+        tracing::info!(mountpoint = %c.mountpoint.display(), data_dir = %c.data_dir.display(), meta = %c.meta_str, "mounted");
+        if args.daemonized {
+            println!("{READY}");
+            std::io::stdout().flush()?;
+            detach_stdio();
+        }
+        Ok(())
+    })?;
+    if let Some(m) = engine.membership() {
+        if let Err(e) = m.leave() {
+            tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");
+        }
+    }
+    if let Some(t) = &tier {
+        t.stop();
+    }
+    workers.stop(Duration::from_secs(5));
+    tracing::info!(mountpoint = %c.mountpoint.display(), "unmounted");
+    Ok(())
+}
+
+/// Point stdin/stdout/stderr at /dev/null so the parent sees end-of-file.
+fn detach_stdio() {
+    if let Ok(null) = OpenOptions::new().read(true).write(true).open("/dev/null") {
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors.
+            unsafe { libc::dup2(null.as_raw_fd(), fd) };
+        }
+    }
+}
