@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::KvEngine;
-use converged_transport::{NodeTls, Peer, QuicTransport, TransportError};
+use converged_transport::{NodeTls, Peer, PeerTransport, QuicTransport, TransportError};
 use parking_lot::Mutex;
 
 use crate::chunkstore::{ChunkStore, PeerChunks, Stager};
@@ -46,7 +46,9 @@ pub struct ClusterConfig {
 pub struct Cluster {
     cfg: ClusterConfig,
     rt: tokio::runtime::Runtime,
-    transport: Arc<QuicTransport>,
+    /// The peer data plane (QUIC in a daemon).
+    transport: Arc<dyn PeerTransport>,
+    local_addr: SocketAddr,
     engine: Arc<dyn KvEngine>,
     members: Mutex<(Option<Instant>, Vec<NodeInfo>)>,
     /// Peers that failed a call recently, and when.
@@ -79,10 +81,12 @@ impl Cluster {
             let service = Arc::new(PeerChunks(store, stager.clone()));
             QuicTransport::bind(cfg.listen, &cfg.tls, service, cfg.peer_timeout)?
         };
+        let local_addr = transport.local_addr();
         Ok(Arc::new(Cluster {
             cfg,
             rt,
             transport: Arc::new(transport),
+            local_addr,
             engine,
             members: Mutex::new((None, Vec::new())),
             suspects: Mutex::default(),
@@ -95,7 +99,7 @@ impl Cluster {
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.transport.local_addr()
+        self.local_addr
     }
 
     pub fn default_replicas(&self) -> u32 {

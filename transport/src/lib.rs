@@ -4,12 +4,14 @@
 //! by the cluster CA (mutual TLS). It knows nothing of the namespace: a node
 //! serves whatever its [`ChunkService`] answers.
 
+pub mod peer;
 pub mod quic;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod tls;
 pub mod wire;
 
+pub use peer::{FaultyTransport, MemNetwork, MemTransport, PeerFault, PeerTransport};
 pub use quic::{Peer, QuicTransport, TransportError};
 pub use tls::{ClusterCa, NodeTls, TlsError};
 pub use wire::{Request, Response, WireError};
