@@ -15,6 +15,7 @@ pub mod evict;
 mod fuse;
 pub mod import;
 pub mod metrics;
+pub mod object_faults;
 pub mod objects;
 pub mod placement;
 mod remote;

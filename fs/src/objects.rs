@@ -133,6 +133,7 @@ impl Location {
                 let prefix = url.path().trim_matches('/').to_string();
                 Ok(Location { base: format!("{}://{bucket}", url.scheme()), prefix })
             }
+            "memory" => Err(bad(MEMORY_REFUSED)),
             other => Err(bad(&format!("unsupported scheme {other:?} (use s3://, gs://, az:// or file://)"))),
         }
     }
@@ -154,6 +155,10 @@ impl Location {
         }
     }
 }
+
+/// Why `memory://` is no URI: its objects live in the process and vanish with it.
+const MEMORY_REFUSED: &str = "memory:// is an in-process store for tests only (a daemon would lose every object when \
+                              it exits); tests build it with ObjectTier::with_store";
 
 /// What a listing of one level under a prefix found.
 #[derive(Debug, Default)]
@@ -179,10 +184,28 @@ fn install_crypto() {
 }
 
 impl ObjectTier {
-    /// Open the mount's store (`--object-store`). Checks that it answers.
+    /// Open the mount's store (`--object-store`). Builds its client; `probe` checks that it answers.
     pub fn open(uri: &str, opts: StoreOptions) -> ObjectResult<Self> {
-        install_crypto();
         let home = Location::parse(uri)?;
+        let tier = Self::new(home, opts)?;
+        tier.bucket(&tier.home.base.clone())?;
+        Ok(tier)
+    }
+
+    /// A tier whose own store is `store`, built by the caller, at `home`
+    /// (whose `base` only names it: `memory://test` is fine here, though
+    /// `Location::parse` refuses it). For tests: an
+    /// `object_store::memory::InMemory`, perhaps wrapped in a
+    /// `crate::object_faults::FaultyStore`, that the test keeps a handle on.
+    /// Other bases (import sources) are built from their URIs as usual.
+    pub fn with_store(home: Location, store: Arc<dyn ObjectStore>) -> ObjectResult<Self> {
+        let tier = Self::new(home, StoreOptions::default())?;
+        tier.buckets.lock().insert(tier.home.base.clone(), Arc::new(Bucket { store, s3: None }));
+        Ok(tier)
+    }
+
+    fn new(home: Location, opts: StoreOptions) -> ObjectResult<Self> {
+        install_crypto();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("converged-objects")
@@ -193,10 +216,8 @@ impl ObjectTier {
             .timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(5))
             .build()
-            .map_err(|e| ObjectError::BadUri { uri: uri.to_string(), why: e.to_string() })?;
-        let tier = ObjectTier { rt, home, opts, buckets: Mutex::default(), http };
-        tier.bucket(&tier.home.base.clone())?;
-        Ok(tier)
+            .map_err(|e| ObjectError::BadUri { uri: home.url(), why: e.to_string() })?;
+        Ok(ObjectTier { rt, home, opts, buckets: Mutex::default(), http })
     }
 
     /// Where the mount's own objects live.
@@ -275,6 +296,7 @@ impl ObjectTier {
                     .map_err(|e| bad(e.to_string()))?;
                 Ok(Bucket { store: Arc::new(store), s3: None })
             }
+            "memory" => Err(bad(MEMORY_REFUSED.to_string())),
             other => Err(bad(format!("unsupported scheme {other:?}"))),
         }
     }
@@ -513,8 +535,118 @@ impl ObjectTier {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
+    use std::io::Write;
+
+    use object_store::memory::InMemory;
+
     use super::*;
+
+    /// `n` bytes that differ from part to part and range to range.
+    pub(crate) fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| ((i ^ (i >> 9) ^ (i >> 17)) as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    }
+
+    /// An unnamed temporary file holding `data`.
+    pub(crate) fn file_with(data: &[u8]) -> File {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(data).unwrap();
+        f
+    }
+
+    /// Where the tests' tiers keep their objects: a made-up base, the `mnt` prefix.
+    pub(crate) fn memory_home(name: &str) -> Location {
+        Location { base: format!("memory://{name}"), prefix: "mnt".into() }
+    }
+
+    pub(crate) fn upload(tier: &ObjectTier, key: &str, data: &[u8]) -> ObjectResult<Option<String>> {
+        tier.upload(key, &file_with(data), data.len() as u64, &|_, _| true)
+    }
+
+    /// A file of three parts, the last one short.
+    pub(crate) const BIG: usize = 2 * PART_SIZE + 4321;
+
+    #[test]
+    fn memory_uris_are_refused() {
+        for uri in ["memory://bucket/prefix", "memory:///prefix"] {
+            let e = Location::parse(uri).unwrap_err().to_string();
+            assert!(e.contains("tests only"), "{uri}: {e}");
+            let e = ObjectTier::open(uri, StoreOptions::default()).err().expect("refused").to_string();
+            assert!(e.contains("tests only"), "{uri}: {e}");
+        }
+    }
+
+    #[test]
+    fn memory_tier_moves_small_and_multipart_objects() {
+        let store = Arc::new(InMemory::new());
+        let tier = ObjectTier::with_store(memory_home("roundtrip"), store.clone()).unwrap();
+        assert_eq!(tier.home().url(), "memory://roundtrip/mnt");
+        tier.probe(tier.home()).unwrap();
+        let (small_key, big_key) = (tier.home().key("a/small.bin"), tier.home().key("a/big.bin"));
+
+        let small = pattern(1000, 1);
+        let etag = upload(&tier, &small_key, &small).unwrap().expect("InMemory gives ETags");
+        assert_eq!(&tier.get_whole(&small_key).unwrap()[..], &small[..]);
+        assert_eq!(&tier.get_range(None, &small_key, Some(&etag), 100, 600).unwrap()[..], &small[100..600]);
+        assert_eq!(tier.head(None, &small_key).unwrap().0, 1000);
+
+        // Three parts, each seen by `check` before it is sent.
+        let big = pattern(BIG, 2);
+        let seen = Mutex::new(Vec::new());
+        let check = |off: u64, part: &[u8]| {
+            assert_eq!(part, &big[off as usize..off as usize + part.len()]);
+            seen.lock().push(off);
+            true
+        };
+        let big_etag = tier.upload(&big_key, &file_with(&big), BIG as u64, &check).unwrap().unwrap();
+        assert_eq!(*seen.lock(), [0, PART_SIZE as u64, 2 * PART_SIZE as u64]);
+        assert_eq!(tier.head(None, &big_key).unwrap().0, BIG as u64);
+        assert!(tier.get_whole(&big_key).unwrap() == big);
+        // Across a part boundary and several FETCH_RANGE requests; and all of it.
+        let (a, z) = (PART_SIZE - 5, PART_SIZE + 2 * FETCH_RANGE as usize + 7);
+        let got = tier.get_range(None, &big_key, Some(&big_etag), a as u64, z as u64).unwrap();
+        assert!(got == big[a..z]);
+        assert!(tier.get_range(None, &big_key, Some(&big_etag), 0, BIG as u64).unwrap() == big);
+        // An ETag the object no longer has is refused, for good.
+        let e = tier.get_range(None, &big_key, Some(&etag), 0, 10).unwrap_err();
+        assert!(matches!(e, ObjectError::Changed { .. }) && !e.is_retryable(), "{e}");
+
+        let copy_key = tier.home().key("b/copy.bin");
+        assert!(tier.copy(&small_key, &copy_key).unwrap().is_some());
+        assert_eq!(&tier.get_whole(&copy_key).unwrap()[..], &small[..]);
+
+        let top = tier.list_level("memory://roundtrip", "mnt/").unwrap();
+        assert!(top.objects.is_empty(), "{top:?}");
+        assert_eq!(top.prefixes, ["mnt/a/", "mnt/b/"]);
+        let a = tier.list_level("memory://roundtrip", "mnt/a/").unwrap();
+        let mut objects: Vec<_> =
+            a.objects.iter().map(|(k, size, _, etag)| (k.as_str(), *size, etag.is_some())).collect();
+        objects.sort();
+        assert_eq!(objects, [("mnt/a/big.bin", BIG as u64, true), ("mnt/a/small.bin", 1000, true)]);
+
+        tier.delete(&small_key).unwrap();
+        assert!(matches!(tier.get_whole(&small_key), Err(ObjectError::NotFound { .. })));
+        tier.delete(&small_key).unwrap(); // already gone: deleted
+        assert_eq!(&tier.get_whole(&copy_key).unwrap()[..], &small[..]);
+
+        // The test's handle and the tier's are one store.
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let direct = Path::from("mnt/direct");
+        rt.block_on(store.put(&direct, PutPayload::from_static(b"put by the test"))).unwrap();
+        assert_eq!(&tier.get_whole("mnt/direct").unwrap()[..], b"put by the test");
+        assert!(rt.block_on(store.head(&Path::from(big_key.as_str()))).is_ok());
+    }
+
+    #[test]
+    fn refused_part_aborts_the_upload_and_leaves_no_object() {
+        let tier = ObjectTier::with_store(memory_home("refused"), Arc::new(InMemory::new())).unwrap();
+        let key = tier.home().key("changed.bin");
+        let big = pattern(BIG, 3);
+        let e = tier.upload(&key, &file_with(&big), BIG as u64, &|off, _| off < PART_SIZE as u64).unwrap_err();
+        assert!(matches!(e, ObjectError::Changed { .. }), "{e}");
+        assert!(matches!(tier.head(None, &key), Err(ObjectError::NotFound { .. })));
+        assert!(tier.list_level("memory://refused", "mnt/").unwrap().objects.is_empty());
+    }
 
     #[test]
     fn locations_parse_or_say_why_not() {
