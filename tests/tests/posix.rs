@@ -510,3 +510,26 @@ fn numpy_memmap_round_trip() {
         assert!(out.status.success(), "check with {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
+
+/// `converged status PATH` on a mounted node names each background worker
+/// and its state; the spares worker has made backing files by then.
+#[test]
+fn status_prints_the_state_of_every_worker() {
+    let m = Mount::new();
+    std::fs::write(m.path("f"), b"x").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let out = common::converged().arg("status").arg(m.path("f")).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let workers: Vec<&str> = text.lines().skip_while(|l| !l.starts_with("workers")).skip(1).collect();
+        let names: Vec<&str> = workers.iter().filter_map(|l| l.split_whitespace().next()).collect();
+        assert_eq!(names, ["flusher", "spares", "replicator"], "{text}");
+        assert!(workers.iter().all(|l| l.contains(" idle ") || l.contains(" working ")), "{text}");
+        if text.contains("spare backing files") {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the spares worker never reported its work:\n{text}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
