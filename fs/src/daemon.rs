@@ -162,9 +162,9 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             if let Err(e) = objects.probe(objects.home()) {
                 tracing::warn!(error = %e, "object store not reachable yet; backfill will retry");
             }
-            Some(Arc::new(crate::backfill::Tiering::new(
+            Some(Arc::new(crate::tier::Tiering::new(
                 objects,
-                crate::backfill::TierConfig {
+                crate::tier::TierConfig {
                     backfill_delay: args.backfill_delay,
                     keep_deleted: args.keep_deleted_objects,
                     evict_high: args.evict_high / 100.0,

@@ -9,9 +9,9 @@ use std::sync::atomic::Ordering;
 
 use converged_metadata::types::{Ino, TierState};
 
-use crate::backfill::Tiering;
 use crate::core::Core;
 use crate::error::{FsError, FsResult};
+use crate::tier::Tiering;
 
 /// (available, total) bytes of the filesystem holding `path`.
 pub fn disk_space(path: &std::path::Path) -> FsResult<(u64, u64)> {

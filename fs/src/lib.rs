@@ -20,4 +20,5 @@ pub mod objects;
 pub mod placement;
 mod remote;
 pub mod stage;
+pub mod tier;
 pub mod workers;

@@ -63,10 +63,10 @@ use converged_metadata::{MetaError, Namespace, Unlinked};
 use dashmap::DashMap;
 use parking_lot::Mutex;
 
-use crate::backfill::Tiering;
 use crate::chunkstore::ChunkStore;
 use crate::cluster::Cluster;
 use crate::error::{FsError, FsResult};
+use crate::tier::Tiering;
 
 pub use open::Opened;
 use open::{Claim, OpenTable};

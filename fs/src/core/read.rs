@@ -14,10 +14,10 @@ use converged_metadata::ChunkRecord;
 
 use super::open::OpenInode;
 use super::Core;
-use crate::backfill::Tiering;
 use crate::chunkstore::read_exact_at;
 use crate::error::{FsError, FsResult};
 use crate::remote::{self, Readahead, WINDOW};
+use crate::tier::Tiering;
 
 /// A sealed file as an open handle reads it: size and chunk records, loaded
 /// at open (close-to-open: a later open sees a later seal).
@@ -99,19 +99,62 @@ impl Core {
         Ok(out)
     }
 
+    /// A writer on this node changes its backing file in place. A read of
+    /// the sealed layout that it overtakes fails its checksums although
+    /// nothing is corrupt: such a read is done again (from the backing file
+    /// once the file is unsealed, or with the new layout once it is sealed
+    /// again). A mismatch that no write state change explains is `EIO`.
     fn read_handle(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        const ATTEMPTS: usize = 4;
         let (ino, _, oi) = self.open.handle(fh)?;
-        if oi.state.lock().write.reads_backing_file() {
-            // Being written here: checksums not yet computed.
-            let file_size = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
-            if offset >= file_size || size == 0 {
-                return Ok(Vec::new());
+        let mut attempt = 1;
+        loop {
+            let (r, layout) = self.read_once(ino, &oi, offset, size);
+            let overtaken = matches!(r, Err(FsError::Corrupt { .. }))
+                && layout.is_some_and(|used| {
+                    let st = oi.state.lock();
+                    st.write.reads_backing_file() || !st.layout.as_ref().is_some_and(|l| Arc::ptr_eq(l, &used))
+                });
+            if !overtaken || attempt == ATTEMPTS {
+                return r;
             }
-            let mut buf = vec![0u8; ((offset + size as u64).min(file_size) - offset) as usize];
-            read_exact_at(&oi.file, &mut buf, offset).map_err(|e| FsError::io("read backing file", e))?;
-            return Ok(buf);
+            tracing::debug!(ino, offset, attempt, "a read overtaken by a local writer; reading again");
+            attempt += 1;
         }
-        let layout = self.layout(ino, &oi)?;
+    }
+
+    /// One read of `[offset, offset + size)`, and the layout it used (none
+    /// when it read the backing file of a file being written here).
+    fn read_once(
+        &self,
+        ino: Ino,
+        oi: &Arc<OpenInode>,
+        offset: u64,
+        size: u32,
+    ) -> (FsResult<Vec<u8>>, Option<Arc<Layout>>) {
+        if oi.state.lock().write.reads_backing_file() {
+            return (self.read_unsealed(oi, offset, size), None);
+        }
+        let layout = match self.layout(ino, oi) {
+            Ok(l) => l,
+            Err(e) => return (Err(e), None),
+        };
+        (self.read_sealed(ino, oi, &layout, offset, size), Some(layout))
+    }
+
+    /// Being written here: the backing file holds the bytes, checksums are not computed yet.
+    fn read_unsealed(&self, oi: &OpenInode, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let file_size = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
+        if offset >= file_size || size == 0 {
+            return Ok(Vec::new());
+        }
+        let mut buf = vec![0u8; ((offset + size as u64).min(file_size) - offset) as usize];
+        read_exact_at(&oi.file, &mut buf, offset).map_err(|e| FsError::io("read backing file", e))?;
+        Ok(buf)
+    }
+
+    /// A sealed file, chunk by chunk from where `locate` says, every block verified.
+    fn read_sealed(&self, ino: Ino, oi: &OpenInode, layout: &Layout, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         if offset >= layout.size || size == 0 {
             return Ok(Vec::new());
         }
@@ -127,27 +170,27 @@ impl Core {
             if let Some(t) = self.tier.get() {
                 t.touch(ino, index as u32);
             }
-            match self.locate(&layout, index) {
+            match self.locate(layout, index) {
                 Source::Hole => out.resize(out.len() + (to - pos) as usize, 0),
                 Source::Lost => {
                     return Err(FsError::Peer(format!("chunk {index} of inode {ino} has no copy anywhere")));
                 }
                 Source::Object(obj) => {
-                    self.fetch_ahead(ino, &oi, &layout, index as u32 + 1);
+                    self.fetch_ahead(ino, oi, layout, index as u32 + 1);
                     let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, false)?;
                     // Local from now on: the next read of this open uses the new layout.
                     oi.state.lock().layout = None;
-                    self.read_local(ino, &oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
+                    self.read_local(ino, oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
                 }
                 Source::Local(rec) => {
                     let before = out.len();
                     let part = Part { rec, chunk_start, from: pos, to };
-                    match self.read_local(ino, &oi, &part, &mut out) {
+                    match self.read_local(ino, oi, &part, &mut out) {
                         Ok(()) => {}
                         // A bad local copy: read another replica and repair ours.
                         Err(FsError::Corrupt { .. }) if rec.replicas.len() > 1 && self.cluster.get().is_some() => {
                             out.truncate(before);
-                            self.repair_from_peer(ino, &oi, &part, &mut out)?;
+                            self.repair_from_peer(ino, oi, &part, &mut out)?;
                         }
                         // ... or fetch it again from the object store.
                         Err(FsError::Corrupt { .. }) if layout.object.is_some() => {
@@ -155,13 +198,13 @@ impl Core {
                             let obj = layout.object.as_ref().expect("checked");
                             let rec =
                                 self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, true)?;
-                            self.read_local(ino, &oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
+                            self.read_local(ino, oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
                         }
                         Err(e) => return Err(e),
                     }
                 }
                 Source::Peer(_) => {
-                    let windows = windows.get_or_insert_with(|| self.remote_windows(ino, &oi, &layout, offset, end));
+                    let windows = windows.get_or_insert_with(|| self.remote_windows(ino, oi, layout, offset, end));
                     let cluster = self.cluster.get().expect("a chunk held elsewhere implies a cluster");
                     for (start, w) in windows.iter() {
                         if *start >= to || start + WINDOW <= pos {
@@ -187,7 +230,7 @@ impl Core {
     /// Start fetching chunk `index` from the object store in the background
     /// when it is there only: a sequential reader finds it local (or being
     /// fetched, and waits for that) instead of starting the fetch itself.
-    fn fetch_ahead(&self, ino: Ino, oi: &OpenInode, layout: &Arc<Layout>, index: u32) {
+    fn fetch_ahead(&self, ino: Ino, oi: &OpenInode, layout: &Layout, index: u32) {
         let cs = layout.chunk_size;
         if index as u64 * cs >= layout.size {
             return;
