@@ -192,7 +192,8 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         },
     )?);
     let workers = crate::workers::Supervisor::new();
-    core.attach_workers(workers.clone());
+    let w = Arc::downgrade(&workers);
+    core.report_workers_with(move || w.upgrade().map(|w| w.report()).unwrap_or_default());
     // The peer data plane: this node's chunks, served over QUIC with mutual
     // TLS, and the replicas and remote reads of its own files.
     let mut addr = String::new();

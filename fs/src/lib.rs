@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod backfill;
+pub mod blocks;
 pub mod chunkstore;
 pub mod cli;
 pub mod cluster;

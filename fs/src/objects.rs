@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use thiserror::Error;
 use url::Url;
 
-use crate::chunkstore::read_exact_at;
+use crate::blocks::read_exact_at;
 
 /// Objects up to this size are written with one PUT; larger ones as a
 /// multipart upload with parts of this size.

@@ -2,8 +2,6 @@
 
 use thiserror::Error;
 
-use crate::kv::KvError;
-
 #[derive(Debug, Error)]
 pub enum MetaError {
     #[error("no such file or directory")]
@@ -70,3 +68,39 @@ impl MetaError {
 }
 
 pub type MetaResult<T> = Result<T, MetaError>;
+
+/// Errors an engine reports. `retryable` tells the namespace layer whether
+/// running the same transaction again can help.
+#[derive(Debug, Error)]
+pub enum KvError {
+    /// Another transaction changed what this one read; run it again.
+    #[error("transaction conflict")]
+    Conflict,
+    /// The engine's storage is full.
+    #[error("metadata store is out of space")]
+    NoSpace,
+    /// Anything else the backend reports.
+    #[error("metadata engine error: {msg}")]
+    Backend { msg: String, retryable: bool },
+}
+
+impl KvError {
+    pub fn backend(e: impl std::fmt::Display) -> Self {
+        let msg = e.to_string();
+        // redb and the OS report a full disk through io::Error; keep it recognisable.
+        if msg.contains("No space left") || msg.contains("os error 28") {
+            return KvError::NoSpace;
+        }
+        KvError::Backend { msg, retryable: false }
+    }
+
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            KvError::Conflict => true,
+            KvError::NoSpace => false,
+            KvError::Backend { retryable, .. } => *retryable,
+        }
+    }
+}
+
+pub type KvResult<T> = Result<T, KvError>;

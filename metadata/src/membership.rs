@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::kv::KvResult;
+use crate::error::KvResult;
 use crate::types::Timespec;
 
 /// What a node says about itself.

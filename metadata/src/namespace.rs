@@ -324,3 +324,17 @@ impl Namespace {
         self.sync().map(|()| true)
     }
 }
+
+/// The record of chunk `index` of `ino` if it is still at `version` (a newer
+/// seal makes whatever was done for the old one stale).
+pub(crate) fn chunk_at_version(
+    txn: &mut (impl KvRead + ?Sized),
+    ino: Ino,
+    index: u32,
+    version: u64,
+) -> MetaResult<Option<ChunkRecord>> {
+    let key = schema::chunk(ino, index);
+    let Some(v) = txn.get(&key)? else { return Ok(None) };
+    let record: ChunkRecord = decode(&key, &v)?;
+    Ok((record.version == version).then_some(record))
+}

@@ -133,8 +133,9 @@ pub struct Core {
     me: OnceLock<std::sync::Weak<Core>>,
     /// Seals that ended a local writer's session; see `attr::settled`.
     seals: attr::SealCounters,
-    /// The daemon's background workers, for `status`.
-    workers: OnceLock<Arc<crate::workers::Supervisor>>,
+    /// Reports the state of the daemon's background workers, for `status`
+    /// (the core knows nothing of who runs them).
+    workers: OnceLock<Box<dyn Fn() -> String + Send + Sync>>,
 }
 
 /// Backing files kept ready ahead of creates.
@@ -209,9 +210,9 @@ impl Core {
         let _ = self.me.set(Arc::downgrade(self));
     }
 
-    /// The supervisor whose workers `status` reports.
-    pub fn attach_workers(&self, workers: Arc<crate::workers::Supervisor>) {
-        let _ = self.workers.set(workers);
+    /// What `status` prints for the background workers.
+    pub fn report_workers_with(&self, report: impl Fn() -> String + Send + Sync + 'static) {
+        let _ = self.workers.set(Box::new(report));
     }
 
     pub fn tiering(&self) -> Option<&Arc<Tiering>> {
@@ -414,7 +415,7 @@ impl Core {
             LAYOUT_XATTR => self.describe_layout(ino),
             BACKFILL_XATTR => self.describe_backfill(),
             WORKERS_XATTR => match self.workers.get() {
-                Some(w) => Ok(w.report().into_bytes()),
+                Some(report) => Ok(report().into_bytes()),
                 None => Err(MetaError::NoAttr.into()),
             },
             _ => Ok(self.ns.getxattr(ino, name)?),

@@ -7,8 +7,8 @@
 //! the `U` key.
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvRead, KvWrite};
-use crate::namespace::{decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
+use crate::kv::{Durability, KvWrite};
+use crate::namespace::{chunk_at_version, decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, Timespec};
 
@@ -45,20 +45,6 @@ pub(crate) fn drop_chunks_from(txn: &mut (impl KvWrite + ?Sized), ino: Ino, firs
     let (_, end) = schema::prefix_range(&schema::chunks_of(ino));
     let Ok(first) = u32::try_from(first) else { return Ok(()) };
     Ok(txn.delete_range(&schema::chunk(ino, first), &end)?)
-}
-
-/// The record of chunk `index` of `ino` if it is still at `version` (a newer
-/// seal makes whatever was done for the old one stale).
-pub(crate) fn chunk_at_version(
-    txn: &mut (impl KvRead + ?Sized),
-    ino: Ino,
-    index: u32,
-    version: u64,
-) -> MetaResult<Option<ChunkRecord>> {
-    let key = schema::chunk(ino, index);
-    let Some(v) = txn.get(&key)? else { return Ok(None) };
-    let record: ChunkRecord = decode(&key, &v)?;
-    Ok((record.version == version).then_some(record))
 }
 
 /// Chunk records per etcd page or transaction: a record carries one
