@@ -6,15 +6,22 @@
 //! record the replicas that were written. Every call has a deadline; a peer
 //! that failed one is tried last for a while, so a dead node that still has
 //! a lease costs one timeout, not one per request.
+//!
+//! A daemon's cluster talks QUIC ([`Cluster::start`]); tests run several
+//! nodes in one process over a [`MemNetwork`] ([`Cluster::in_process`]),
+//! with faults injected on purpose.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::KvEngine;
-use converged_transport::{NodeTls, Peer, PeerTransport, QuicTransport, TransportError};
+use converged_transport::{
+    FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
+};
 use parking_lot::Mutex;
 
 use crate::chunkstore::{ChunkStore, PeerChunks, Stager};
@@ -30,10 +37,10 @@ pub enum DurabilityMode {
     Local,
 }
 
+/// What a node's cluster needs besides its transport (where it listens
+/// and its certificate are [`Cluster::start`]'s).
 pub struct ClusterConfig {
     pub node: String,
-    pub listen: SocketAddr,
-    pub tls: NodeTls,
     /// Copies of each chunk when a directory sets no policy.
     pub default_replicas: u32,
     pub durability: DurabilityMode,
@@ -55,6 +62,8 @@ pub struct Cluster {
     suspects: Mutex<HashMap<String, Instant>>,
     /// What a peer's stage request runs here.
     stager: Arc<std::sync::OnceLock<Stager>>,
+    /// The in-process network this node serves on, if that is its transport.
+    net: Option<Arc<MemNetwork>>,
 }
 
 /// How long the live-node list is reused before asking membership again.
@@ -66,32 +75,78 @@ fn peer_err(e: TransportError) -> FsError {
     FsError::Peer(e.to_string())
 }
 
+/// Made-up ports of in-process nodes, so that each has an address of its own.
+static NEXT_IN_PROCESS_PORT: AtomicU16 = AtomicU16::new(1);
+
 impl Cluster {
-    /// Start serving `store` to peers on `cfg.listen` and return the handle
-    /// the core uses to reach them.
-    pub fn start(cfg: ClusterConfig, engine: Arc<dyn KvEngine>, store: Arc<ChunkStore>) -> anyhow::Result<Arc<Self>> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("transport")
-            .enable_all()
-            .build()?;
-        let stager = Arc::new(std::sync::OnceLock::new());
-        let transport = {
-            let _enter = rt.enter();
-            let service = Arc::new(PeerChunks(store, stager.clone()));
-            QuicTransport::bind(cfg.listen, &cfg.tls, service, cfg.peer_timeout)?
-        };
-        let local_addr = transport.local_addr();
-        Ok(Arc::new(Cluster {
+    fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("transport").enable_all().build()
+    }
+
+    fn new(
+        cfg: ClusterConfig,
+        rt: tokio::runtime::Runtime,
+        transport: Arc<dyn PeerTransport>,
+        local_addr: SocketAddr,
+        engine: Arc<dyn KvEngine>,
+        stager: Arc<std::sync::OnceLock<Stager>>,
+        net: Option<Arc<MemNetwork>>,
+    ) -> Arc<Self> {
+        Arc::new(Cluster {
             cfg,
             rt,
-            transport: Arc::new(transport),
+            transport,
             local_addr,
             engine,
             members: Mutex::new((None, Vec::new())),
             suspects: Mutex::default(),
             stager,
-        }))
+            net,
+        })
+    }
+
+    /// Start serving `store` to peers over QUIC on `listen`, with mutual
+    /// TLS from `tls`, and return the handle the core uses to reach them.
+    pub fn start(
+        cfg: ClusterConfig,
+        listen: SocketAddr,
+        tls: &NodeTls,
+        engine: Arc<dyn KvEngine>,
+        store: Arc<ChunkStore>,
+    ) -> anyhow::Result<Arc<Self>> {
+        let rt = Self::runtime()?;
+        let stager = Arc::new(std::sync::OnceLock::new());
+        let transport = {
+            let _enter = rt.enter();
+            let service = Arc::new(PeerChunks(store, stager.clone()));
+            QuicTransport::bind(listen, tls, service, cfg.peer_timeout)?
+        };
+        let local_addr = transport.local_addr();
+        Ok(Self::new(cfg, rt, Arc::new(transport), local_addr, engine, stager, None))
+    }
+
+    /// A node of an in-process cluster: serves `store` on `net` as node
+    /// `cfg.node` and reaches its peers there, with no socket and no TLS.
+    /// Peers are found by node id, so [`Cluster::local_addr`] is a made-up
+    /// `127.0.0.1` address, unique in the process: the address to register
+    /// in membership (peers without one are skipped). The returned
+    /// transport is this node's way to its peers: make them fail on
+    /// purpose with [`FaultyTransport::set`] (healthy until then).
+    pub fn in_process(
+        cfg: ClusterConfig,
+        engine: Arc<dyn KvEngine>,
+        net: Arc<MemNetwork>,
+        store: Arc<ChunkStore>,
+    ) -> anyhow::Result<(Arc<Self>, Arc<FaultyTransport<MemTransport>>)> {
+        let rt = Self::runtime()?;
+        let stager = Arc::new(std::sync::OnceLock::new());
+        let port = NEXT_IN_PROCESS_PORT.fetch_add(1, Ordering::Relaxed);
+        anyhow::ensure!(port != 0, "too many in-process nodes");
+        net.join(&cfg.node, Arc::new(PeerChunks(store, stager.clone())));
+        let local_addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let faulty = Arc::new(FaultyTransport::new(MemTransport::new(net.clone())));
+        let cluster = Self::new(cfg, rt, faulty.clone(), local_addr, engine, stager, Some(net));
+        Ok((cluster, faulty))
     }
 
     pub fn node(&self) -> &str {
@@ -296,28 +351,47 @@ impl Cluster {
     }
 
     /// Read `[offset, offset + len)` of `ino` from the first of `order` that
-    /// answers. Bytes past the end of the peer's data read as zeros.
-    /// Checking them is the caller's.
-    pub async fn fetch(self: Arc<Self>, ino: u64, offset: u64, len: u32, order: Vec<Peer>) -> FsResult<Vec<u8>> {
+    /// answers with bytes `check` accepts (their checksums). Bytes past the
+    /// end of the peer's data read as zeros. A peer that fails or sends bad
+    /// bytes is passed over, and tried last for a while.
+    pub async fn fetch(
+        self: Arc<Self>,
+        ino: u64,
+        offset: u64,
+        len: u32,
+        order: Vec<Peer>,
+        check: impl Fn(&[u8]) -> FsResult<()> + Send,
+    ) -> FsResult<Vec<u8>> {
         if order.is_empty() {
             return Err(FsError::Peer("no live node holds this range".into()));
         }
         let mut last = None;
         for peer in order {
-            match self.transport.read(&peer, ino, offset, len).await {
-                Ok(mut data) => {
+            let answer = self.transport.read(&peer, ino, offset, len).await.map_err(peer_err);
+            let checked = answer.and_then(|mut data| {
+                data.resize(len as usize, 0);
+                check(&data).map(|()| data)
+            });
+            match checked {
+                Ok(data) => {
                     self.mark(&peer.node, true);
-                    data.resize(len as usize, 0);
                     return Ok(data);
                 }
                 Err(e) => {
-                    tracing::warn!(ino, offset, peer = %peer.node, error = %e, "peer read failed; trying the next replica");
+                    match &e {
+                        FsError::Corrupt { .. } => {
+                            tracing::error!(ino, offset, peer = %peer.node, "checksum mismatch on data from a peer; trying the next replica")
+                        }
+                        e => {
+                            tracing::warn!(ino, offset, peer = %peer.node, error = %e, "peer read failed; trying the next replica")
+                        }
+                    }
                     self.mark(&peer.node, false);
                     last = Some(e);
                 }
             }
         }
-        Err(last.map(peer_err).unwrap_or_else(|| FsError::Peer("no reachable replica".into())))
+        Err(last.unwrap_or_else(|| FsError::Peer("no reachable replica".into())))
     }
 
     /// Run `fut` on the transport runtime and wait for it.
@@ -332,7 +406,11 @@ impl Cluster {
         self.rt.spawn(fut)
     }
 
+    /// Stop serving peers and refuse further calls to them.
     pub fn shutdown(&self) {
         self.transport.close();
+        if let Some(net) = &self.net {
+            net.leave(&self.cfg.node);
+        }
     }
 }

@@ -203,13 +203,13 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         let cluster = crate::cluster::Cluster::start(
             crate::cluster::ClusterConfig {
                 node: node_id(args),
-                listen: *listen,
-                tls,
                 default_replicas: args.replicas.unwrap_or(DEFAULT_CLUSTER_REPLICAS),
                 durability: args.durability,
                 failure_domain: args.failure_domain.clone(),
                 peer_timeout: Duration::from_secs_f64(args.peer_timeout.max(0.1)),
             },
+            *listen,
+            &tls,
             engine.clone(),
             core.chunk_store(),
         )

@@ -52,14 +52,10 @@ pub fn fetch(
 ) -> tokio::task::JoinHandle<FsResult<Vec<u8>>> {
     let order = cluster.read_order(&rec.replicas);
     let c = cluster.clone();
-    cluster.spawn(async move {
-        let data = c.fetch(ino, offset, len, order).await?;
-        if let Err(e) = verify(ino, &rec, chunk_start, offset, &data) {
-            tracing::error!(ino, offset, replicas = ?rec.replicas, "checksum mismatch on data from a peer; returning EIO");
-            return Err(e);
-        }
-        Ok(data)
-    })
+    // Each holder's answer is verified before the next is tried: a bad copy
+    // on one peer is passed over for a good one on another.
+    let check = move |data: &[u8]| verify(ino, &rec, chunk_start, offset, data);
+    cluster.spawn(async move { c.fetch(ino, offset, len, order, check).await })
 }
 
 /// Wait for a [`fetch`] from outside the transport runtime.
@@ -76,6 +72,11 @@ pub struct Window {
 impl Window {
     fn new() -> Arc<Self> {
         Arc::new(Window { result: Mutex::new(None), ready: Condvar::new() })
+    }
+
+    /// Whether the fetch ended in an error (a later read starts it again).
+    fn failed(&self) -> bool {
+        matches!(*self.result.lock(), Some(Err(_)))
     }
 
     fn set(&self, r: FsResult<Vec<u8>>) {
@@ -137,6 +138,11 @@ impl Readahead {
         while start < stop {
             if let Some((rec, chunk_start)) = locate(start) {
                 let chunk_end = chunk_start + rec.len as u64;
+                // A window that failed (a peer down, a bad copy) is fetched
+                // again: the holders may answer now.
+                if self.windows.get(&start).is_some_and(|w| w.failed()) {
+                    self.windows.remove(&start);
+                }
                 let w = self.windows.entry(start).or_insert_with(|| {
                     let w = Window::new();
                     let len = (start + WINDOW).min(chunk_end).saturating_sub(start) as u32;

@@ -119,7 +119,10 @@ impl Core {
             }
             self.truncate(ino, before.size, size)?;
         }
-        let inode = self.ns.setattr(ino, attr)?;
+        // The size is the seal's to record (from the backing file, in the
+        // same order as every other change of the bytes): a size set here
+        // afterwards could undo a truncate or write that sealed in between.
+        let inode = self.ns.setattr(ino, &SetAttr { size: None, ..attr.clone() })?;
         if attr.atime.is_some() || attr.mtime.is_some() {
             if let Some(oi) = self.open.get(ino) {
                 // Keep the backing file's times in step: they are the source

@@ -1,0 +1,416 @@
+//! Cluster behaviour in one process: two or three filesystem cores, peers of
+//! each other, with no kernel mount, no sockets, no TLS, no etcd and no
+//! root. The nodes share one in-memory metadata store ([`MemKv::cluster`],
+//! a handle and a registration per node) and reach each other's chunks over
+//! a [`MemNetwork`]; each node's way to its peers is a [`FaultyTransport`]
+//! the tests use to make a peer unreachable or corrupt on purpose.
+//!
+//! The volume's chunk size is cut to 4 MiB (the remote read window) so a
+//! file of several chunks stays small. Background workers are not started:
+//! nothing tops up under-replicated chunks behind a test's back.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use converged_fs::cluster::{Cluster, ClusterConfig, DurabilityMode};
+use converged_fs::core::{Core, CoreConfig};
+use converged_fs::error::FsResult;
+use converged_metadata::membership::NodeInfo;
+use converged_metadata::types::{
+    FileKind, Ino, NewNode, Timespec, XattrMode, DEFAULT_CHUNK_SIZE, FORMAT_VERSION, LAYOUT_XATTR, REPLICAS_XATTR,
+};
+use converged_metadata::{Durability, KvEngine, MemKv, Namespace, ROOT};
+use converged_transport::{FaultyTransport, MemNetwork, MemTransport, PeerFault};
+
+/// The volume's chunk size here: the size of one remote read window.
+const CHUNK: usize = 4 << 20;
+/// Bytes asked for by each read, as the kernel would (max_read).
+const READ_PIECE: u32 = 128 << 10;
+
+/// One node: its core, its client of the shared metadata, its transport.
+struct Node {
+    id: String,
+    // Declared before `_dir`: the core goes before its data dir.
+    core: Arc<Core>,
+    faults: Arc<FaultyTransport<MemTransport>>,
+    _dir: tempfile::TempDir,
+}
+
+struct TestCluster {
+    nodes: Vec<Node>,
+    _net: Arc<MemNetwork>,
+}
+
+impl TestCluster {
+    /// Nodes `ids`, each with its own data dir, registered in membership
+    /// with replicated durability and `replicas` copies of each chunk.
+    fn start(ids: &[&str], replicas: u32) -> Self {
+        let store = MemKv::cluster();
+        set_chunk_size(&store, CHUNK as u32);
+        let net = MemNetwork::new();
+        let nodes = ids.iter().map(|id| start_node(&store, &net, id, replicas)).collect();
+        TestCluster { nodes, _net: net }
+    }
+
+    fn node(&self, id: &str) -> &Node {
+        self.nodes.iter().find(|n| n.id == id).expect("a node of this cluster")
+    }
+}
+
+fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32) -> Node {
+    let dir = tempfile::tempdir().expect("create a data dir");
+    let kv = store.node_handle();
+    let engine: Arc<dyn KvEngine> = Arc::new(kv.clone());
+    let ns = Namespace::open(engine.clone(), 0, 0).expect("open the namespace").with_node(id);
+    let cfg =
+        CoreConfig { data_dir: dir.path().to_path_buf(), node_id: id.into(), verify_reads: true, meta_file: None };
+    let core = Arc::new(Core::start(ns, cfg).expect("start the core"));
+    let cfg = ClusterConfig {
+        node: id.into(),
+        default_replicas: replicas,
+        durability: DurabilityMode::Replicated,
+        failure_domain: "rack".into(),
+        peer_timeout: Duration::from_secs(1),
+    };
+    let (cluster, faults) =
+        Cluster::in_process(cfg, engine.clone(), net.clone(), core.chunk_store()).expect("join the network");
+    let now = Timespec::now();
+    let info = NodeInfo {
+        id: id.into(),
+        addr: cluster.local_addr().to_string(),
+        capacity: 1 << 40,
+        free: 1 << 40,
+        labels: Default::default(),
+        started: now,
+        heartbeat: now,
+    };
+    engine.membership().expect("a shared store has membership").register(&info, Duration::from_secs(600)).unwrap();
+    core.attach_cluster(cluster);
+    Node { id: id.into(), core, faults, _dir: dir }
+}
+
+/// Make the volume's chunks `size` bytes. Files take the chunk size the
+/// namespace read from the volume record at open, so this comes after the
+/// volume is created and before any node opens it. The record is patched
+/// in its postcard encoding (varints: format version, chunk size, then the
+/// creation time), which this crate has no encoder for.
+fn set_chunk_size(store: &MemKv, size: u32) {
+    Namespace::open(Arc::new(store.clone()), 0, 0).expect("create the volume");
+    let key = converged_metadata::schema::VOLUME;
+    let mut txn = store.write_txn().unwrap();
+    let old = txn.get(key).unwrap().expect("the volume record");
+    let (version, rest) = varint(&old);
+    let (chunk, created) = varint(rest);
+    assert_eq!((version, chunk), (FORMAT_VERSION as u64, DEFAULT_CHUNK_SIZE as u64), "volume record layout changed");
+    let mut new = encode_varint(version);
+    new.extend(encode_varint(size as u64));
+    new.extend_from_slice(created);
+    txn.put(key, &new);
+    txn.commit(Durability::Durable).unwrap();
+}
+
+fn varint(bytes: &[u8]) -> (u64, &[u8]) {
+    let mut v = 0u64;
+    for (i, b) in bytes.iter().enumerate() {
+        v |= ((b & 0x7f) as u64) << (7 * i);
+        if b & 0x80 == 0 {
+            return (v, &bytes[i + 1..]);
+        }
+    }
+    panic!("truncated varint");
+}
+
+fn encode_varint(mut v: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let b = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(b);
+            return out;
+        }
+        out.push(b | 0x80);
+    }
+}
+
+/// `len` bytes that differ from block to block and from file to file.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// What the kernel asks for on open(O_CREAT) for writing.
+fn file_node() -> NewNode<'static> {
+    NewNode { kind: FileKind::Regular, perm: 0o644, uid: 0, gid: 0, rdev: 0, target: None, unsealed: true }
+}
+
+fn dir_node() -> NewNode<'static> {
+    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false }
+}
+
+/// Write `data` at `offset` through a handle, one MiB per call (max_write).
+fn write_all(core: &Core, fh: u64, offset: u64, data: &[u8]) -> FsResult<()> {
+    for (i, piece) in data.chunks(1 << 20).enumerate() {
+        let n = core.write(fh, offset + (i << 20) as u64, piece)?;
+        assert_eq!(n as usize, piece.len(), "short write through the core");
+    }
+    Ok(())
+}
+
+/// open(O_CREAT|O_EXCL|O_WRONLY) in `parent`, write, close, release.
+fn create_in(core: &Core, parent: Ino, name: &str, data: &[u8]) -> FsResult<Ino> {
+    let (attr, opened) = core.create(parent, name.as_bytes(), &file_node())?;
+    let written = write_all(core, opened.fh, 0, data).and_then(|()| core.close(opened.fh).map(|_| ()));
+    let released = core.release(opened.fh);
+    written.and(released)?;
+    Ok(attr.ino)
+}
+
+fn create(core: &Core, name: &str, data: &[u8]) -> FsResult<Ino> {
+    create_in(core, ROOT, name, data)
+}
+
+/// open(O_WRONLY), pwrite at `offset`, close, release.
+fn overwrite(core: &Core, ino: Ino, offset: u64, data: &[u8]) -> FsResult<()> {
+    let fh = core.open(ino, true)?.fh;
+    let written = write_all(core, fh, offset, data).and_then(|()| core.close(fh).map(|_| ()));
+    let released = core.release(fh);
+    written.and(released)
+}
+
+/// open(O_RDONLY), read `[offset, offset + len)` (less at the end), release.
+fn read_range(core: &Core, ino: Ino, offset: u64, len: u64) -> FsResult<Vec<u8>> {
+    let fh = core.open(ino, false)?.fh;
+    let mut out = Vec::new();
+    let r = loop {
+        let want = (len - out.len() as u64).min(READ_PIECE as u64) as u32;
+        if want == 0 {
+            break Ok(());
+        }
+        match core.read(fh, offset + out.len() as u64, want) {
+            Ok(piece) if piece.is_empty() => break Ok(()),
+            Ok(piece) => out.extend_from_slice(&piece),
+            Err(e) => break Err(e),
+        }
+    };
+    let released = core.release(fh);
+    r?;
+    released?;
+    Ok(out)
+}
+
+/// open(O_RDONLY), read to the end, release.
+fn read_all(core: &Core, ino: Ino) -> FsResult<Vec<u8>> {
+    read_range(core, ino, 0, u64::MAX)
+}
+
+/// The errno a result failed with, for messages that name the bytes, not dump them.
+fn errno<T>(r: FsResult<T>) -> Result<T, i32> {
+    r.map_err(|e| e.errno())
+}
+
+/// Each chunk's holders, by index, from the metadata.
+fn holders(core: &Core, ino: Ino) -> Vec<Vec<String>> {
+    core.namespace().chunks(ino).unwrap().into_iter().map(|(_, r)| r.replicas).collect()
+}
+
+/// The `user.converged.layout` attribute: one line per chunk, `index vN len holders`.
+fn layout(core: &Core, ino: Ino) -> String {
+    String::from_utf8(core.getxattr(ino, LAYOUT_XATTR).unwrap()).unwrap()
+}
+
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(at) = got.iter().zip(want).position(|(g, w)| g != w) {
+        panic!("{what}: bytes differ from offset {at}");
+    }
+}
+
+#[test]
+fn a_file_closed_on_one_node_reads_back_on_the_other_from_its_own_copy() {
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    let data = pattern(1, 2 * CHUNK + 12_345);
+    let ino = create(a, "ckpt.pt", &data).unwrap();
+
+    // Close-to-open: an open on b after a's close sees the file whole.
+    let attr = b.lookup(ROOT, b"ckpt.pt").unwrap();
+    assert_eq!((attr.ino, attr.size), (ino, data.len() as u64));
+    assert_same(&read_all(b, ino).unwrap(), &data, "read on b");
+
+    // Both copies were written before close returned: the writer's and b's.
+    let h = holders(b, ino);
+    assert_eq!(h.len(), 3);
+    for (i, chunk) in h.iter().enumerate() {
+        assert_eq!(chunk, &["a", "b"], "chunk {i}");
+    }
+    let lines: Vec<String> = layout(b, ino).lines().map(str::to_string).collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines.iter().all(|l| l.ends_with(" a,b")), "{lines:?}");
+    assert!(lines[2].contains(" 12345 "), "the last chunk is short: {lines:?}");
+
+    // b's reads are its own copy's: they do not need a.
+    c.node("b").faults.set("a", Some(PeerFault::Down));
+    assert_same(&read_all(b, ino).unwrap(), &data, "read on b with a down");
+}
+
+#[test]
+fn chunks_only_another_node_holds_are_read_from_it() {
+    let c = TestCluster::start(&["a", "b"], 1);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    let data = pattern(2, 3 * CHUNK);
+    let ino = create(a, "only-on-a", &data).unwrap();
+    assert_eq!(holders(b, ino), vec![vec!["a".to_string()]; 3], "one copy, the writer's");
+
+    assert_same(&read_all(b, ino).unwrap(), &data, "remote read on b");
+    // Any range, not only from the start: across the first chunk boundary,
+    // and within the last chunk.
+    let from = CHUNK as u64 - 1000;
+    assert_same(&read_range(b, ino, from, 5000).unwrap(), &data[from as usize..from as usize + 5000], "a range");
+    let from = 2 * CHUNK as u64 + 77;
+    assert_same(&read_range(b, ino, from, 100).unwrap(), &data[from as usize..from as usize + 100], "the last chunk");
+    assert_eq!(holders(b, ino), vec![vec!["a".to_string()]; 3], "a read copies nothing in");
+
+    // It came from a: with a unreachable it cannot be read.
+    c.node("b").faults.set("a", Some(PeerFault::Down));
+    assert_eq!(errno(read_range(b, ino, 0, 10)), Err(libc::EIO));
+}
+
+#[test]
+fn with_a_peer_down_local_chunks_read_and_its_chunks_are_eio_until_it_is_back() {
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    let mut data = pattern(3, 3 * CHUNK);
+    let ino = create(a, "mixed", &data).unwrap();
+    // Chunk 1 is rewritten on a while b refuses the copy: its new version
+    // is on a only; chunks 0 and 2 keep their copies on both.
+    c.node("a").faults.set("b", Some(PeerFault::RefuseWrites(libc::ENOSPC)));
+    let patch = pattern(4, 1000);
+    let at = CHUNK + 4096;
+    overwrite(a, ino, at as u64, &patch).unwrap();
+    data[at..at + patch.len()].copy_from_slice(&patch);
+    c.node("a").faults.set("b", None);
+    let (ab, a_only) = (vec!["a".to_string(), "b".to_string()], vec!["a".to_string()]);
+    assert_eq!(holders(b, ino), vec![ab.clone(), a_only, ab], "the layout this test needs");
+
+    c.node("b").faults.set("a", Some(PeerFault::Down));
+    let cs = CHUNK as u64;
+    assert_same(&read_range(b, ino, 0, cs).unwrap(), &data[..CHUNK], "chunk 0, local on b");
+    assert_same(&read_range(b, ino, 2 * cs, cs).unwrap(), &data[2 * CHUNK..], "chunk 2, local on b");
+    assert_eq!(errno(read_range(b, ino, cs, cs)), Err(libc::EIO), "chunk 1 is on a only");
+    assert_eq!(errno(read_range(b, ino, cs + 4096, 10)), Err(libc::EIO), "any part of it");
+    assert_eq!(errno(read_all(b, ino)), Err(libc::EIO), "the whole file");
+
+    c.node("b").faults.set("a", None);
+    assert_same(&read_all(b, ino).unwrap(), &data, "a is back");
+}
+
+#[test]
+fn a_handle_that_saw_a_peer_down_reads_once_it_is_back() {
+    let c = TestCluster::start(&["a", "b"], 1);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    let data = pattern(5, CHUNK / 2);
+    let ino = create(a, "flaky", &data).unwrap();
+    let fh = b.open(ino, false).unwrap().fh;
+    c.node("b").faults.set("a", Some(PeerFault::Down));
+    assert_eq!(errno(b.read(fh, 0, READ_PIECE)), Err(libc::EIO));
+    c.node("b").faults.set("a", None);
+    let r = errno(b.read(fh, 0, READ_PIECE));
+    b.release(fh).unwrap();
+    assert_eq!(r.map(|d| d == data[..READ_PIECE as usize]), Ok(true), "the same handle, a retry after a is back");
+}
+
+#[test]
+fn a_corrupt_peer_reads_as_eio_never_as_wrong_bytes() {
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    // One copy of what is written under `one/`: the writer's.
+    let dir = a.mknod(ROOT, b"one", &dir_node()).unwrap();
+    a.setxattr(dir.ino, REPLICAS_XATTR, b"1", XattrMode::Any, 0).unwrap();
+    let data = pattern(6, 2 * CHUNK + 100);
+    let ino = create_in(a, dir.ino, "x", &data).unwrap();
+    assert_eq!(holders(b, ino), vec![vec!["a".to_string()]; 3]);
+
+    c.node("b").faults.set("a", Some(PeerFault::CorruptReads));
+    for (offset, len) in [(0, 10), (CHUNK as u64 - 5, 10), (2 * CHUNK as u64, 100), (0, u64::MAX)] {
+        assert_eq!(errno(read_range(b, ino, offset, len)), Err(libc::EIO), "[{offset}, +{len})");
+    }
+    c.node("b").faults.set("a", None);
+    assert_same(&read_all(b, ino).unwrap(), &data, "a serves good bytes again");
+}
+
+/// Three copies wanted, two made (b refused its own): a chunk b reads
+/// remotely has two holders, a and c.
+fn held_by_a_and_c(seed: u64) -> (TestCluster, Ino, Vec<u8>) {
+    let c = TestCluster::start(&["a", "b", "c"], 3);
+    let a = &c.node("a").core;
+    c.node("a").faults.set("b", Some(PeerFault::RefuseWrites(libc::EROFS)));
+    let data = pattern(seed, CHUNK + 5000);
+    let ino = create(a, "two-copies", &data).unwrap();
+    c.node("a").faults.set("b", None);
+    let ac = vec!["a".to_string(), "c".to_string()];
+    assert_eq!(holders(a, ino), vec![ac.clone(), ac], "the layout this test needs");
+    (c, ino, data)
+}
+
+#[test]
+fn a_down_replica_is_passed_over_for_a_live_one() {
+    let (c, ino, data) = held_by_a_and_c(7);
+    let b = &c.node("b").core;
+    c.node("b").faults.set("a", Some(PeerFault::Down));
+    assert_same(&read_all(b, ino).unwrap(), &data, "read from c");
+    c.node("b").faults.set("c", Some(PeerFault::Down));
+    assert_eq!(errno(read_all(b, ino)), Err(libc::EIO), "no holder reachable");
+}
+
+#[test]
+fn a_corrupt_replica_is_passed_over_for_a_good_one() {
+    let (c, ino, data) = held_by_a_and_c(8);
+    let b = &c.node("b").core;
+    // a is the first holder b asks (the writer, first in the replica list).
+    c.node("b").faults.set("a", Some(PeerFault::CorruptReads));
+    assert_same(&read_all(b, ino).unwrap(), &data, "read from c after a's copy failed its checksums");
+}
+
+#[test]
+fn a_second_writing_node_gets_etxtbsy_until_the_first_closes() {
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    let first = pattern(9, CHUNK + 10);
+    let (attr, opened) = a.create(ROOT, b"log", &file_node()).unwrap();
+    let ino = attr.ino;
+    write_all(a, opened.fh, 0, &first).unwrap();
+
+    // a holds the write lease from its create until its last release.
+    let t = Instant::now();
+    assert_eq!(errno(b.open(ino, true).map(|o| o.fh)), Err(libc::ETXTBSY));
+    assert!(t.elapsed() >= Duration::from_secs(1), "b waited for a's lease before giving up");
+    a.close(opened.fh).unwrap();
+    // Reading is fine meanwhile, and sees what a published at close.
+    assert_same(&read_all(b, ino).unwrap(), &first, "a reader on b");
+    assert_eq!(
+        errno(b.open(ino, true).map(|o| o.fh)),
+        Err(libc::ETXTBSY),
+        "closed, but a's handle is not released yet"
+    );
+    a.release(opened.fh).unwrap();
+
+    // a released: b writes, and a, opening after b's close, sees it.
+    let patch = pattern(10, 3000);
+    overwrite(b, ino, 100, &patch).unwrap();
+    let mut want = first.clone();
+    want[100..3100].copy_from_slice(&patch);
+    assert_same(&read_all(a, ino).unwrap(), &want, "b's write, read on a");
+    assert_same(&read_all(b, ino).unwrap(), &want, "b's write, read on b");
+    // And a may write again once b is done.
+    overwrite(a, ino, 0, b"A").unwrap();
+    want[0] = b'A';
+    assert_same(&read_all(b, ino).unwrap(), &want, "a's second write, read on b");
+}
