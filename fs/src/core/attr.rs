@@ -139,7 +139,7 @@ impl Core {
             oi.file.set_len(size).map_err(|e| FsError::io("truncate backing file", e))?;
             let mut st = oi.state.lock();
             st.write.mark_dirty(chunk_range(old_size.min(size), 0, self.ns.chunk_size()));
-            st.layout = None;
+            st.forget_layout();
             Ok(())
         });
         let released = self.release(fh);

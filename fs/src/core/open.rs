@@ -69,9 +69,20 @@ pub(super) struct OpenState {
     pub orphaned: bool,
     /// Layout of a sealed file, loaded on the first read through the daemon.
     pub layout: Option<Arc<Layout>>,
+    /// Counts [`OpenState::forget_layout`]: a layout loaded before a seal
+    /// or a fetch that changed it is not kept.
+    pub layout_epoch: u64,
     /// Handles open in each kernel I/O mode (see [`Io`]).
     pub passthrough_handles: u32,
     pub cached_handles: u32,
+}
+
+impl OpenState {
+    /// The chunks or the size changed: the next read loads the layout again.
+    pub fn forget_layout(&mut self) {
+        self.layout = None;
+        self.layout_epoch += 1;
+    }
 }
 
 impl OpenInode {
@@ -365,13 +376,13 @@ impl Core {
         }
         let sealed = !oi.state.lock().write.reads_backing_file();
         if !writable && self.tier.get().is_some() && sealed && self.check_import(ino)? {
-            oi.state.lock().layout = None;
+            oi.state.lock().forget_layout();
         }
         let partial = self.cluster.get().is_some() || self.tier.get().is_some();
         if passthrough && !writable && partial && sealed {
             // Close-to-open: read the layout as it is now; the kernel may
             // read the backing file directly only if every chunk is here...
-            oi.state.lock().layout = None;
+            oi.state.lock().forget_layout();
             let layout = self.layout(ino, oi)?;
             // ... and the backing file has the file's size: passthrough reads
             // to the backing file's end.

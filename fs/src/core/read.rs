@@ -179,7 +179,7 @@ impl Core {
                     self.fetch_ahead(ino, oi, layout, index as u32 + 1);
                     let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, false)?;
                     // Local from now on: the next read of this open uses the new layout.
-                    oi.state.lock().layout = None;
+                    oi.state.lock().forget_layout();
                     self.read_local(ino, oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
                 }
                 Source::Local(rec) => {
@@ -411,8 +411,17 @@ impl Core {
         if let Some(l) = oi.state.lock().layout.clone() {
             return Ok(l);
         }
+        let epoch = oi.state.lock().layout_epoch;
         let layout = Arc::new(self.load_layout(ino)?);
-        oi.state.lock().layout = Some(layout.clone());
+        {
+            let mut st = oi.state.lock();
+            // A seal (or a fetch) that ended while this one loaded made it
+            // stale: it serves this read only, and the next loads again.
+            if st.layout_epoch != epoch {
+                return Ok(layout);
+            }
+            st.layout = Some(layout.clone());
+        }
         *oi.readahead.lock() = Readahead::default();
         Ok(layout)
     }

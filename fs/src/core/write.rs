@@ -66,8 +66,10 @@ pub(super) struct Unsealed {
     dirty: Dirty,
     /// What the last publish (close or fsync in a cluster) recorded.
     published: Option<Stamp>,
-    /// Created by this open: an empty file needs no seal.
+    /// Created by this open: an empty file needs no seal...
     created_here: bool,
+    /// ... unless an fsync recorded a size for it meanwhile.
+    size_recorded: bool,
 }
 
 /// A file's write state on this node.
@@ -105,6 +107,13 @@ impl WriteState {
     pub(super) fn mark_dirty(&mut self, range: std::ops::RangeInclusive<u32>) {
         if let WriteState::Unsealed(u) | WriteState::Publishing(u) = self {
             u.dirty.add(range);
+        }
+    }
+
+    /// An fsync recorded the backing file's size in the metadata.
+    fn size_recorded(&mut self) {
+        if let WriteState::Unsealed(u) | WriteState::Publishing(u) = self {
+            u.size_recorded = true;
         }
     }
 
@@ -157,7 +166,10 @@ impl WriteState {
             unreachable!("only a publisher ends a publish")
         };
         match published {
-            Some(stamp) => u.published = Some(stamp),
+            Some(stamp) => {
+                u.published = Some(stamp);
+                u.size_recorded = true;
+            }
             None => u.dirty = Dirty::All,
         }
         *self = WriteState::Unsealed(u);
@@ -209,7 +221,7 @@ impl Core {
         };
         let mut st = oi.state.lock();
         st.write.end_lease(r.is_ok(), created_unsealed);
-        st.layout = None;
+        st.forget_layout();
         if r.is_err() {
             st.writers -= 1;
         }
@@ -233,7 +245,7 @@ impl Core {
         let mut st = oi.state.lock();
         st.write.end_seal(r.is_ok());
         if r.is_ok() {
-            st.layout = None;
+            st.forget_layout();
             // Under the state lock: an attribute read that finds the file
             // sealed also finds the counter moved.
             self.seals.bump(ino);
@@ -250,7 +262,7 @@ impl Core {
         let unchanged = u.published.is_some() && stamp(&oi.file).ok() == u.published;
         let dirty = if unchanged { Dirty::None } else { u.dirty };
         let backing_empty = oi.file.metadata().is_ok_and(|m| m.len() == 0);
-        if u.created_here && backing_empty {
+        if u.created_here && !u.size_recorded && backing_empty {
             // Created here and never written: recorded with size 0 at
             // create, nothing to read back or checksum.
             self.unseal_later(ino);
@@ -353,6 +365,7 @@ impl Core {
             let (size, mtime) = stamp(&oi.file)?;
             let seal = Seal { size, mtime, chunks: Vec::new(), keep_unsealed: true, data_durable: true };
             self.ns.seal(ino, &seal, Durability::Durable)?;
+            oi.state.lock().write.size_recorded();
         } else {
             self.make_durable()?;
         }
