@@ -83,6 +83,34 @@ impl TestCore {
 }
 
 /// Start a core for node [`NODE`] with checksum-verified reads.
+impl TestCore {
+    /// A core whose files are backfilled to `store` (an in-memory object
+    /// store in tests, possibly behind a fault-injecting wrapper), under
+    /// the key prefix `mnt`. Backfill and eviction run only when a test
+    /// steps their workers.
+    pub fn with_object_store(store: Arc<dyn object_store::ObjectStore>, cfg: converged_fs::tier::TierConfig) -> Self {
+        let dir = tempfile::tempdir().expect("create a temporary data dir");
+        let kv = MemKv::new();
+        let engine: Arc<dyn KvEngine> = Arc::new(kv.clone());
+        let ns = Namespace::open(engine.clone(), 0, 0).expect("open the namespace").with_node(NODE).with_tier();
+        let core = Core::start(
+            ns,
+            CoreConfig {
+                data_dir: dir.path().to_path_buf(),
+                node_id: NODE.into(),
+                verify_reads: true,
+                meta_file: None,
+            },
+        )
+        .expect("start the core");
+        let core = Arc::new(core);
+        let home = converged_fs::objects::Location { base: "memory://test".into(), prefix: "mnt".into() };
+        let objects = converged_fs::objects::ObjectTier::with_store(home, store).expect("an object tier");
+        core.attach_tier(Arc::new(converged_fs::tier::Tiering::new(objects, cfg)));
+        TestCore { dir, kv, engine, core }
+    }
+}
+
 pub fn start(engine: &Arc<dyn KvEngine>, data_dir: &Path) -> FsResult<Core> {
     let ns = Namespace::open(engine.clone(), 0, 0)?.with_node(NODE);
     Core::start(
