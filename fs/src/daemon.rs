@@ -50,12 +50,19 @@ pub(crate) fn disk_space(p: &Path) -> (u64, u64) {
 
 /// Register in the volume's membership (etcd) and heartbeat until the
 /// engine goes away. Embedded engines have no membership: a single node.
+///
+/// A node that finds its membership lapsed (no heartbeat got through for
+/// longer than the lease, or the next one found the lease expired) may have
+/// been declared dead and had its write leases taken over: its writing
+/// sessions are fenced at once (see `core/write.rs`).
 fn join_cluster(
     engine: &Arc<dyn converged_metadata::KvEngine>,
     args: &MountArgs,
     data_dir: &Path,
     addr: String,
+    core: std::sync::Weak<Core>,
 ) -> anyhow::Result<()> {
+    use converged_metadata::membership::Heartbeat;
     let Some(m) = engine.membership() else { return Ok(()) };
     let ttl = Duration::from_secs(args.lease_ttl);
     let mut info = node_info(args, data_dir, addr)?;
@@ -63,14 +70,34 @@ fn join_cluster(
     tracing::info!(node = %info.id, ttl = args.lease_ttl, "registered in the cluster");
     let weak = Arc::downgrade(engine);
     let data_dir = data_dir.to_path_buf();
+    let mut renewed = Instant::now();
     std::thread::Builder::new().name("heartbeat".into()).spawn(move || loop {
         std::thread::sleep(ttl / 3);
         let Some(engine) = weak.upgrade() else { return };
         let Some(m) = engine.membership() else { return };
+        let fence = || {
+            if let Some(core) = core.upgrade() {
+                core.fence_all_writers();
+            }
+        };
+        // Paused, or cut off from the metadata, for longer than the lease.
+        let lapsed = renewed.elapsed() > ttl;
+        if lapsed {
+            tracing::warn!(since = ?renewed.elapsed(), "no heartbeat for longer than the membership lease; fencing this node's writers");
+            fence();
+        }
         (info.capacity, info.free) = disk_space(&data_dir);
         info.heartbeat = converged_metadata::types::Timespec::now();
-        if let Err(e) = m.heartbeat(&info) {
-            tracing::warn!(error = %e, "heartbeat failed; retrying");
+        match m.heartbeat(&info) {
+            Ok(Heartbeat::Renewed) => renewed = Instant::now(),
+            Ok(Heartbeat::Rejoined) => {
+                renewed = Instant::now();
+                if !lapsed {
+                    tracing::warn!("membership lease had expired; registered again and fencing this node's writers");
+                    fence();
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "heartbeat failed; retrying"),
         }
     })?;
     Ok(())
@@ -218,7 +245,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         tracing::info!(%addr, %node, replicas = cluster.default_replicas(), durability = ?args.durability, "serving chunks to peers");
         core.attach_cluster(cluster);
     }
-    join_cluster(&engine, args, &c.data_dir, addr)?;
+    join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?;
     if let Some(t) = &tier {
         core.attach_tier(t.clone());
         core.resume_backfill()?;

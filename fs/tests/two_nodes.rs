@@ -30,6 +30,8 @@ const READ_PIECE: u32 = 128 << 10;
 /// One node: its core, its client of the shared metadata, its transport.
 struct Node {
     id: String,
+    /// This node's handle on the shared metadata (its membership lease).
+    kv: MemKv,
     // Declared before `_dir`: the core goes before its data dir.
     core: Arc<Core>,
     faults: Arc<FaultyTransport<MemTransport>>,
@@ -86,7 +88,35 @@ fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32) -> 
     };
     engine.membership().expect("a shared store has membership").register(&info, Duration::from_secs(600)).unwrap();
     core.attach_cluster(cluster);
-    Node { id: id.into(), core, faults, _dir: dir }
+    Node { id: id.into(), kv, core, faults, _dir: dir }
+}
+
+impl Node {
+    /// This node's membership lease runs out, as when it is paused or cut
+    /// off for longer than its TTL: the others see it dead.
+    fn lapse(&self) {
+        self.kv.expire_lease(&self.id);
+    }
+
+    /// Its next heartbeat: renewed, or registered anew after a lapse, in
+    /// which case its writers are fenced (as the daemon's heartbeat does).
+    fn heartbeat(&self) -> converged_metadata::membership::Heartbeat {
+        let now = Timespec::now();
+        let info = NodeInfo {
+            id: self.id.clone(),
+            addr: self.core.cluster().expect("a cluster node").local_addr().to_string(),
+            capacity: 1 << 40,
+            free: 1 << 40,
+            labels: Default::default(),
+            started: now,
+            heartbeat: now,
+        };
+        let beat = self.kv.membership().expect("membership").heartbeat(&info).expect("heartbeat");
+        if beat == converged_metadata::membership::Heartbeat::Rejoined {
+            self.core.fence_all_writers();
+        }
+        beat
+    }
 }
 
 /// Make the volume's chunks `size` bytes. Files take the chunk size the
@@ -413,4 +443,56 @@ fn a_second_writing_node_gets_etxtbsy_until_the_first_closes() {
     overwrite(a, ino, 0, b"A").unwrap();
     want[0] = b'A';
     assert_same(&read_all(b, ino).unwrap(), &want, "a's second write, read on b");
+}
+
+/// The paused-writer scenario: a holds the file open for writing with
+/// unpublished bytes and is cut off for longer than its membership lease;
+/// b takes the write lease over and writes. When a comes back its close
+/// fails (EIO), and b's bytes are what every node reads, a included.
+#[test]
+fn a_writer_that_lost_its_lease_cannot_publish_over_the_new_writer() {
+    let c = TestCluster::start(&["a", "b", "c"], 2);
+    let (a, b, n3) = (&c.node("a").core, &c.node("b").core, &c.node("c").core);
+    let mut want = pattern(11, 2 * CHUNK + 77);
+    let ino = create(a, "f", &want).unwrap();
+
+    let fh = a.open(ino, true).unwrap().fh;
+    write_all(a, fh, 0, b"AAAA").unwrap();
+    c.node("a").lapse();
+    overwrite(b, ino, 0, b"BBBB").unwrap();
+    want[..4].copy_from_slice(b"BBBB");
+    assert_same(&read_all(n3, ino).unwrap(), &want, "c reads b's write");
+
+    // a resumes, unaware: it writes on, and its close is refused.
+    write_all(a, fh, 4, b"aa").unwrap();
+    assert_eq!(errno(a.close(fh)), Err(libc::EIO), "a's publish is fenced");
+    assert_eq!(errno(a.release(fh)), Err(libc::EIO), "a's last release reports the lost writes");
+    for (name, node) in [("a", a), ("b", b), ("c", n3)] {
+        assert_same(&read_all(node, ino).unwrap(), &want, &format!("read on {name}"));
+    }
+    // a writes again, under a new lease, once it is back in the cluster.
+    assert_eq!(c.node("a").heartbeat(), converged_metadata::membership::Heartbeat::Rejoined);
+    overwrite(a, ino, 8, b"A2").unwrap();
+    want[8..10].copy_from_slice(b"A2");
+    assert_same(&read_all(b, ino).unwrap(), &want, "a's later write, read on b");
+}
+
+/// A node that finds its membership lapsed fences its writers even when
+/// nobody took their leases: they get EIO, and nothing they wrote since
+/// their last publish becomes visible.
+#[test]
+fn a_node_back_from_a_lapse_fences_its_own_writers() {
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    let want = pattern(12, CHUNK + 5);
+    let ino = create(a, "g", &want).unwrap();
+    let fh = a.open(ino, true).unwrap().fh;
+    write_all(a, fh, 0, b"unpublished").unwrap();
+    c.node("a").lapse();
+    assert_eq!(c.node("a").heartbeat(), converged_metadata::membership::Heartbeat::Rejoined);
+    assert_eq!(errno(a.fsync(fh, false)), Err(libc::EIO), "fsync of a fenced writer");
+    assert_eq!(errno(b.open(ino, true).map(|o| o.fh)).err(), None, "the lease was given up");
+    let _ = a.release(fh);
+    assert_same(&read_all(b, ino).unwrap(), &want, "b reads the last published bytes");
+    assert_same(&read_all(a, ino).unwrap(), &want, "so does a, its copy reconciled");
 }

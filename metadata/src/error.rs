@@ -29,6 +29,11 @@ pub enum MetaError {
     /// Another live node holds the file's write lease (it has the file open for writing).
     #[error("file is open for writing on node {holder}")]
     WriteLeased { holder: String },
+    /// This node's write lease on the file was taken over (its membership
+    /// lease expired while it was paused or cut off): what it wrote since
+    /// its last publish is not published.
+    #[error("write lease lost to {holder:?}; unpublished writes are dropped")]
+    LeaseLost { holder: String },
     #[error("corrupt metadata record {key}: {msg}")]
     Corrupt { key: String, msg: String },
     #[error(transparent)]
@@ -53,6 +58,7 @@ impl MetaError {
             MetaError::TooManyLinks => libc::EMLINK,
             // As for writing to a running executable: the file is in a use that excludes writers.
             MetaError::WriteLeased { .. } => libc::ETXTBSY,
+            MetaError::LeaseLost { .. } => libc::EIO,
             MetaError::Corrupt { .. } => libc::EIO,
             MetaError::Kv(KvError::Conflict) => libc::EAGAIN,
             MetaError::Kv(KvError::NoSpace) => libc::ENOSPC,
@@ -63,7 +69,7 @@ impl MetaError {
     /// Whether this is an expected answer (ENOENT on lookup) rather than a fault
     /// worth logging loudly.
     pub fn is_fault(&self) -> bool {
-        matches!(self, MetaError::Corrupt { .. } | MetaError::Kv(_))
+        matches!(self, MetaError::Corrupt { .. } | MetaError::LeaseLost { .. } | MetaError::Kv(_))
     }
 }
 

@@ -19,7 +19,7 @@ use etcd_client::{
 use crate::kv::{
     merge_pending, pending_deletes, ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites,
 };
-use crate::membership::{Member, Membership, NodeInfo};
+use crate::membership::{Heartbeat, Member, Membership, NodeInfo};
 use crate::schema;
 
 /// Key-value pairs as a scan returns them.
@@ -370,7 +370,7 @@ impl Membership for EtcdKv {
         Ok(())
     }
 
-    fn heartbeat(&self, info: &NodeInfo) -> KvResult<()> {
+    fn heartbeat(&self, info: &NodeInfo) -> KvResult<Heartbeat> {
         let mut guard = self.lease.lock();
         let Some(lease) = guard.as_mut() else {
             return Err(KvError::backend("heartbeat before register"));
@@ -384,13 +384,13 @@ impl Membership for EtcdKv {
             Ok(true) => {
                 let id = lease.id;
                 drop(guard);
-                self.put_records(info, id)
+                self.put_records(info, id).map(|()| Heartbeat::Renewed)
             }
             // The lease expired (cut off for longer than its TTL): come back.
             Ok(false) | Err(_) => {
                 *guard = None;
                 drop(guard);
-                self.register(info, ttl)
+                self.register(info, ttl).map(|()| Heartbeat::Rejoined)
             }
         }
     }

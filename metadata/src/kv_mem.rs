@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::kv::{merge_pending, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites};
-use crate::membership::{Member, Membership, NodeInfo};
+use crate::membership::{Heartbeat, Member, Membership, NodeInfo};
 use crate::schema;
 
 type Map = BTreeMap<Vec<u8>, Vec<u8>>;
@@ -201,12 +201,15 @@ impl Membership for MemKv {
 
     /// Renews the lease, or registers anew when it ran out: either way the
     /// node is live for another TTL.
-    fn heartbeat(&self, info: &NodeInfo) -> KvResult<()> {
+    fn heartbeat(&self, info: &NodeInfo) -> KvResult<Heartbeat> {
         let c = self.members_of()?;
         let Some((_, ttl)) = c.own.lock().clone() else {
             return Err(KvError::backend("heartbeat before register"));
         };
-        self.put_records(c, info, ttl)
+        self.expire_leases();
+        let lapsed = !c.leases.lock().contains_key(&info.id);
+        self.put_records(c, info, ttl)?;
+        Ok(if lapsed { Heartbeat::Rejoined } else { Heartbeat::Renewed })
     }
 
     fn members(&self) -> KvResult<Vec<Member>> {
@@ -322,13 +325,13 @@ mod tests {
         ma.register(&info("a"), LONG).unwrap();
         let mut newer = info("a");
         newer.free = 7;
-        ma.heartbeat(&newer).unwrap();
+        assert_eq!(ma.heartbeat(&newer).unwrap(), Heartbeat::Renewed);
         assert_eq!(b.membership().unwrap().members().unwrap()[0].info.free, 7, "the record is refreshed");
         b.expire_lease("a");
         assert_eq!(members(&b), vec![("a".to_string(), false)]);
         assert_eq!(b.membership().unwrap().members().unwrap()[0].info.free, 7, "a dead node's last record");
-        // Cut off and back: the next heartbeat registers anew, with the same TTL.
-        ma.heartbeat(&newer).unwrap();
+        // Cut off and back: the next heartbeat registers anew, with the same TTL, and says so.
+        assert_eq!(ma.heartbeat(&newer).unwrap(), Heartbeat::Rejoined);
         assert_eq!(members(&b), vec![("a".to_string(), true)]);
         // ... and so does a second register.
         b.expire_lease("a");
@@ -369,7 +372,7 @@ mod tests {
             other => panic!("b took a's write lease: {other:?}"),
         }
         assert!(b.unsealed().unwrap().is_empty(), "b recovers only its own marks");
-        assert_eq!(a.unsealed().unwrap(), vec![f.ino]);
+        assert_eq!(a.unsealed().unwrap().iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![f.ino]);
         // a dies (its lease runs out): b takes the write lease over.
         akv.expire_lease("a");
         b.mark_unsealed(f.ino).unwrap();

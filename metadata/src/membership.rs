@@ -33,12 +33,23 @@ pub struct Member {
     pub alive: bool,
 }
 
+/// What a heartbeat found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heartbeat {
+    /// The lease was live and is renewed.
+    Renewed,
+    /// The lease had expired (the node was paused or cut off for longer than
+    /// its TTL, and the others saw it dead): the node registered anew. Every
+    /// write lease it held may have been taken over meanwhile.
+    Rejoined,
+}
+
 pub trait Membership: Send + Sync {
     /// Register (or re-register) this node with a lease of `ttl`.
     fn register(&self, info: &NodeInfo, ttl: Duration) -> KvResult<()>;
     /// Renew the lease and refresh the record; re-registers when the lease
-    /// had expired (a node that was cut off and came back).
-    fn heartbeat(&self, info: &NodeInfo) -> KvResult<()>;
+    /// had expired (a node that was cut off and came back), and says so.
+    fn heartbeat(&self, info: &NodeInfo) -> KvResult<Heartbeat>;
     /// Every node that ever registered on this volume, live or dead.
     fn members(&self) -> KvResult<Vec<Member>>;
     /// Leave: the node shows as dead at once.

@@ -210,6 +210,11 @@ impl Namespace {
         !self.clustered || mark.is_empty() || mark == self.node.as_bytes()
     }
 
+    /// Whether several nodes share the volume.
+    pub fn is_clustered(&self) -> bool {
+        self.clustered
+    }
+
     /// Whether a node id recorded in the metadata is this node (always, on a single node).
     pub fn is_mine_node(&self, node: &str) -> bool {
         self.is_mine(node.as_bytes())

@@ -12,8 +12,12 @@
 //! | `X` ino name               | raw bytes            | one extended attribute                       |
 //! | `C` ino chunk-index(u32)   | [`ChunkRecord`]      | one chunk of a file's layout                 |
 //! | `O` ino                    | node id              | orphan: unlinked while open on that node     |
-//! | `U` ino                    | node id              | unsealed: open for writing on that node; its |
-//! |                            |                      | checksums are stale; the file's write lease  |
+//! | `U` ino                    | node id, NUL, epoch  | unsealed: open for writing on that node; its |
+//! |                            | (u64 BE)             | checksums are stale; the file's write lease, |
+//! |                            |                      | taken at that epoch                          |
+//! | `E` ino                    | u64 (BE)             | the last lease epoch granted for the file:   |
+//! |                            |                      | epochs only grow, so a fenced writer's stays |
+//! |                            |                      | stale                                        |
 //! | `S` ino                    | token(u64 BE) node   | sealed from bytes not yet known durable: the |
 //! |                            |                      | node syncs the backing file, then drops it   |
 //! | `T` ino                    | [`TierRecord`]       | backfill state and object key of a file      |
@@ -50,6 +54,7 @@ const SYNC_PENDING: u8 = b'S';
 const TIER: u8 = b'T';
 const GARBAGE: u8 = b'G';
 const RENAMED: u8 = b'R';
+const LEASE_EPOCH: u8 = b'E';
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -141,6 +146,10 @@ pub fn unsealed_all() -> Vec<u8> {
     vec![UNSEALED]
 }
 
+pub fn lease_epoch(ino: Ino) -> Vec<u8> {
+    with_ino(LEASE_EPOCH, ino)
+}
+
 pub fn sync_pending(ino: Ino) -> Vec<u8> {
     with_ino(SYNC_PENDING, ino)
 }
@@ -184,7 +193,7 @@ pub fn live_node(id: &str) -> Vec<u8> {
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 
-/// The inode number in an `I`, `O`, `U`, `S`, `T`, `G` or `R` key.
+/// The inode number in an `I`, `O`, `U`, `E`, `S`, `T`, `G` or `R` key.
 pub fn key_ino(key: &[u8]) -> Ino {
     u64::from_be_bytes(key[1..9].try_into().expect("inode key is 9 bytes"))
 }

@@ -32,6 +32,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("replica_policy_is_checked_and_inherited", replica_policy_is_checked_and_inherited),
     ("tier_state_machine", tier_state_machine),
     ("seals_of_unsynced_bytes_stay_marked_until_synced", seals_of_unsynced_bytes_stay_marked_until_synced),
+    ("write_lease_epochs_fence_stale_writers", write_lease_epochs_fence_stale_writers),
 ];
 
 #[test]
@@ -182,13 +183,14 @@ fn namespace_setattr_xattr_and_seal(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(errno(ns.setxattr(f.ino, b"user.n", b"v", XattrMode::Replace)), libc::ENODATA, "{name}");
     assert_eq!(ns.listxattr(f.ino).unwrap(), b"user.k\0", "{name}");
     let record = ChunkRecord { version: 1, len: 100, replicas: vec!["n1".into()], block_crcs: vec![42] };
-    ns.mark_unsealed(f.ino).unwrap();
-    assert_eq!(ns.unsealed().unwrap(), vec![f.ino], "{name}");
+    let epoch = ns.mark_unsealed(f.ino).unwrap();
+    assert_eq!(ns.unsealed().unwrap(), vec![(f.ino, epoch)], "{name}");
     let seal = converged_metadata::Seal {
         size: 100,
         mtime: t,
         chunks: vec![(0, record.clone())],
         keep_unsealed: false,
+        lease: None,
         data_durable: true,
     };
     ns.seal(f.ino, &seal, Durability::Durable).unwrap();
@@ -197,6 +199,56 @@ fn namespace_setattr_xattr_and_seal(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(ns.getattr(f.ino).unwrap().size, 100, "{name}");
     ns.setattr(f.ino, &SetAttr { size: Some(0), ..Default::default() }).unwrap();
     assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: truncate drops chunk records");
+}
+
+/// A take of a write lease the node does not hold gets a higher epoch than
+/// any before it for that file, across seals that drop the mark; a take of
+/// a lease it holds keeps it. A seal made under a stale epoch is refused
+/// whole (nothing of it is recorded) and so is a release; chunk versions
+/// made under different epochs never collide.
+fn write_lease_epochs_fence_stale_writers(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv);
+    let mut created = file(0o644);
+    created.unsealed = true;
+    let f = ns.mknod(ROOT, b"f", &created).unwrap();
+    assert_eq!(ns.unsealed().unwrap(), vec![(f.ino, converged_metadata::CREATE_LEASE)], "{name}");
+    assert_eq!(ns.mark_unsealed(f.ino).unwrap(), converged_metadata::CREATE_LEASE, "{name}: the create's lease");
+    assert!(ns.release_lease(f.ino, converged_metadata::CREATE_LEASE).unwrap(), "{name}");
+    let seal = |epoch: u64, version: u64, keep_unsealed: bool| converged_metadata::Seal {
+        size: 10,
+        mtime: Timespec::now(),
+        chunks: vec![(
+            0,
+            ChunkRecord { version, len: 10, replicas: vec!["n1".into()], block_crcs: vec![version as u32] },
+        )],
+        keep_unsealed,
+        lease: Some(epoch),
+        data_durable: true,
+    };
+    let e1 = ns.mark_unsealed(f.ino).unwrap();
+    assert!(e1 > converged_metadata::CREATE_LEASE, "{name}");
+    assert!(ns.release_lease(f.ino, e1).unwrap(), "{name}");
+    let e2 = ns.mark_unsealed(f.ino).unwrap();
+    assert!(e2 > e1, "{name}: a new take, a new epoch");
+    let v1 = converged_metadata::next_version(None, e1);
+    let err = ns.seal(f.ino, &seal(e1, v1, true), Durability::Durable).unwrap_err();
+    assert!(matches!(err, MetaError::LeaseLost { .. }), "{name}: {err}");
+    assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: nothing of a fenced seal is recorded");
+    assert!(!ns.release_lease(f.ino, e1).unwrap(), "{name}: a stale epoch releases nothing");
+    let v2 = converged_metadata::next_version(None, e2);
+    assert_ne!(v1, v2, "{name}: versions of two epochs differ");
+    ns.seal(f.ino, &seal(e2, v2, false), Durability::Durable).unwrap();
+    assert!(ns.unsealed().unwrap().is_empty(), "{name}");
+    // The mark is gone; the next take still gets a higher epoch, and its
+    // versions follow every earlier one.
+    let e3 = ns.mark_unsealed(f.ino).unwrap();
+    assert!(e3 > e2, "{name}");
+    let v3 = converged_metadata::next_version(Some(v2), e3);
+    assert!(v3 > v2, "{name}");
+    assert_eq!(converged_metadata::next_version(Some(v3), e3), v3 + 1, "{name}: one epoch counts up");
+    assert!(ns.release_lease(f.ino, e3).unwrap(), "{name}");
+    assert!(ns.unsealed().unwrap().is_empty(), "{name}");
+    assert_eq!(ns.chunks(f.ino).unwrap()[0].1.version, v2, "{name}: a release keeps the last seal");
 }
 
 /// A seal whose bytes are not on stable storage yet leaves a sync-pending
@@ -212,6 +264,7 @@ fn seals_of_unsynced_bytes_stay_marked_until_synced(name: &str, kv: Arc<dyn KvEn
         mtime: Timespec::now(),
         chunks: vec![(0, record.clone())],
         keep_unsealed: false,
+        lease: None,
         data_durable,
     };
     assert!(ns.sync_pending().unwrap().is_empty(), "{name}");
@@ -264,6 +317,7 @@ fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
         mtime: Timespec::now(),
         chunks: chunks.clone(),
         keep_unsealed: false,
+        lease: None,
         data_durable: true,
     };
     ns.seal(f.ino, &seal, Durability::Durable).unwrap();
@@ -304,8 +358,14 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(ns.path_of(f.ino).unwrap(), Some(vec![b"ckpt".to_vec(), b"a.pt".to_vec()]), "{name}");
     let t = Timespec { sec: 1, nsec: 0 };
     let record = ChunkRecord { version: 1, len: 10, replicas: vec!["n1".into()], block_crcs: vec![7] };
-    let seal =
-        |chunks| converged_metadata::Seal { size: 10, mtime: t, chunks, keep_unsealed: false, data_durable: true };
+    let seal = |chunks| converged_metadata::Seal {
+        size: 10,
+        mtime: t,
+        chunks,
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+    };
     ns.seal(f.ino, &seal(vec![(0, record.clone())]), Durability::Durable).unwrap();
     let rec = ns.tier(f.ino).unwrap().expect("a sealed file has a tier record");
     assert_eq!((rec.state, rec.generation), (TierState::Dirty, 1), "{name}");
@@ -509,17 +569,36 @@ fn etcd_write_lease_admits_one_writing_node() {
     let (a, akv) = node("a");
     let (b, _bkv) = node("b");
     let f = a.mknod(ROOT, b"ckpt.pt", &file(0o644)).unwrap();
-    a.mark_unsealed(f.ino).unwrap();
-    a.mark_unsealed(f.ino).unwrap(); // a second writer on the same node is fine
+    let first = a.mark_unsealed(f.ino).unwrap();
+    let a_lease = a.mark_unsealed(f.ino).unwrap(); // a second take on the same node is fine...
+    assert_eq!(a_lease, first, "... and keeps the lease it holds");
     let e = b.mark_unsealed(f.ino).unwrap_err();
     assert_eq!(e.errno(), libc::ETXTBSY, "{e}");
     assert!(b.unsealed().unwrap().is_empty(), "b recovers only its own marks");
-    assert_eq!(a.unsealed().unwrap(), vec![f.ino]);
+    assert_eq!(a.unsealed().unwrap(), vec![(f.ino, a_lease)]);
     // a dies (its membership lease is gone): b takes the write lease over.
     akv.membership().unwrap().leave().unwrap();
-    b.mark_unsealed(f.ino).unwrap();
+    let b_lease = b.mark_unsealed(f.ino).unwrap();
+    assert!(b_lease > a_lease, "epochs of one file only grow, whoever takes the lease");
     assert_eq!(b.writer(f.ino).unwrap().as_deref(), Some("b"));
     assert!(a.unsealed().unwrap().is_empty(), "a, back, must not re-seal b's file");
+    // a's writer, paused through all this, cannot publish over b: fenced.
+    let record = ChunkRecord { version: 1, len: 4, replicas: vec!["a".into()], block_crcs: vec![1] };
+    let seal = |lease, node: &str| converged_metadata::Seal {
+        size: 4,
+        mtime: Timespec::now(),
+        chunks: vec![(0, ChunkRecord { replicas: vec![node.into()], ..record.clone() })],
+        keep_unsealed: true,
+        lease: Some(lease),
+        data_durable: true,
+    };
+    let e = a.seal(f.ino, &seal(a_lease, "a"), Durability::Durable).unwrap_err();
+    assert!(matches!(e, MetaError::LeaseLost { ref holder } if holder == "b"), "{e}");
+    assert_eq!(e.errno(), libc::EIO);
+    assert!(a.chunks(f.ino).unwrap().is_empty(), "nothing of a's seal was recorded");
+    assert!(!a.release_lease(f.ino, a_lease).unwrap(), "a cannot drop b's lease");
+    b.seal(f.ino, &seal(b_lease, "b"), Durability::Durable).unwrap();
+    assert_eq!(b.chunks(f.ino).unwrap()[0].1.replicas, vec!["b".to_string()]);
 }
 
 #[test]
@@ -539,6 +618,7 @@ fn etcd_a_dead_nodes_backfill_is_taken_over() {
         mtime: Timespec::now(),
         chunks: vec![(0, record)],
         keep_unsealed: false,
+        lease: None,
         data_durable: true,
     };
     a.seal(f.ino, &seal, Durability::Durable).unwrap();

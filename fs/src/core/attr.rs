@@ -28,10 +28,26 @@ impl Default for SealCounters {
     }
 }
 
+/// The stripe counters at one moment (see [`SealCounters::snapshot`]).
+pub(super) struct SealSnapshot([u64; SEAL_STRIPES]);
+
 impl SealCounters {
+    /// A writing session ended here (sealed, failed, or fenced).
     pub fn bump(&self, ino: Ino) {
         self.all.fetch_add(1, Ordering::SeqCst);
         self.stripes[ino as usize % SEAL_STRIPES].fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The counters now, for [`SealCounters::none_ended_since`] once the
+    /// inode number is known.
+    pub fn snapshot(&self) -> SealSnapshot {
+        SealSnapshot(std::array::from_fn(|i| self.stripes[i].load(Ordering::SeqCst)))
+    }
+
+    /// Whether no writing session of `ino`'s stripe ended since `snap`.
+    pub fn none_ended_since(&self, snap: &SealSnapshot, ino: Ino) -> bool {
+        let i = ino as usize % SEAL_STRIPES;
+        self.stripes[i].load(Ordering::SeqCst) == snap.0[i]
     }
 }
 

@@ -18,7 +18,7 @@ use converged_metadata::{Durability, MetaError};
 use parking_lot::{Condvar, Mutex};
 
 use super::open::Claim;
-use super::write::Dirty;
+use super::write::{Dirty, SealAs};
 use super::Core;
 use crate::chunkstore::ChunkStore;
 use crate::error::{FsError, FsResult};
@@ -54,25 +54,56 @@ impl Core {
             self.ns.purge(*ino)?;
             self.store.remove(*ino)?;
         }
-        // Files open for writing when the daemon stopped, and files whose
-        // seal may describe bytes the disk never got: sealed again from what
-        // the backing file holds now.
-        let mut reseal: Vec<Ino> = self.ns.unsealed()?;
-        reseal.extend(self.ns.sync_pending()?.into_iter().map(|(ino, _)| ino));
-        reseal.sort_unstable();
-        reseal.dedup();
-        for ino in &reseal {
-            match self.ns.getattr(*ino) {
-                Ok(inode) => {
-                    let file = self.store.open_backing(*ino)?;
-                    self.seal_file(&inode, &file, &Dirty::All, false, Durability::Buffered, false)?;
-                    // Sealed before the cluster is attached: replicas follow in the background.
-                    self.under_replicated.0.lock().insert(*ino);
-                }
+        // Files open for writing when the daemon stopped (with the epoch of
+        // their lease), and files whose seal may describe bytes the disk
+        // never got: sealed again from what the backing file holds now.
+        let mut reseal: std::collections::BTreeMap<Ino, Option<u64>> = Default::default();
+        for (ino, _) in self.ns.sync_pending()? {
+            reseal.insert(ino, None);
+        }
+        for (ino, epoch) in self.ns.unsealed()? {
+            reseal.insert(ino, Some(epoch));
+        }
+        let resealed = reseal.len();
+        for (ino, epoch) in reseal {
+            let inode = match self.ns.getattr(ino) {
+                Ok(inode) => inode,
                 Err(MetaError::NotFound) => {
-                    self.ns.purge(*ino)?;
+                    self.ns.purge(ino)?;
+                    continue;
                 }
                 Err(e) => return Err(e.into()),
+            };
+            let file = self.store.open_backing(ino)?;
+            if epoch.is_none() && self.ns.is_clustered() {
+                // Sealed here and replicated before the crash; another node
+                // may have written the file since. Only this node's copy is
+                // in doubt: kept where it matches the layout, else dropped
+                // from it (repair copies it back from the replicas).
+                let dropped = self.reconcile(ino, &file)?;
+                self.ns.clear_sync_pending_of(ino)?;
+                if dropped > 0 {
+                    tracing::warn!(ino, chunks = dropped, "local copy did not survive the crash whole");
+                }
+                continue;
+            }
+            let how =
+                SealAs { keep_unsealed: false, durability: Durability::Buffered, data_durable: false, lease: epoch };
+            match self.seal_file(&inode, &file, &Dirty::All, how) {
+                // Sealed before the cluster is attached: replicas follow in the background.
+                Ok(_) => {
+                    self.under_replicated.0.lock().insert(ino);
+                }
+                // Another node took the write lease over while this one was
+                // down: what was written here and not published is dropped.
+                Err(FsError::Meta(MetaError::LeaseLost { .. })) => {
+                    tracing::warn!(
+                        ino,
+                        "write lease taken over while this node was down; its unpublished writes are dropped"
+                    );
+                    self.reconcile(ino, &file)?;
+                }
+                Err(e) => return Err(e),
             }
         }
         let mut strays = 0;
@@ -83,10 +114,10 @@ impl Core {
             }
         }
         self.flush()?;
-        if !orphans.is_empty() || !reseal.is_empty() || strays > 0 {
+        if !orphans.is_empty() || resealed > 0 || strays > 0 {
             tracing::info!(
                 orphans = orphans.len(),
-                resealed = reseal.len(),
+                resealed,
                 stray_backing_files = strays,
                 "recovered after an unclean stop"
             );

@@ -50,6 +50,7 @@ mod attr;
 mod durability;
 mod open;
 mod read;
+mod reconcile;
 mod replicate;
 mod write;
 

@@ -51,6 +51,7 @@ pub(super) struct Handle {
 
 /// Per-inode state while at least one handle is open on this node.
 pub(super) struct OpenInode {
+    pub ino: Ino,
     pub file: Arc<File>,
     pub state: Mutex<OpenState>,
     /// Signalled whenever `state.write` leaves a transitional state.
@@ -173,6 +174,17 @@ impl OpenTable {
         }
     }
 
+    /// Every inode open here now.
+    pub fn all(&self) -> Vec<Arc<OpenInode>> {
+        self.inodes
+            .iter()
+            .filter_map(|s| match s.value() {
+                Slot::Open(oi) => Some(oi.clone()),
+                Slot::Held(_) => None,
+            })
+            .collect()
+    }
+
     /// Hold `ino` closed, or return its state if it is open. Waits while
     /// another holder has it.
     pub fn claim_closed(&self, ino: Ino) -> Claim<'_> {
@@ -217,6 +229,7 @@ impl OpenTable {
                 return Ok(oi);
             }
             let fresh = Arc::new(OpenInode {
+                ino,
                 file: Arc::new(file()?),
                 state: Mutex::default(),
                 changed: Condvar::new(),
@@ -305,26 +318,38 @@ impl Core {
     /// Create a regular file and open it (open with O_CREAT). A file created
     /// for writing starts unsealed in the creating transaction.
     pub fn create(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> FsResult<(super::Attr, Opened)> {
+        // Which writing sessions ended before the create: its write lease
+        // is the creator's only while none of this inode ended since.
+        let before = self.seals.snapshot();
         let inode = self.ns.mknod(parent, name, node)?;
-        let opened = self.open_inner(inode.ino, node.unsealed, node.unsealed, true)?;
+        let created = node.unsealed.then_some(before);
+        let opened = self.open_inner(inode.ino, node.unsealed, created.as_ref(), true)?;
         Ok((inode, opened))
     }
 
     /// Open `ino`; `writable` for O_WRONLY / O_RDWR.
     pub fn open(&self, ino: Ino, writable: bool) -> FsResult<Opened> {
-        self.open_inner(ino, writable, false, true)
+        self.open_inner(ino, writable, None, true)
     }
 
     /// A writable handle for the core's own use (truncation), which the
     /// kernel never sees: through the daemon, counted in no I/O mode.
     pub(super) fn open_for_core(&self, ino: Ino) -> FsResult<u64> {
-        Ok(self.open_inner(ino, true, false, false)?.fh)
+        Ok(self.open_inner(ino, true, None, false)?.fh)
     }
 
     /// Register the open first, then read the inode: an unlink that purges
     /// holds the inode closed until its purge is committed, so an open that
     /// got past it finds the inode (ENOENT otherwise), never a half-purged one.
-    fn open_inner(&self, ino: Ino, writable: bool, created_unsealed: bool, kernel: bool) -> FsResult<Opened> {
+    /// `created`: the file was created unsealed by this open, when the
+    /// seal counters stood at this snapshot.
+    fn open_inner(
+        &self,
+        ino: Ino,
+        writable: bool,
+        created: Option<&super::attr::SealSnapshot>,
+        kernel: bool,
+    ) -> FsResult<Opened> {
         let oi = self.open.open_inode(ino, || match self.take_spare(ino) {
             Some(f) => Ok(f),
             None => self.store.open_backing(ino),
@@ -333,7 +358,7 @@ impl Core {
         // Direct (counted nowhere) until the mode is settled below, and not
         // writable until it counts as a writer: a failed open releases it.
         self.open.insert_handle(fh, Handle { ino, writable: false, io: Io::Direct });
-        match self.open_checked(fh, ino, &oi, writable, created_unsealed, kernel) {
+        match self.open_checked(fh, ino, &oi, writable, created, kernel) {
             Ok(opened) => Ok(opened),
             Err(e) => {
                 let _ = self.release(fh);
@@ -348,7 +373,7 @@ impl Core {
         ino: Ino,
         oi: &OpenInode,
         writable: bool,
-        created_unsealed: bool,
+        created: Option<&super::attr::SealSnapshot>,
         kernel: bool,
     ) -> FsResult<Opened> {
         let inode = self.ns.getattr(ino)?;
@@ -362,7 +387,7 @@ impl Core {
             oi.state.lock().orphaned = true;
         }
         if writable {
-            self.begin_writer(ino, oi, created_unsealed)?;
+            self.begin_writer(ino, oi, created)?;
             self.open.set_writable(fh);
         }
         if !kernel {

@@ -8,11 +8,23 @@
 //!     └──────────────────────────┘            ▼  │                        ▼
 //!                                        Publishing                    Unsealed
 //!                               (close/fsync in a cluster: checksums, replicas, layout)
+//!
+//!   Unsealed, Publishing, Sealing ──(lease lost)──▶ Fenced ──(last writer)──▶ Sealing ──▶ Sealed
+//!                                                          (local copy made to match the layout)
 //! ```
 //!
 //! The long work of each transitional state (`Leasing`, `Publishing`,
 //! `Sealing`) runs with no lock held; whoever needs a settled state waits on
 //! `OpenInode::changed`.
+//!
+//! A write lease carries an epoch ([`Unsealed::lease`]); every publish and
+//! seal commits only while the file's lease is still this node's at that
+//! epoch. A node paused or cut off for longer than its membership lease may
+//! find its lease taken over: its session is then `Fenced`. What it wrote
+//! since its last publish is never published; `fsync` and `close` fail
+//! with `EIO`; and at its last close the local copy is brought back to what
+//! the layout records (chunks re-read from their holders, or this node's
+//! copy dropped from the record).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -70,6 +82,57 @@ pub(super) struct Unsealed {
     created_here: bool,
     /// ... unless an fsync recorded a size for it meanwhile.
     size_recorded: bool,
+    /// The epoch of the write lease this node took: every seal of this
+    /// session carries it, so that it fails once another node took over.
+    lease: u64,
+    /// The node's membership lapsed during a publish: the session is
+    /// fenced when the publish ends.
+    fence_after_publish: bool,
+}
+
+/// How a seal is committed.
+pub(super) struct SealAs {
+    /// The file stays unsealed (a publish while writers remain).
+    pub keep_unsealed: bool,
+    pub durability: Durability,
+    /// The backing file was synced before the checksums were computed.
+    pub data_durable: bool,
+    /// The write lease the seal is made under (`None`: recovery).
+    pub lease: Option<u64>,
+}
+
+/// What the last writer's release does.
+pub(super) enum SealJob {
+    /// Commit the session's seal.
+    Seal(Unsealed),
+    /// The session was fenced: make the local copy match the layout.
+    Reconcile { lease: u64 },
+}
+
+/// How the last writer's release ends.
+enum SealEnd {
+    /// The file is sealed, or a fenced session's local copy reconciled.
+    Sealed,
+    /// The seal failed, the lease (this epoch) is still held: the file
+    /// stays unsealed, to be sealed at the next close or mount.
+    Retry(u64),
+}
+
+/// Why a publish or seal failed, for the state it leaves.
+pub(super) enum Lost {
+    /// The write lease is gone: the session is fenced.
+    Lease,
+    /// Anything else: nothing is lost, the next publish tries again.
+    Nothing,
+}
+
+impl Lost {
+    fn of(e: &FsError) -> Self {
+        match e {
+            FsError::Meta(MetaError::LeaseLost { .. }) => Lost::Lease,
+            _ => Lost::Nothing,
+        }
+    }
 }
 
 /// A file's write state on this node.
@@ -87,9 +150,15 @@ pub(super) enum WriteState {
     /// A close or fsync is publishing what was written so far; writes go on
     /// and are tracked for the next seal. Other publishers wait.
     Publishing(Unsealed),
-    /// The last writer released the file and its seal is being committed.
-    /// Openers wait.
+    /// The last writer released the file and its seal is being committed
+    /// (or, after a fenced session, its local copy made to match the
+    /// layout). Openers wait.
     Sealing,
+    /// The write lease was lost (taken over by another node while this one
+    /// was cut off, at the epoch recorded here): nothing more of this
+    /// session is published. Writers still open here get `EIO` from
+    /// `fsync` and `close`; readers read the published layout.
+    Fenced { lease: u64 },
 }
 
 impl WriteState {
@@ -101,6 +170,11 @@ impl WriteState {
     /// Whether the backing file, not the metadata's layout, holds the bytes.
     pub fn reads_backing_file(&self) -> bool {
         matches!(self, WriteState::Unsealed(_) | WriteState::Publishing(_) | WriteState::Sealing)
+    }
+
+    /// Whether the session here lost its write lease.
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, WriteState::Fenced { .. })
     }
 
     /// Chunks `range` changed.
@@ -136,123 +210,204 @@ impl WriteState {
         false
     }
 
-    /// Leasing → Unsealed, or back to Sealed when the lease was not had.
-    fn end_lease(&mut self, leased: bool, created_here: bool) {
+    /// Leasing → Unsealed under lease `token`, or back to Sealed when the
+    /// lease was not had.
+    fn end_lease(&mut self, leased: Option<u64>, created_here: bool) {
         debug_assert!(matches!(self, WriteState::Leasing));
         *self = match leased {
-            true => WriteState::Unsealed(Unsealed { created_here, ..Unsealed::default() }),
-            false => WriteState::Sealed,
+            Some(lease) => WriteState::Unsealed(Unsealed { created_here, lease, ..Unsealed::default() }),
+            None => WriteState::Sealed,
         };
+    }
+
+    /// The lease of the writing session here, if there is one.
+    fn lease(&self) -> Option<u64> {
+        match self {
+            WriteState::Unsealed(u) | WriteState::Publishing(u) => Some(u.lease),
+            _ => None,
+        }
+    }
+
+    /// The lease is gone (taken over, or this node's membership lapsed):
+    /// Unsealed → Fenced now, Publishing → Fenced when the publish ends.
+    /// Returns the epoch to release when the session is fenced now.
+    pub(super) fn fence(&mut self) -> Option<u64> {
+        match self {
+            WriteState::Unsealed(u) => {
+                let lease = u.lease;
+                *self = WriteState::Fenced { lease };
+                Some(lease)
+            }
+            WriteState::Publishing(u) => {
+                u.fence_after_publish = true;
+                None
+            }
+            _ => None,
+        }
     }
 
     /// Unsealed → Publishing when the backing file changed since the last
     /// publish; returns the chunks to checksum. `next` is what tracking
     /// starts again from (everything, when writes bypass the daemon).
-    fn begin_publish(&mut self, now: Stamp, next: Dirty) -> Option<Dirty> {
+    fn begin_publish(&mut self, now: Stamp, next: Dirty) -> Option<(Dirty, u64)> {
         let WriteState::Unsealed(u) = self else { return None };
         if u.published == Some(now) || (u.created_here && now.0 == 0) {
             return None;
         }
         let dirty = std::mem::replace(&mut u.dirty, next);
         let WriteState::Unsealed(u) = std::mem::take(self) else { unreachable!("matched above") };
+        let lease = u.lease;
         *self = WriteState::Publishing(u);
-        Some(dirty)
+        Some((dirty, lease))
     }
 
-    /// Publishing → Unsealed; what was published (`None` on failure, when
-    /// every chunk is checksummed again next time).
-    fn end_publish(&mut self, published: Option<Stamp>) {
+    /// Publishing → Unsealed with what was published, or back to Unsealed
+    /// with every chunk to checksum again when the publish failed, or to
+    /// Fenced when it found the lease lost.
+    fn end_publish(&mut self, published: Result<Stamp, Lost>) {
         let WriteState::Publishing(mut u) = std::mem::take(self) else {
             unreachable!("only a publisher ends a publish")
         };
-        match published {
-            Some(stamp) => {
+        *self = match published {
+            Err(Lost::Lease) => WriteState::Fenced { lease: u.lease },
+            _ if u.fence_after_publish => WriteState::Fenced { lease: u.lease },
+            Ok(stamp) => {
                 u.published = Some(stamp);
                 u.size_recorded = true;
+                WriteState::Unsealed(u)
             }
-            None => u.dirty = Dirty::All,
-        }
-        *self = WriteState::Unsealed(u);
+            Err(Lost::Nothing) => {
+                u.dirty = Dirty::All;
+                WriteState::Unsealed(u)
+            }
+        };
     }
 
-    /// Unsealed → Sealing for the last writer.
-    fn begin_seal(&mut self) -> Option<Unsealed> {
-        match std::mem::take(self) {
-            WriteState::Unsealed(u) => {
+    /// Unsealed or Fenced → Sealing for the last writer: the seal to
+    /// commit, or the fenced lease whose local copy is to be reconciled.
+    /// The copy of an orphan (purged at its last close) is not reconciled.
+    /// An orphan is never sealed: it stays Unsealed and goes with its purge.
+    fn begin_seal(&mut self, orphaned: bool) -> Option<SealJob> {
+        match (std::mem::take(self), orphaned) {
+            (WriteState::Unsealed(u), false) => {
                 *self = WriteState::Sealing;
-                Some(u)
+                Some(SealJob::Seal(u))
             }
-            other => {
+            (WriteState::Fenced { lease }, false) => {
+                *self = WriteState::Sealing;
+                Some(SealJob::Reconcile { lease })
+            }
+            (WriteState::Fenced { .. }, true) => {
+                *self = WriteState::Sealed;
+                None
+            }
+            (other, _) => {
                 *self = other;
                 None
             }
         }
     }
 
-    /// Sealing → Sealed, or back to Unsealed (the metadata still says so:
-    /// the next mount re-seals it) when the seal failed.
-    fn end_seal(&mut self, sealed: bool) {
+    /// Sealing → Sealed; or, when the seal failed for another reason than
+    /// a lost lease, back to Unsealed under the same lease (the metadata
+    /// still says so: the next mount re-seals it).
+    fn end_seal(&mut self, end: SealEnd) {
         debug_assert!(matches!(self, WriteState::Sealing));
-        *self = match sealed {
-            true => WriteState::Sealed,
-            false => WriteState::Unsealed(Unsealed { dirty: Dirty::All, ..Unsealed::default() }),
+        *self = match end {
+            SealEnd::Sealed => WriteState::Sealed,
+            SealEnd::Retry(lease) => WriteState::Unsealed(Unsealed { dirty: Dirty::All, lease, ..Unsealed::default() }),
         };
     }
 }
 
 impl Core {
-    /// A writer opens `ino`. The first takes the write lease (unless the
-    /// file was created unsealed by this open) and copies in chunks held
+    /// A writer opens `ino`. The first takes the write lease (the creator
+    /// of a file created unsealed has it from the create, unless a writing
+    /// session of the file ended here since) and copies in chunks held
     /// elsewhere, with the state `Leasing` and no lock held. On failure the
-    /// caller is not counted as a writer.
-    pub(super) fn begin_writer(&self, ino: Ino, oi: &OpenInode, created_unsealed: bool) -> FsResult<()> {
+    /// caller is not counted as a writer. A session that lost its lease
+    /// admits no new writer until its last one is gone.
+    pub(super) fn begin_writer(
+        &self,
+        ino: Ino,
+        oi: &OpenInode,
+        created: Option<&super::attr::SealSnapshot>,
+    ) -> FsResult<()> {
         let lease = {
             let mut st = oi.settled_state();
+            if st.write.is_fenced() {
+                return Err(lease_lost());
+            }
             st.writers += 1;
             st.write.begin_lease()
         };
         if !lease {
             return Ok(());
         }
-        let r = match created_unsealed {
-            true => Ok(()),
+        let r = match created.is_some_and(|snap| self.seals.none_ended_since(snap, ino)) {
+            true => Ok(converged_metadata::CREATE_LEASE),
             // Written here from now on: chunks held elsewhere come here first.
-            false => self.take_write_lease(ino).map_err(FsError::from).and_then(|()| self.hydrate(ino, &oi.file)),
+            false => self
+                .take_write_lease(ino)
+                .map_err(FsError::from)
+                .and_then(|lease| self.hydrate(ino, &oi.file).map(|()| lease)),
         };
         let mut st = oi.state.lock();
-        st.write.end_lease(r.is_ok(), created_unsealed);
+        st.write.end_lease(r.as_ref().ok().copied(), created.is_some());
         st.forget_layout();
         if r.is_err() {
             st.writers -= 1;
         }
         drop(st);
         oi.changed.notify_all();
-        r
+        r.map(|_| ())
     }
 
-    /// A writer's handle is released; the last one seals the file.
+    /// A writer's handle is released; the last one seals the file, or, when
+    /// its session was fenced, brings the local copy back to the layout
+    /// and reports the lost writes (`EIO`).
     pub(super) fn end_writer(&self, ino: Ino, oi: &OpenInode) -> FsResult<()> {
         let job = {
             let mut st = oi.settled_state();
             st.writers -= 1;
-            match st.writers == 0 && !st.orphaned {
-                true => st.write.begin_seal(),
+            match st.writers == 0 {
+                true => {
+                    let orphaned = st.orphaned;
+                    st.write.begin_seal(orphaned)
+                }
                 false => None,
             }
         };
-        let Some(unsealed) = job else { return Ok(()) };
-        let r = self.final_seal(ino, oi, unsealed);
+        let Some(job) = job else { return Ok(()) };
+        let (end, result) = match job {
+            SealJob::Seal(u) => {
+                let lease = u.lease;
+                match self.final_seal(ino, oi, u) {
+                    Ok(()) => (SealEnd::Sealed, Ok(())),
+                    Err(e) => match Lost::of(&e) {
+                        Lost::Lease => {
+                            self.reconcile_fenced(ino, oi, lease);
+                            (SealEnd::Sealed, Err(e))
+                        }
+                        Lost::Nothing => (SealEnd::Retry(lease), Err(e)),
+                    },
+                }
+            }
+            SealJob::Reconcile { lease } => {
+                self.reconcile_fenced(ino, oi, lease);
+                (SealEnd::Sealed, Err(lease_lost()))
+            }
+        };
         let mut st = oi.state.lock();
-        st.write.end_seal(r.is_ok());
-        if r.is_ok() {
-            st.forget_layout();
-            // Under the state lock: an attribute read that finds the file
-            // sealed also finds the counter moved.
-            self.seals.bump(ino);
-        }
+        st.write.end_seal(end);
+        st.forget_layout();
+        // Under the state lock: an attribute read that finds the file
+        // sealed also finds the counter moved, and a create racing this
+        // session's end takes its lease anew.
+        self.seals.bump(ino);
         drop(st);
         oi.changed.notify_all();
-        r
+        result
     }
 
     /// The seal at last close: checksums of what changed since the last
@@ -273,14 +428,20 @@ impl Core {
             self.unseal_later(ino);
             return Ok(());
         }
-        self.seal_file(&inode, &oi.file, &dirty, false, Durability::Buffered, false).map(|_| ())
+        let how = SealAs {
+            keep_unsealed: false,
+            durability: Durability::Buffered,
+            data_durable: false,
+            lease: Some(u.lease),
+        };
+        self.seal_file(&inode, &oi.file, &dirty, how).map(|_| ())
     }
 
     /// Mark `ino` unsealed, taking its write lease. The kernel releases a
     /// file asynchronously after close(2) returns, so a writer on another
     /// node that has just closed may still hold the lease for a moment: wait
     /// for it a little before answering ETXTBSY.
-    fn take_write_lease(&self, ino: Ino) -> converged_metadata::MetaResult<()> {
+    fn take_write_lease(&self, ino: Ino) -> converged_metadata::MetaResult<u64> {
         let deadline = std::time::Instant::now() + LEASE_WAIT;
         loop {
             match self.ns.mark_unsealed(ino) {
@@ -288,6 +449,22 @@ impl Core {
                     std::thread::sleep(Duration::from_millis(50));
                 }
                 other => return other,
+            }
+        }
+    }
+
+    /// This node's membership lapsed (it was paused or cut off for longer
+    /// than its lease, and has registered again): every writing session
+    /// here is fenced, and the write leases it held are given up. Another
+    /// node may have taken them over and written meanwhile.
+    pub fn fence_all_writers(&self) {
+        for oi in self.open.all() {
+            let lease = oi.state.lock().write.fence();
+            let Some(lease) = lease else { continue };
+            let ino = oi.ino;
+            tracing::warn!(ino, "membership lapsed: this node's writes to the file since its last publish are dropped");
+            if let Err(e) = self.ns.release_lease(ino, lease) {
+                tracing::warn!(ino, error = %e, "could not release the write lease; it is fenced all the same");
             }
         }
     }
@@ -348,9 +525,12 @@ impl Core {
     /// cluster the file is published too: checksummed, replicated and its
     /// layout recorded, so it survives the loss of this node.
     pub fn fsync(&self, fh: u64, datasync: bool) -> FsResult<()> {
-        let (ino, _, oi) = self.open.handle(fh)?;
+        let (ino, writable, oi) = self.open.handle(fh)?;
         let r = if datasync { oi.file.sync_data() } else { oi.file.sync_all() };
         r.map_err(|e| FsError::io("fsync backing file", e))?;
+        if writable && oi.state.lock().write.is_fenced() {
+            return Err(lease_lost());
+        }
         if self.cluster.get().is_some() {
             // A durable seal carries every earlier namespace change; only
             // when there was nothing to publish is a separate sync needed.
@@ -359,11 +539,15 @@ impl Core {
             }
             return Ok(());
         }
-        if oi.state.lock().write.reads_backing_file() {
+        let (writing, lease) = {
+            let st = oi.state.lock();
+            (st.write.reads_backing_file(), st.write.lease())
+        };
+        if writing {
             // Still unsealed: the `U` mark has it re-sealed after a crash,
             // so only size and mtime are recorded here.
             let (size, mtime) = stamp(&oi.file)?;
-            let seal = Seal { size, mtime, chunks: Vec::new(), keep_unsealed: true, data_durable: true };
+            let seal = Seal { size, mtime, chunks: Vec::new(), keep_unsealed: true, lease, data_durable: true };
             self.ns.seal(ino, &seal, Durability::Durable)?;
             oi.state.lock().write.size_recorded();
         } else {
@@ -390,24 +574,38 @@ impl Core {
     /// lease: checksums, replicas (per the durability mode) and layout. A
     /// file unchanged since the last publish costs one stat. Returns whether
     /// it committed a seal.
+    /// Fails with `EIO` once the session lost its write lease.
     fn publish(&self, ino: Ino, oi: &OpenInode, d: Durability) -> FsResult<bool> {
         let now = stamp(&oi.file)?;
         let next = if self.passthrough() { Dirty::All } else { Dirty::None };
         let dirty = {
             let mut st = oi.settled_state();
+            if st.write.is_fenced() {
+                return Err(lease_lost());
+            }
             if st.orphaned {
                 return Ok(false);
             }
             st.write.begin_publish(now, next)
         };
-        let Some(dirty) = dirty else { return Ok(false) };
-        let r = self
-            .ns
-            .getattr(ino)
-            .map_err(FsError::from)
-            .and_then(|inode| self.seal_file(&inode, &oi.file, &dirty, true, d, d == Durability::Durable));
-        oi.state.lock().write.end_publish(r.is_ok().then_some(now));
+        let Some((dirty, lease)) = dirty else { return Ok(false) };
+        let how =
+            SealAs { keep_unsealed: true, durability: d, data_durable: d == Durability::Durable, lease: Some(lease) };
+        let r =
+            self.ns.getattr(ino).map_err(FsError::from).and_then(|inode| self.seal_file(&inode, &oi.file, &dirty, how));
+        let fenced = {
+            let mut st = oi.state.lock();
+            st.write.end_publish(r.as_ref().map(|_| now).map_err(Lost::of));
+            st.write.is_fenced()
+        };
         oi.changed.notify_all();
+        if fenced {
+            tracing::warn!(ino, "write lease lost: what was written here since the last publish is dropped");
+            if let Err(e) = self.ns.release_lease(ino, lease) {
+                tracing::debug!(ino, error = %e, "could not release a fenced lease");
+            }
+            return Err(lease_lost());
+        }
         r.map(|_| true)
     }
 
@@ -417,16 +615,7 @@ impl Core {
     /// replicas are written before the record (durability=replicated) or
     /// after it, in the background (durability=local). A chunk whose bytes
     /// did not change keeps its record, version and replicas.
-    /// `data_durable`: the caller synced `file` before computing the seal.
-    pub(super) fn seal_file(
-        &self,
-        inode: &Inode,
-        file: &File,
-        dirty: &Dirty,
-        keep_unsealed: bool,
-        d: Durability,
-        data_durable: bool,
-    ) -> FsResult<Inode> {
+    pub(super) fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, how: SealAs) -> FsResult<Inode> {
         let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
         let size = md.len();
         let cs = inode.chunk_size.max(1) as u64;
@@ -511,8 +700,9 @@ impl Core {
         }
         short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
         let mtime = ts_from(md.mtime(), md.mtime_nsec());
-        let seal = Seal { size, mtime, chunks, keep_unsealed, data_durable };
-        let sealed = self.ns.seal(inode.ino, &seal, d)?;
+        let SealAs { keep_unsealed, durability, data_durable, lease } = how;
+        let seal = Seal { size, mtime, chunks, keep_unsealed, lease, data_durable };
+        let sealed = self.ns.seal(inode.ino, &seal, durability)?;
         self.stats.seals.fetch_add(1, Ordering::Relaxed);
         if let Some(t) = self.tier.get() {
             t.enqueue(inode.ino, t.cfg.backfill_delay);
@@ -523,6 +713,11 @@ impl Core {
         }
         Ok(sealed)
     }
+}
+
+/// The error a fenced session's fsync and close return (`EIO`).
+fn lease_lost() -> FsError {
+    FsError::Meta(MetaError::LeaseLost { holder: String::new() })
 }
 
 pub(super) fn stamp(file: &File) -> FsResult<Stamp> {

@@ -67,7 +67,7 @@ impl Namespace {
             };
             put_inode(txn, &inode);
             if node.unsealed && node.kind == FileKind::Regular {
-                txn.put(&schema::unsealed(ino), self.node.as_bytes());
+                txn.put(&schema::unsealed(ino), &crate::ops::layout::lease_mark(&self.node, crate::CREATE_LEASE));
             }
             if let Some(v) = &policy {
                 txn.put(&schema::xattr(ino, REPLICAS_XATTR), v);

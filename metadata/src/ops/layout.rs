@@ -7,7 +7,7 @@
 //! the `U` key.
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvWrite};
+use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::{chunk_at_version, decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, Timespec};
@@ -21,12 +21,47 @@ pub struct Seal {
     pub chunks: Vec<(u32, ChunkRecord)>,
     /// Whether the file stays unsealed (fsync while writers remain).
     pub keep_unsealed: bool,
+    /// The epoch of the write lease this seal is made under: the seal
+    /// commits only if the file's unsealed mark is still this node's at
+    /// this epoch, so a node that lost the lease cannot publish over the new
+    /// writer. `None` only for a single node's recovery of its own seals.
+    pub lease: Option<u64>,
     /// Whether the bytes these checksums describe are on stable storage
     /// already. When they are not, the seal leaves a sync-pending mark
     /// (`S`), which the node drops once it has synced the backing file: a
     /// crash in between re-seals the file from what the disk holds, so a
     /// durable checksum never describes bytes the disk never got.
     pub data_durable: bool,
+}
+
+/// The value of an unsealed mark (the write lease): the holder's node id,
+/// a NUL, and the lease's epoch. Epochs of one file only grow (the last one
+/// granted is kept in its `E` key), so a writer whose lease was taken over,
+/// even if its own node took the lease back later, holds an epoch that no
+/// longer matches: its seals compare it and fail.
+pub(crate) fn lease_mark(node: &str, epoch: u64) -> Vec<u8> {
+    [node.as_bytes(), b"\0", &epoch.to_be_bytes()[..]].concat()
+}
+
+/// (holder, epoch) of an unsealed mark. A mark with no epoch (written
+/// before leases had them) has epoch 0.
+pub(crate) fn parse_lease_mark(v: &[u8]) -> (&[u8], u64) {
+    match v.len().checked_sub(9) {
+        Some(at) if v[at] == 0 => (&v[..at], u64::from_be_bytes(v[at + 1..].try_into().expect("8 bytes"))),
+        _ => (v, 0),
+    }
+}
+
+/// The epoch of the lease a file's create takes: the create's own
+/// transaction writes the mark, and every later take gets a higher one.
+pub const CREATE_LEASE: u64 = 0;
+
+/// The version of a chunk written under lease `epoch`, after `previous`.
+/// Versions of one chunk only grow, and two writers under different epochs
+/// never pick the same one (the epoch is in the high 32 bits), so a copy
+/// named by its version is never overwritten by another writer's bytes.
+pub fn next_version(previous: Option<u64>, epoch: u64) -> u64 {
+    previous.map_or(1, |v| v + 1).max((epoch << 32) | 1)
 }
 
 /// The value of a sync-pending mark: the seal's token, then the node id.
@@ -94,21 +129,66 @@ impl Namespace {
     /// crash could leave old checksums over new bytes. Fails with
     /// [`MetaError::WriteLeased`] while another live node writes the file; a
     /// lease left by a dead node (its membership lease expired) is taken over.
-    pub fn mark_unsealed(&self, ino: Ino) -> MetaResult<()> {
+    ///
+    /// Returns the lease's epoch, which this node's seals of the file then
+    /// carry ([`Seal::lease`]). A lease this node holds already keeps its
+    /// epoch (this node runs one writing session per file at a time);
+    /// every other take gets an epoch higher than any before it for this
+    /// file, so the session of a node that lost the lease stays fenced.
+    pub fn mark_unsealed(&self, ino: Ino) -> MetaResult<u64> {
         self.write(Durability::Durable, |txn| {
             get_inode(txn, ino)?;
             let key = schema::unsealed(ino);
-            if let Some(holder) = txn.get(&key)? {
-                if !self.is_mine(&holder) {
-                    let holder = String::from_utf8_lossy(&holder).into_owned();
-                    if txn.get(&schema::live_node(&holder))?.is_some() {
-                        return Err(MetaError::WriteLeased { holder });
-                    }
-                    tracing::warn!(ino, %holder, "taking over the write lease of a dead node");
+            if let Some(mark) = txn.get(&key)? {
+                let (holder, epoch) = parse_lease_mark(&mark);
+                if self.is_mine(holder) {
+                    return Ok(epoch);
                 }
+                let holder = String::from_utf8_lossy(holder).into_owned();
+                if txn.get(&schema::live_node(&holder))?.is_some() {
+                    return Err(MetaError::WriteLeased { holder });
+                }
+                tracing::warn!(ino, %holder, "taking over the write lease of a dead node");
             }
-            txn.put(&key, self.node.as_bytes());
-            Ok(())
+            let epoch_key = schema::lease_epoch(ino);
+            let last = match txn.get(&epoch_key)? {
+                Some(v) => u64::from_be_bytes(v.as_slice().try_into().map_err(|_| MetaError::Corrupt {
+                    key: format!("lease epoch of inode {ino}"),
+                    msg: format!("{} bytes where 8 were expected", v.len()),
+                })?),
+                None => CREATE_LEASE,
+            };
+            let epoch = last + 1;
+            txn.put(&epoch_key, &epoch.to_be_bytes());
+            txn.put(&key, &lease_mark(&self.node, epoch));
+            Ok(epoch)
+        })
+    }
+
+    /// Fail with [`MetaError::LeaseLost`] unless `ino`'s write lease is
+    /// this node's at `epoch`.
+    fn check_lease(&self, txn: &mut (impl KvRead + ?Sized), ino: Ino, epoch: u64) -> MetaResult<()> {
+        let mark = txn.get(&schema::unsealed(ino))?;
+        let holder = match mark.as_deref().map(parse_lease_mark) {
+            Some((holder, e)) if self.is_mine(holder) && e == epoch => return Ok(()),
+            Some((holder, _)) => String::from_utf8_lossy(holder).into_owned(),
+            None => String::new(),
+        };
+        Err(MetaError::LeaseLost { holder })
+    }
+
+    /// Give up the write lease of `ino` taken at `epoch`, without a seal (a
+    /// writer that lost its lease, or found its node cut off). A lease taken
+    /// since, by this node or another, is left alone. Returns whether it
+    /// was still held.
+    pub fn release_lease(&self, ino: Ino, epoch: u64) -> MetaResult<bool> {
+        self.write(Durability::Durable, |txn| match self.check_lease(txn, ino, epoch) {
+            Ok(()) => {
+                txn.delete(&schema::unsealed(ino));
+                Ok(true)
+            }
+            Err(MetaError::LeaseLost { .. }) => Ok(false),
+            Err(e) => Err(e),
         })
     }
 
@@ -132,6 +212,23 @@ impl Namespace {
         })
     }
 
+    /// Drop this node from the holders of chunk `index` of `ino`, if the
+    /// chunk is still at `version`: its copy here is not that version
+    /// (overwritten by a writer that lost its lease, or found corrupt and
+    /// not repairable). Returns whether the record changed.
+    pub fn drop_holder(&self, ino: Ino, index: u32, version: u64) -> MetaResult<bool> {
+        self.write(Durability::Durable, |txn| {
+            let Some(mut record) = chunk_at_version(txn, ino, index, version)? else { return Ok(false) };
+            let before = record.replicas.len();
+            record.replicas.retain(|r| !self.is_mine(r.as_bytes()));
+            if record.replicas.len() == before {
+                return Ok(false);
+            }
+            txn.put(&schema::chunk(ino, index), &encode(&record));
+            Ok(true)
+        })
+    }
+
     /// Record size, mtime and chunk records; drop chunks past the end.
     ///
     /// A layout too large for one transaction is written in batches first;
@@ -143,6 +240,9 @@ impl Namespace {
         for batch in seal.chunks[..split].chunks(CHUNKS_PER_BATCH) {
             self.write(Durability::Buffered, |txn| {
                 get_inode(txn, ino)?;
+                if let Some(epoch) = seal.lease {
+                    self.check_lease(txn, ino, epoch)?;
+                }
                 for (index, record) in batch {
                     txn.put(&schema::chunk(ino, *index), &encode(record));
                 }
@@ -151,6 +251,9 @@ impl Namespace {
         }
         self.write(durability, |txn| {
             let mut inode = get_inode(txn, ino)?;
+            if let Some(epoch) = seal.lease {
+                self.check_lease(txn, ino, epoch)?;
+            }
             let chunk_size = inode.chunk_size.max(1) as u64;
             let keep = seal.size.div_ceil(chunk_size);
             drop_chunks_from(txn, ino, keep)?;
@@ -193,7 +296,12 @@ impl Namespace {
         }
         self.write(Durability::Buffered, |txn| {
             for ino in inos {
-                txn.delete(&schema::unsealed(*ino));
+                let key = schema::unsealed(*ino);
+                // Another node's lease (taken since) is not ours to drop.
+                match txn.get(&key)? {
+                    Some(mark) if self.is_mine(parse_lease_mark(&mark).0) => txn.delete(&key),
+                    _ => continue,
+                }
                 // Empty files are backfilled too (an empty object).
                 if self.tiered
                     && crate::ops::tier::get_tier(txn, *ino)?.is_none()
@@ -206,13 +314,15 @@ impl Namespace {
         })
     }
 
-    /// Files that were open for writing on this node when its daemon stopped.
-    pub fn unsealed(&self) -> MetaResult<Vec<Ino>> {
+    /// Files that were open for writing on this node when its daemon
+    /// stopped, with the epoch of the lease each was written under.
+    pub fn unsealed(&self) -> MetaResult<Vec<(Ino, u64)>> {
         self.read(|txn| {
             Ok(scan_all(txn, &schema::unsealed_all())?
                 .iter()
-                .filter(|(_, v)| self.is_mine(v))
-                .map(|(k, _)| schema::key_ino(k))
+                .map(|(k, v)| (k, parse_lease_mark(v)))
+                .filter(|(_, (holder, _))| self.is_mine(holder))
+                .map(|(k, (_, epoch))| (schema::key_ino(k), epoch))
                 .collect())
         })
     }
@@ -247,8 +357,23 @@ impl Namespace {
         })
     }
 
+    /// Drop this node's sync-pending mark of `ino`, whatever its token (its
+    /// copy was checked against the layout instead of sealed again).
+    pub fn clear_sync_pending_of(&self, ino: Ino) -> MetaResult<()> {
+        self.write(Durability::Durable, |txn| {
+            let key = schema::sync_pending(ino);
+            if txn.get(&key)?.as_deref().and_then(parse_sync_mark).is_some_and(|(_, node)| self.is_mine(node)) {
+                txn.delete(&key);
+            }
+            Ok(())
+        })
+    }
+
     /// The node holding the write lease of `ino`, if any.
     pub fn writer(&self, ino: Ino) -> MetaResult<Option<String>> {
-        self.read(|txn| Ok(txn.get(&schema::unsealed(ino))?.map(|v| String::from_utf8_lossy(&v).into_owned())))
+        self.read(|txn| {
+            let mark = txn.get(&schema::unsealed(ino))?;
+            Ok(mark.map(|v| String::from_utf8_lossy(parse_lease_mark(&v).0).into_owned()))
+        })
     }
 }

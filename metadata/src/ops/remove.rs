@@ -49,6 +49,7 @@ fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> 
     txn.delete(&schema::inode(ino));
     txn.delete(&schema::orphan(ino));
     txn.delete(&schema::unsealed(ino));
+    txn.delete(&schema::lease_epoch(ino));
     txn.delete(&schema::sync_pending(ino));
     Ok(())
 }

@@ -216,7 +216,7 @@ impl Namespace {
             if let Some(writer) = txn.get(&schema::unsealed(ino))? {
                 // Being written: sealed again later. A writer whose node is
                 // dead left what it last published, which is what goes up.
-                let writer = String::from_utf8_lossy(&writer).into_owned();
+                let writer = String::from_utf8_lossy(crate::ops::layout::parse_lease_mark(&writer).0).into_owned();
                 if self.is_mine(writer.as_bytes()) || txn.get(&schema::live_node(&writer))?.is_some() {
                     return Ok(None);
                 }
