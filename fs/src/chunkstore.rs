@@ -1,10 +1,20 @@
 //! The local chunk store: one sparse backing file per inode under
 //! `<data-dir>/chunks/`, holding the chunks this node stores at their file
-//! offsets, and the per-block checksums that guard them.
+//! offsets (what kernel passthrough reads), and beside it *version files*:
+//! `<ino>.<index>.<version>`, each one whole chunk version that reached this
+//! node while its backing file may still hold, and serve, an older one.
+//!
+//! Published chunk versions are immutable: a replica write never lands on
+//! the bytes of another version. The core moves a version file into the
+//! backing file (installs it) once the layout records it and no reader here
+//! can see the change, and removes version files the layout left behind.
 //!
 //! It owns bytes on the local SSD only; which chunks exist and their
-//! checksums are recorded in the namespace by the filesystem core.
+//! checksums are recorded in the namespace by the filesystem core. Its one
+//! lock (the version index) is a leaf: nothing is taken while it is held,
+//! and no I/O happens under it.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -13,13 +23,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use converged_metadata::types::Ino;
+use converged_transport::ChunkRef;
 
 pub use crate::blocks::{block_crcs, read_exact_at};
 use crate::error::{FsError, FsResult};
 
 pub struct ChunkStore {
     dir: PathBuf,
+    /// The version files on disk: by inode, (chunk index, version).
+    versions: parking_lot::Mutex<BTreeMap<Ino, BTreeSet<(u32, u64)>>>,
 }
+
+/// A chunk version held in a version file.
+pub type VersionKey = (Ino, u32, u64);
 
 /// Size of the metadata reserve for a data disk of `total` bytes: 2%, between 1 and 64 MiB.
 pub fn reserve_size(total: u64) -> u64 {
@@ -30,7 +46,129 @@ impl ChunkStore {
     pub fn open(data_dir: &Path) -> FsResult<Self> {
         let dir = data_dir.join("chunks");
         std::fs::create_dir_all(&dir).map_err(|e| FsError::io(format!("create {}", dir.display()), e))?;
-        Ok(Self { dir })
+        let store = Self { dir, versions: Default::default() };
+        let rd = std::fs::read_dir(&store.dir).map_err(|e| FsError::io(format!("list {}", store.dir.display()), e))?;
+        let mut versions = store.versions.lock();
+        for entry in rd.flatten() {
+            if let Some((ino, index, version)) = entry.file_name().to_str().and_then(parse_version_name) {
+                versions.entry(ino).or_default().insert((index, version));
+            }
+        }
+        drop(versions);
+        Ok(store)
+    }
+
+    fn version_path(&self, ino: Ino, index: u32, version: u64) -> PathBuf {
+        self.dir.join(format!("{ino:016x}.{index:08x}.{version:016x}"))
+    }
+
+    /// Store a whole chunk version in its own file, on stable storage
+    /// (bytes and name) when this returns. Another version of the chunk,
+    /// in the backing file or a version file, is left as it is.
+    pub fn write_version(&self, c: &ChunkRef, data: &[u8]) -> io::Result<()> {
+        let path = self.version_path(c.ino, c.index, c.version);
+        let f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)?;
+        f.write_all_at(data, 0)?;
+        f.sync_data()?;
+        File::open(&self.dir)?.sync_all()?;
+        self.versions.lock().entry(c.ino).or_default().insert((c.index, c.version));
+        Ok(())
+    }
+
+    /// Copy `len` bytes at `from` of the backing file `main` of `ino` into a
+    /// version file of chunk `index` at `version` (kept while the backing
+    /// file is rewritten in place). A reflink where the filesystem shares
+    /// blocks, a copy in the kernel elsewhere.
+    pub fn keep_version(&self, main: &File, ino: Ino, index: u32, version: u64, from: u64, len: u64) -> io::Result<()> {
+        let path = self.version_path(ino, index, version);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)?;
+        copy_range(main, from, &f, 0, len)?;
+        f.sync_data()?;
+        File::open(&self.dir)?.sync_all()?;
+        self.versions.lock().entry(ino).or_default().insert((index, version));
+        Ok(())
+    }
+
+    /// The version file of a chunk version, if this node holds one.
+    pub fn open_version(&self, ino: Ino, index: u32, version: u64) -> Option<File> {
+        if !self.has_version(ino, index, version) {
+            return None;
+        }
+        File::open(self.version_path(ino, index, version)).ok()
+    }
+
+    /// Whether this node holds a version file of this chunk version.
+    pub fn has_version(&self, ino: Ino, index: u32, version: u64) -> bool {
+        self.versions.lock().get(&ino).is_some_and(|v| v.contains(&(index, version)))
+    }
+
+    /// Write good bytes over a damaged range of a version file (`at` bytes
+    /// into the chunk), on stable storage when this returns.
+    pub fn patch_version(&self, ino: Ino, index: u32, version: u64, at: u64, data: &[u8]) -> io::Result<()> {
+        let f = OpenOptions::new().write(true).open(self.version_path(ino, index, version))?;
+        f.write_all_at(data, at)?;
+        f.sync_data()
+    }
+
+    /// Whether any version file of `ino` is here.
+    pub fn has_versions(&self, ino: Ino) -> bool {
+        self.versions.lock().get(&ino).is_some_and(|v| !v.is_empty())
+    }
+
+    /// The version files of `ino`: (chunk index, version).
+    pub fn versions_of(&self, ino: Ino) -> Vec<(u32, u64)> {
+        self.versions.lock().get(&ino).map(|v| v.iter().copied().collect()).unwrap_or_default()
+    }
+
+    /// Inodes with version files here.
+    pub fn inodes_with_versions(&self) -> Vec<Ino> {
+        self.versions.lock().iter().filter(|(_, v)| !v.is_empty()).map(|(ino, _)| *ino).collect()
+    }
+
+    /// How long ago a version file was written.
+    pub fn version_age(&self, ino: Ino, index: u32, version: u64) -> Option<std::time::Duration> {
+        let md = std::fs::metadata(self.version_path(ino, index, version)).ok()?;
+        md.modified().ok()?.elapsed().ok()
+    }
+
+    /// Move a version file into the backing file `main` at `start` (the
+    /// chunk's offset), on stable storage before the version file goes: a
+    /// crash in between leaves the version file, and the copy is made again.
+    pub fn install_version(&self, main: &File, ino: Ino, index: u32, version: u64, start: u64) -> io::Result<()> {
+        let src = File::open(self.version_path(ino, index, version))?;
+        let len = src.metadata()?.len();
+        copy_range(&src, 0, main, start, len)?;
+        main.sync_data()?;
+        self.remove_version(ino, index, version)
+    }
+
+    /// Delete a version file.
+    pub fn remove_version(&self, ino: Ino, index: u32, version: u64) -> io::Result<()> {
+        let r = std::fs::remove_file(self.version_path(ino, index, version));
+        let mut versions = self.versions.lock();
+        if let Some(v) = versions.get_mut(&ino) {
+            v.remove(&(index, version));
+            if v.is_empty() {
+                versions.remove(&ino);
+            }
+        }
+        match r {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Put every dirty byte of the data disk on stable storage (one
@@ -118,7 +256,12 @@ impl ChunkStore {
             .ok()
     }
 
+    /// Remove the backing file of `ino` and every version file of it.
     pub fn remove(&self, ino: Ino) -> FsResult<()> {
+        for (index, version) in self.versions_of(ino) {
+            self.remove_version(ino, index, version)
+                .map_err(|e| FsError::io(format!("remove a chunk version of inode {ino}"), e))?;
+        }
         match std::fs::remove_file(self.path(ino)) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -126,65 +269,138 @@ impl ChunkStore {
         }
     }
 
-    /// Inode numbers that have a backing file (for the mount-time consistency check).
+    /// Inode numbers that have a backing file or a version file (for the
+    /// mount-time consistency check).
     pub fn list(&self) -> FsResult<Vec<Ino>> {
         let rd = std::fs::read_dir(&self.dir).map_err(|e| FsError::io(format!("list {}", self.dir.display()), e))?;
-        let mut out = Vec::new();
+        let mut out = BTreeSet::new();
         for entry in rd.flatten() {
             if let Some(ino) = entry.file_name().to_str().and_then(|n| u64::from_str_radix(n, 16).ok()) {
-                out.push(ino);
+                out.insert(ino);
             }
         }
-        Ok(out)
+        out.extend(self.inodes_with_versions());
+        Ok(out.into_iter().collect())
     }
+}
+
+/// (inode, chunk index, version) of a version file's name.
+fn parse_version_name(name: &str) -> Option<VersionKey> {
+    let mut parts = name.split('.');
+    let ino = u64::from_str_radix(parts.next()?, 16).ok()?;
+    let index = u32::from_str_radix(parts.next()?, 16).ok()?;
+    let version = u64::from_str_radix(parts.next()?, 16).ok()?;
+    parts.next().is_none().then_some((ino, index, version))
+}
+
+/// Copy `len` bytes from `src` at `from` to `dst` at `to`: a reflink of
+/// the range where the filesystem can share blocks (XFS, btrfs), else a copy
+/// in the kernel (`copy_file_range`), else through a buffer. Bytes past the
+/// source's end are not copied.
+fn copy_range(src: &File, from: u64, dst: &File, to: u64, len: u64) -> io::Result<()> {
+    let len = len.min(src.metadata()?.len().saturating_sub(from));
+    if len == 0 {
+        return Ok(());
+    }
+    // FICLONERANGE wants block-aligned offsets, and a length that is aligned
+    // or reaches the source's end; the kernel refuses anything else.
+    let clone =
+        libc::file_clone_range { src_fd: src.as_raw_fd() as i64, src_offset: from, src_length: len, dest_offset: to };
+    // SAFETY: an ioctl on two fds we own, with a properly filled struct.
+    if unsafe { libc::ioctl(dst.as_raw_fd(), libc::FICLONERANGE, &clone) } == 0 {
+        return Ok(());
+    }
+    let (mut off_in, mut off_out) = (from as i64, to as i64);
+    let mut left = len as usize;
+    while left > 0 {
+        // SAFETY: copy_file_range on fds we own, with offsets we own.
+        let n = unsafe { libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, left, 0) };
+        match n {
+            n if n > 0 => left -= n as usize,
+            0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source ended during a copy")),
+            _ => {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    // Not supported between these files: copy through a buffer.
+                    Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS) => {
+                        let mut buf = vec![0u8; left.min(8 << 20)];
+                        while left > 0 {
+                            let n = left.min(buf.len());
+                            read_exact_at(src, &mut buf[..n], off_in as u64)?;
+                            dst.write_all_at(&buf[..n], off_out as u64)?;
+                            (off_in, off_out, left) = (off_in + n as i64, off_out + n as i64, left - n);
+                        }
+                    }
+                    _ => return Err(e),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the peer server asks of the filesystem core (set once it is up).
+pub struct LocalHooks {
+    /// Fetch chunk `index` of `ino` onto this node and record the copy (a
+    /// peer's share of a distributed stage).
+    pub stage: Box<dyn Fn(u64, u32) -> Result<(), converged_transport::ServiceError> + Send + Sync>,
+    /// Whether a writer here changes the inode's backing file in place: its
+    /// bytes are then no published version, and peers are told so.
+    pub being_written: Box<dyn Fn(u64) -> bool + Send + Sync>,
 }
 
 /// Serves this node's chunks to peers over the transport. It answers for
 /// bytes only; which chunks a peer may ask for is the namespace's business.
-pub struct PeerChunks(pub Arc<ChunkStore>, pub Arc<std::sync::OnceLock<Stager>>);
-
-/// What a peer's stage request runs on this node (set once the core is up).
-pub type Stager = Box<dyn Fn(u64, u32) -> Result<(), converged_transport::ServiceError> + Send + Sync>;
+pub struct PeerChunks {
+    pub store: Arc<ChunkStore>,
+    pub hooks: Arc<std::sync::OnceLock<LocalHooks>>,
+}
 
 fn service_err(e: std::io::Error) -> converged_transport::ServiceError {
     converged_transport::ServiceError { errno: e.raw_os_error().unwrap_or(libc::EIO), msg: e.to_string() }
 }
 
+impl PeerChunks {
+    /// Where a chunk version is read from here: its version file, or the
+    /// backing file at the chunk's offset. A backing file being rewritten
+    /// here holds no published version: the reader is told to go elsewhere.
+    fn source(&self, c: &ChunkRef) -> Result<(File, u64), converged_transport::ServiceError> {
+        if let Some(f) = self.store.open_version(c.ino, c.index, c.version) {
+            return Ok((f, 0));
+        }
+        if self.hooks.get().is_some_and(|h| (h.being_written)(c.ino)) {
+            return Err(converged_transport::ServiceError {
+                errno: libc::ESTALE,
+                msg: format!("inode {} is being rewritten on this node; read another replica", c.ino),
+            });
+        }
+        Ok((File::open(self.store.path(c.ino)).map_err(service_err)?, c.start))
+    }
+}
+
 impl converged_transport::ChunkService for PeerChunks {
-    fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, converged_transport::ServiceError> {
-        let f = File::open(self.0.path(ino)).map_err(service_err)?;
+    fn read(&self, c: &ChunkRef, at: u64, len: u32) -> Result<Vec<u8>, converged_transport::ServiceError> {
+        let (f, base) = self.source(c)?;
         let size = f.metadata().map_err(service_err)?.len();
+        let offset = base + at;
         let len = (len as u64).min(size.saturating_sub(offset)) as usize;
         let mut buf = vec![0u8; len];
         read_exact_at(&f, &mut buf, offset).map_err(service_err)?;
         Ok(buf)
     }
-    fn write(
-        &self,
-        ino: u64,
-        offset: u64,
-        data: &[u8],
-        end_of_file: bool,
-    ) -> Result<(), converged_transport::ServiceError> {
-        let f = self.0.open_backing(ino).map_err(|e| service_err(std::io::Error::other(e.to_string())))?;
-        f.write_all_at(data, offset).map_err(service_err)?;
-        if end_of_file {
-            // A shorter new version must not leave the old tail readable
-            // (kernel passthrough reads to the backing file's end).
-            f.set_len(offset + data.len() as u64).map_err(service_err)?;
-        }
-        f.sync_data().map_err(service_err)
+    fn write(&self, c: &ChunkRef, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
+        self.store.write_version(c, data).map_err(service_err)
     }
     fn delete(&self, ino: u64) -> Result<(), converged_transport::ServiceError> {
-        self.0.remove(ino).map_err(|e| service_err(std::io::Error::other(e.to_string())))
+        self.store.remove(ino).map_err(|e| service_err(std::io::Error::other(e.to_string())))
     }
-    fn checksums(&self, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, converged_transport::ServiceError> {
-        let f = File::open(self.0.path(ino)).map_err(service_err)?;
-        block_crcs(&f, offset, len).map_err(service_err)
+    fn checksums(&self, c: &ChunkRef, at: u64, len: u64) -> Result<Vec<u32>, converged_transport::ServiceError> {
+        let (f, base) = self.source(c)?;
+        block_crcs(&f, base + at, len).map_err(service_err)
     }
     fn stage(&self, ino: u64, chunk: u32) -> Result<(), converged_transport::ServiceError> {
-        match self.1.get() {
-            Some(stage) => stage(ino, chunk),
+        match self.hooks.get() {
+            Some(h) => (h.stage)(ino, chunk),
             None => Err(converged_transport::ServiceError { errno: libc::EAGAIN, msg: "node is starting".into() }),
         }
     }

@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::KvEngine;
 use converged_transport::{
-    FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
+    ChunkRef, FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
 };
 use parking_lot::Mutex;
 
-use crate::chunkstore::{ChunkStore, PeerChunks, Stager};
+use crate::chunkstore::{ChunkStore, LocalHooks, PeerChunks};
 use crate::error::{FsError, FsResult};
 use crate::placement::{self, Candidate};
 
@@ -60,8 +60,8 @@ pub struct Cluster {
     members: Mutex<(Option<Instant>, Vec<NodeInfo>)>,
     /// Peers that failed a call recently, and when.
     suspects: Mutex<HashMap<String, Instant>>,
-    /// What a peer's stage request runs here.
-    stager: Arc<std::sync::OnceLock<Stager>>,
+    /// What the peer server asks of the core here.
+    hooks: Arc<std::sync::OnceLock<LocalHooks>>,
     /// The in-process network this node serves on, if that is its transport.
     net: Option<Arc<MemNetwork>>,
 }
@@ -89,7 +89,7 @@ impl Cluster {
         transport: Arc<dyn PeerTransport>,
         local_addr: SocketAddr,
         engine: Arc<dyn KvEngine>,
-        stager: Arc<std::sync::OnceLock<Stager>>,
+        hooks: Arc<std::sync::OnceLock<LocalHooks>>,
         net: Option<Arc<MemNetwork>>,
     ) -> Arc<Self> {
         Arc::new(Cluster {
@@ -100,7 +100,7 @@ impl Cluster {
             engine,
             members: Mutex::new((None, Vec::new())),
             suspects: Mutex::default(),
-            stager,
+            hooks,
             net,
         })
     }
@@ -115,14 +115,14 @@ impl Cluster {
         store: Arc<ChunkStore>,
     ) -> anyhow::Result<Arc<Self>> {
         let rt = Self::runtime()?;
-        let stager = Arc::new(std::sync::OnceLock::new());
+        let hooks = Arc::new(std::sync::OnceLock::new());
         let transport = {
             let _enter = rt.enter();
-            let service = Arc::new(PeerChunks(store, stager.clone()));
+            let service = Arc::new(PeerChunks { store, hooks: hooks.clone() });
             QuicTransport::bind(listen, tls, service, cfg.peer_timeout)?
         };
         let local_addr = transport.local_addr();
-        Ok(Self::new(cfg, rt, Arc::new(transport), local_addr, engine, stager, None))
+        Ok(Self::new(cfg, rt, Arc::new(transport), local_addr, engine, hooks, None))
     }
 
     /// A node of an in-process cluster: serves `store` on `net` as node
@@ -139,13 +139,13 @@ impl Cluster {
         store: Arc<ChunkStore>,
     ) -> anyhow::Result<(Arc<Self>, Arc<FaultyTransport<MemTransport>>)> {
         let rt = Self::runtime()?;
-        let stager = Arc::new(std::sync::OnceLock::new());
+        let hooks = Arc::new(std::sync::OnceLock::new());
         let port = NEXT_IN_PROCESS_PORT.fetch_add(1, Ordering::Relaxed);
         anyhow::ensure!(port != 0, "too many in-process nodes");
-        net.join(&cfg.node, Arc::new(PeerChunks(store, stager.clone())));
+        net.join(&cfg.node, Arc::new(PeerChunks { store, hooks: hooks.clone() }));
         let local_addr = SocketAddr::from(([127, 0, 0, 1], port));
         let faulty = Arc::new(FaultyTransport::new(MemTransport::new(net.clone())));
-        let cluster = Self::new(cfg, rt, faulty.clone(), local_addr, engine, stager, Some(net));
+        let cluster = Self::new(cfg, rt, faulty.clone(), local_addr, engine, hooks, Some(net));
         Ok((cluster, faulty))
     }
 
@@ -235,9 +235,9 @@ impl Cluster {
         ranked
     }
 
-    /// Serve peers' stage requests with `f` (once).
-    pub fn set_stager(&self, f: Stager) {
-        let _ = self.stager.set(f);
+    /// What the peer server asks of the core (set once).
+    pub fn set_hooks(&self, hooks: LocalHooks) {
+        let _ = self.hooks.set(hooks);
     }
 
     /// The `n` nodes (this one included) that should hold chunk `index` of
@@ -287,21 +287,18 @@ impl Cluster {
         r.map_err(peer_err)
     }
 
-    /// Copy `[offset, offset + data.len())` of `ino` to `want` nodes of
+    /// Copy chunk version `chunk` (all of it: `data`) to `want` nodes of
     /// `ranked` (from [`Cluster::plan`]), each on stable storage before this
     /// returns, falling back along the ranking when a peer fails. Returns the
     /// nodes that took the copy (fewer than `want` when too few answered).
-    #[allow(clippy::too_many_arguments)]
     pub async fn push(
         self: Arc<Self>,
-        ino: u64,
-        index: u32,
-        offset: u64,
+        chunk: ChunkRef,
         data: Arc<Vec<u8>>,
-        end_of_file: bool,
         want: usize,
         ranked: Vec<NodeInfo>,
     ) -> Vec<String> {
+        let (ino, index) = (chunk.ino, chunk.index);
         let mut done = Vec::new();
         let mut next = 0;
         while done.len() < want && next < ranked.len() {
@@ -315,7 +312,7 @@ impl Cluster {
                     let data = data.clone();
                     tokio::spawn(async move {
                         let r = match Self::peer(&n) {
-                            Some(p) => t.write(&p, ino, offset, &data, end_of_file).await,
+                            Some(p) => t.write(&p, &chunk, &data).await,
                             None => Err(TransportError::Connect { peer: n.id.clone(), msg: "bad address".into() }),
                         };
                         (n.id, r)
@@ -350,24 +347,35 @@ impl Cluster {
         order.into_iter().filter_map(Self::peer).collect()
     }
 
-    /// Read `[offset, offset + len)` of `ino` from the first of `order` that
-    /// answers with bytes `check` accepts (their checksums). Bytes past the
-    /// end of the peer's data read as zeros. A peer that fails or sends bad
-    /// bytes is passed over, and tried last for a while.
+    /// Read `len` bytes of chunk version `chunk`, `at` bytes into it, from
+    /// the first of `order` that answers with bytes `check` accepts (their
+    /// checksums). Bytes past the end of the peer's data read as zeros. A
+    /// peer that fails or sends bad bytes is passed over, and tried last for
+    /// a while; one that says it holds no such version is only passed over.
     pub async fn fetch(
         self: Arc<Self>,
-        ino: u64,
-        offset: u64,
+        chunk: ChunkRef,
+        at: u64,
         len: u32,
         order: Vec<Peer>,
         check: impl Fn(&[u8]) -> FsResult<()> + Send,
     ) -> FsResult<Vec<u8>> {
+        let (ino, offset) = (chunk.ino, chunk.start + at);
         if order.is_empty() {
             return Err(FsError::Peer("no live node holds this range".into()));
         }
         let mut last = None;
         for peer in order {
-            let answer = self.transport.read(&peer, ino, offset, len).await.map_err(peer_err);
+            let answer = self.transport.read(&peer, &chunk, at, len).await;
+            if let Err(TransportError::Remote { err, .. }) = &answer {
+                if err.errno == libc::ESTALE {
+                    // Being rewritten there: a healthy peer, not this version's holder now.
+                    tracing::debug!(ino, offset, peer = %peer.node, "peer is rewriting the file; trying the next replica");
+                    last = Some(FsError::Peer(err.msg.clone()));
+                    continue;
+                }
+            }
+            let answer = answer.map_err(peer_err);
             let checked = answer.and_then(|mut data| {
                 data.resize(len as usize, 0);
                 check(&data).map(|()| data)

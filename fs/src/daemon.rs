@@ -265,6 +265,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     workers.start(crate::workers::Flusher { core: Arc::downgrade(&core), period: Duration::from_secs(1) })?;
     workers.start(crate::workers::Spares { core: Arc::downgrade(&core) })?;
     workers.start(crate::workers::Replicator { core: Arc::downgrade(&core) })?;
+    workers.start(crate::workers::Settler { core: Arc::downgrade(&core) })?;
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
     let spec = crate::fuse::MountSpec {
         mountpoint: &c.mountpoint,

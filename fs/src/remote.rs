@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use converged_metadata::types::BLOCK_SIZE;
 use converged_metadata::ChunkRecord;
+use converged_transport::ChunkRef;
 use parking_lot::{Condvar, Mutex};
 
 use crate::cluster::Cluster;
@@ -37,16 +38,15 @@ pub fn verify(ino: u64, rec: &ChunkRecord, chunk_start: u64, offset: u64, bytes:
     Ok(())
 }
 
-/// Start fetching `[offset, offset + len)` of `ino`, inside the chunk of
-/// `rec` that starts at `chunk_start`, from the first holder that answers,
-/// and verify it. The holders are chosen here, on the caller's thread,
-/// because choosing asks membership (a blocking call the transport runtime
-/// must not make).
+/// Start fetching `[offset, offset + len)` of the file (a file offset),
+/// inside chunk version `chunk` whose record is `rec`, from the first
+/// holder that answers, and verify it. The holders are chosen here, on the
+/// caller's thread, because choosing asks membership (a blocking call the
+/// transport runtime must not make).
 pub fn fetch(
     cluster: &Arc<Cluster>,
-    ino: u64,
+    chunk: ChunkRef,
     rec: Arc<ChunkRecord>,
-    chunk_start: u64,
     offset: u64,
     len: u32,
 ) -> tokio::task::JoinHandle<FsResult<Vec<u8>>> {
@@ -54,8 +54,35 @@ pub fn fetch(
     let c = cluster.clone();
     // Each holder's answer is verified before the next is tried: a bad copy
     // on one peer is passed over for a good one on another.
-    let check = move |data: &[u8]| verify(ino, &rec, chunk_start, offset, data);
-    cluster.spawn(async move { c.fetch(ino, offset, len, order, check).await })
+    let check = move |data: &[u8]| verify(chunk.ino, &rec, chunk.start, offset, data);
+    cluster.spawn(async move { c.fetch(chunk, offset - chunk.start, len, order, check).await })
+}
+
+/// A whole chunk version from its holders: every window fetched at once,
+/// each verified. Call it outside the transport runtime.
+pub fn fetch_chunk(cluster: &Arc<Cluster>, chunk: ChunkRef, rec: Arc<ChunkRecord>) -> FsResult<Vec<u8>> {
+    let len = rec.len as u64;
+    let tasks: Vec<_> = (0..len)
+        .step_by(WINDOW as usize)
+        .map(|at| fetch(cluster, chunk, rec.clone(), chunk.start + at, WINDOW.min(len - at) as u32))
+        .collect();
+    let mut data = Vec::with_capacity(len as usize);
+    let mut failed = None;
+    for task in tasks {
+        match wait(cluster, task) {
+            Ok(part) => data.extend_from_slice(&part),
+            Err(e) => failed = Some(e),
+        }
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(data),
+    }
+}
+
+/// The reference a peer request names for the chunk of `rec` at `index`.
+pub fn chunk_ref(ino: u64, index: u64, chunk_size: u64, rec: &ChunkRecord) -> ChunkRef {
+    ChunkRef { ino, index: index as u32, version: rec.version, start: index * chunk_size }
 }
 
 /// Wait for a [`fetch`] from outside the transport runtime.
@@ -108,8 +135,8 @@ pub struct Readahead {
     next: u64,
 }
 
-/// Where window `start` lies: its chunk record and the chunk's first byte.
-pub type Locate<'a> = &'a dyn Fn(u64) -> Option<(Arc<ChunkRecord>, u64)>;
+/// Where window `start` lies: its chunk record and the chunk version to ask for.
+pub type Locate<'a> = &'a dyn Fn(u64) -> Option<(Arc<ChunkRecord>, ChunkRef)>;
 
 impl Readahead {
     /// The windows covering `[offset, end)`, started if need be, and the
@@ -119,7 +146,6 @@ impl Readahead {
     pub fn windows(
         &mut self,
         cluster: &Arc<Cluster>,
-        ino: u64,
         offset: u64,
         end: u64,
         size: u64,
@@ -136,8 +162,8 @@ impl Readahead {
         let mut out = Vec::new();
         let mut start = first;
         while start < stop {
-            if let Some((rec, chunk_start)) = locate(start) {
-                let chunk_end = chunk_start + rec.len as u64;
+            if let Some((rec, chunk)) = locate(start) {
+                let chunk_end = chunk.start + rec.len as u64;
                 // A window that failed (a peer down, a bad copy) is fetched
                 // again: the holders may answer now.
                 if self.windows.get(&start).is_some_and(|w| w.failed()) {
@@ -146,7 +172,7 @@ impl Readahead {
                 let w = self.windows.entry(start).or_insert_with(|| {
                     let w = Window::new();
                     let len = (start + WINDOW).min(chunk_end).saturating_sub(start) as u32;
-                    let task = fetch(cluster, ino, rec, chunk_start, start, len);
+                    let task = fetch(cluster, chunk, rec, start, len);
                     let w2 = w.clone();
                     cluster
                         .spawn(async move { w2.set(task.await.unwrap_or_else(|e| Err(FsError::Peer(e.to_string())))) });

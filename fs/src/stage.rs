@@ -111,18 +111,9 @@ impl Core {
         match (rec, self.backed_object(ino)?, self.cluster()) {
             (Some(r), _, Some(cluster)) if !r.replicas.is_empty() => {
                 let start = index as u64 * cs;
-                let rec = std::sync::Arc::new(r.clone());
-                let mut tasks = Vec::new();
-                let mut off = start;
-                while off < start + r.len as u64 {
-                    let len = crate::remote::WINDOW.min(start + r.len as u64 - off) as u32;
-                    tasks.push((off, crate::remote::fetch(cluster, ino, rec.clone(), start, off, len)));
-                    off += len as u64;
-                }
-                for (off, task) in tasks {
-                    let data = crate::remote::wait(cluster, task)?;
-                    file.write_all_at(&data, off).map_err(|e| FsError::io("write staged chunk", e))?;
-                }
+                let chunk = crate::remote::chunk_ref(ino, index as u64, cs, &r);
+                let data = crate::remote::fetch_chunk(cluster, chunk, std::sync::Arc::new(r.clone()))?;
+                file.write_all_at(&data, start).map_err(|e| FsError::io("write staged chunk", e))?;
                 if file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len() < inode.size {
                     file.set_len(inode.size).map_err(|e| FsError::io("size backing file", e))?;
                 }

@@ -15,12 +15,14 @@ use std::time::{Duration, Instant};
 use converged_fs::cluster::{Cluster, ClusterConfig, DurabilityMode};
 use converged_fs::core::{Core, CoreConfig};
 use converged_fs::error::FsResult;
+use converged_metadata::kv_fault::{Fault, FaultyKv};
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::types::{
     FileKind, Ino, NewNode, Timespec, XattrMode, DEFAULT_CHUNK_SIZE, FORMAT_VERSION, LAYOUT_XATTR, REPLICAS_XATTR,
 };
 use converged_metadata::{Durability, KvEngine, MemKv, Namespace, ROOT};
 use converged_transport::{FaultyTransport, MemNetwork, MemTransport, PeerFault};
+use object_store::memory::InMemory;
 
 /// The volume's chunk size here: the size of one remote read window.
 const CHUNK: usize = 4 << 20;
@@ -32,6 +34,8 @@ struct Node {
     id: String,
     /// This node's handle on the shared metadata (its membership lease).
     kv: MemKv,
+    /// The same handle, failing commits on purpose when told to.
+    meta: Arc<FaultyKv>,
     // Declared before `_dir`: the core goes before its data dir.
     core: Arc<Core>,
     faults: Arc<FaultyTransport<MemTransport>>,
@@ -47,10 +51,15 @@ impl TestCluster {
     /// Nodes `ids`, each with its own data dir, registered in membership
     /// with replicated durability and `replicas` copies of each chunk.
     fn start(ids: &[&str], replicas: u32) -> Self {
+        Self::start_with(ids, replicas, None)
+    }
+
+    /// Nodes whose files are backfilled to `objects` too.
+    fn start_with(ids: &[&str], replicas: u32, objects: Option<Arc<InMemory>>) -> Self {
         let store = MemKv::cluster();
         set_chunk_size(&store, CHUNK as u32);
         let net = MemNetwork::new();
-        let nodes = ids.iter().map(|id| start_node(&store, &net, id, replicas)).collect();
+        let nodes = ids.iter().map(|id| start_node(&store, &net, id, replicas, objects.clone())).collect();
         TestCluster { nodes, _net: net }
     }
 
@@ -59,11 +68,15 @@ impl TestCluster {
     }
 }
 
-fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32) -> Node {
+fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32, objects: Option<Arc<InMemory>>) -> Node {
     let dir = tempfile::tempdir().expect("create a data dir");
     let kv = store.node_handle();
-    let engine: Arc<dyn KvEngine> = Arc::new(kv.clone());
-    let ns = Namespace::open(engine.clone(), 0, 0).expect("open the namespace").with_node(id);
+    let meta = Arc::new(FaultyKv::new(Arc::new(kv.clone())));
+    let engine: Arc<dyn KvEngine> = meta.clone();
+    let mut ns = Namespace::open(engine.clone(), 0, 0).expect("open the namespace").with_node(id);
+    if objects.is_some() {
+        ns = ns.with_tier();
+    }
     let cfg =
         CoreConfig { data_dir: dir.path().to_path_buf(), node_id: id.into(), verify_reads: true, meta_file: None };
     let core = Arc::new(Core::start(ns, cfg).expect("start the core"));
@@ -88,7 +101,19 @@ fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32) -> 
     };
     engine.membership().expect("a shared store has membership").register(&info, Duration::from_secs(600)).unwrap();
     core.attach_cluster(cluster);
-    Node { id: id.into(), kv, core, faults, _dir: dir }
+    if let Some(store) = objects {
+        let home = converged_fs::objects::Location { base: "memory://test".into(), prefix: "vol".into() };
+        let objects = converged_fs::objects::ObjectTier::with_store(home, store).expect("an object tier");
+        let cfg = converged_fs::tier::TierConfig {
+            backfill_delay: Duration::ZERO,
+            keep_deleted: false,
+            evict_high: 0.99,
+            evict_low: 0.98,
+            workers: 1,
+        };
+        core.attach_tier(Arc::new(converged_fs::tier::Tiering::new(objects, cfg)));
+    }
+    Node { id: id.into(), kv, meta, core, faults, _dir: dir }
 }
 
 impl Node {
@@ -491,8 +516,99 @@ fn a_node_back_from_a_lapse_fences_its_own_writers() {
     c.node("a").lapse();
     assert_eq!(c.node("a").heartbeat(), converged_metadata::membership::Heartbeat::Rejoined);
     assert_eq!(errno(a.fsync(fh, false)), Err(libc::EIO), "fsync of a fenced writer");
-    assert_eq!(errno(b.open(ino, true).map(|o| o.fh)).err(), None, "the lease was given up");
     let _ = a.release(fh);
+    let other = b.open(ino, true).expect("the lease was given up").fh;
+    b.release(other).unwrap();
     assert_same(&read_all(b, ino).unwrap(), &want, "b reads the last published bytes");
     assert_same(&read_all(a, ino).unwrap(), &want, "so does a, its copy reconciled");
+}
+
+/// The rewrite scenario: a file is published, then its writer changes a
+/// byte in every chunk and keeps it open. Readers on the other nodes read
+/// the published bytes, whole, never EIO, whichever node they ask; after
+/// the writer's fsync they read the new bytes, and what it writes after
+/// that stays unseen until its next publish. With one copy (the writer's
+/// only), the published version is kept beside the one being written.
+#[test]
+fn readers_elsewhere_read_the_published_version_while_a_writer_rewrites_it() {
+    for replicas in [2, 1] {
+        let c = TestCluster::start(&["a", "b", "c"], replicas);
+        let (a, b, n3) = (&c.node("a").core, &c.node("b").core, &c.node("c").core);
+        let old = pattern(20 + replicas as u64, 3 * CHUNK);
+        let ino = create(a, "f", &old).unwrap();
+        let fh = a.open(ino, true).unwrap().fh;
+        let mut new = old.clone();
+        for i in 0..3 {
+            let at = i * CHUNK + 100;
+            new[at] ^= 0xff;
+            write_all(a, fh, at as u64, &new[at..at + 1]).unwrap();
+        }
+        for (name, node) in [("b", b), ("c", n3)] {
+            assert_same(&read_all(node, ino).unwrap(), &old, &format!("replicas={replicas}: {name} while a writes"));
+        }
+        a.fsync(fh, false).unwrap();
+        for (name, node) in [("b", b), ("c", n3)] {
+            assert_same(&read_all(node, ino).unwrap(), &new, &format!("replicas={replicas}: {name} after a's fsync"));
+        }
+        let fsynced = new.clone();
+        write_all(a, fh, 5, b"later").unwrap();
+        new[5..10].copy_from_slice(b"later");
+        for (name, node) in [("b", b), ("c", n3)] {
+            let got = read_all(node, ino).unwrap();
+            assert_same(&got, &fsynced, &format!("replicas={replicas}: {name} while a writes on"));
+        }
+        a.release(fh).unwrap();
+        for (name, node) in [("a", a), ("b", b), ("c", n3)] {
+            assert_same(&read_all(node, ino).unwrap(), &new, &format!("replicas={replicas}: {name} after a's close"));
+        }
+    }
+}
+
+/// A writer whose publish is cut short after the replicas received the new
+/// version but before the layout commit (its node killed there): every
+/// other node reads the last published version, whole, and still does with
+/// the writer's node gone for good.
+#[test]
+fn a_publish_cut_short_before_its_commit_leaves_the_last_version_everywhere() {
+    let c = TestCluster::start(&["a", "b", "c"], 3);
+    let (a, b, n3) = (&c.node("a").core, &c.node("b").core, &c.node("c").core);
+    let old = pattern(30, 2 * CHUNK + 5);
+    let ino = create(a, "ckpt", &old).unwrap();
+    let fh = a.open(ino, true).unwrap().fh;
+    write_all(a, fh, 0, &pattern(31, 2 * CHUNK + 5)).unwrap();
+    c.node("a").meta.fail_next(Fault::Unavailable, 1);
+    assert_eq!(errno(a.fsync(fh, false)), Err(libc::EIO), "the commit failed");
+    // a is gone, and its disk with it.
+    for n in ["b", "c"] {
+        c.node(n).faults.set("a", Some(PeerFault::Down));
+    }
+    for (name, node) in [("b", b), ("c", n3)] {
+        assert_same(&read_all(node, ino).unwrap(), &old, &format!("{name} reads the last published version"));
+    }
+}
+
+/// A backed file whose every holder is unreachable reads from the object
+/// store (and a corrupt copy everywhere does too).
+#[test]
+fn a_backed_file_with_no_live_holder_reads_from_the_object_store() {
+    let store = Arc::new(InMemory::new());
+    let c = TestCluster::start_with(&["a", "b", "c"], 2, Some(store));
+    let (a, b, n3) = (&c.node("a").core, &c.node("b").core, &c.node("c").core);
+    let dir = a.mknod(ROOT, b"two", &dir_node()).unwrap();
+    let data = pattern(40, 2 * CHUNK + 9);
+    let ino = create_in(a, dir.ino, "shard", &data).unwrap();
+    let mut worker = converged_fs::workers::Backfiller::new(Arc::downgrade(a), 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !a.namespace().tier(ino).unwrap().is_some_and(|r| r.state == converged_metadata::types::TierState::Backed) {
+        assert!(Instant::now() < deadline, "not backed in time");
+        let _ = converged_fs::workers::Worker::step(&mut worker);
+    }
+    // The holders: a and one of b, c. The third node reads with both gone.
+    let h = holders(a, ino);
+    let reader = ["b", "c"].into_iter().find(|n| !h[0].contains(&n.to_string())).unwrap();
+    let reader_core = if reader == "b" { b } else { n3 };
+    for holder in ["a", "b", "c"].into_iter().filter(|n| *n != reader) {
+        c.node(reader).faults.set(holder, Some(PeerFault::Down));
+    }
+    assert_same(&read_all(reader_core, ino).unwrap(), &data, "read from the object store");
 }

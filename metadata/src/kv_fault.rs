@@ -11,6 +11,9 @@ use crate::kv::{Durability, KvEngine, KvError, KvRead, KvResult, KvWrite};
 pub enum Fault {
     Conflict,
     NoSpace,
+    /// The engine does not answer (a node cut off from etcd, or killed
+    /// between its last write and its commit): not retryable.
+    Unavailable,
 }
 
 pub struct FaultyKv {
@@ -67,6 +70,9 @@ impl KvWrite for FaultyWrite<'_> {
         match self.kv.take_fault() {
             Some(Fault::Conflict) => Err(KvError::Conflict),
             Some(Fault::NoSpace) => Err(KvError::NoSpace),
+            Some(Fault::Unavailable) => {
+                Err(KvError::Backend { msg: "injected: metadata engine unavailable".into(), retryable: false })
+            }
             None => self.inner.commit(durability),
         }
     }
@@ -84,5 +90,11 @@ impl KvEngine for FaultyKv {
     }
     fn sync(&self) -> KvResult<()> {
         self.inner.sync()
+    }
+    fn membership(&self) -> Option<&dyn crate::membership::Membership> {
+        self.inner.membership()
+    }
+    fn watch(&self, on_change: crate::kv::ChangeFeed) -> KvResult<bool> {
+        self.inner.watch(on_change)
     }
 }

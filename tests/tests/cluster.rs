@@ -72,6 +72,30 @@ impl Cluster {
     fn backing(&self, i: usize, ino: u64) -> PathBuf {
         self.nodes[i].data.join("chunks").join(format!("{ino:016x}"))
     }
+
+    /// Whether node `i` holds any copy of `ino`: its backing file, or a
+    /// chunk version beside it (`<ino>.<index>.<version>`, not installed yet).
+    fn holds(&self, i: usize, ino: u64) -> bool {
+        let prefix = format!("{ino:016x}");
+        fs::read_dir(self.nodes[i].data.join("chunks"))
+            .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
+            .unwrap_or(false)
+    }
+
+    /// Wait until node `i`'s backing file of `ino` holds `want` (chunk
+    /// versions replicated to it are moved into it in the background).
+    fn backing_becomes(&self, i: usize, ino: u64, want: &[u8]) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if fs::read(self.backing(i, ino)).is_ok_and(|held| held == want) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
 }
 
 fn status(c: &Cluster) -> String {
@@ -135,7 +159,7 @@ fn three_nodes_share_files_close_to_open() {
         assert!(got.len() == data.len() && got == data, "bytes differ on {}", n.mnt.display());
     }
     let ino = fs::metadata(a.path("datasets/shard-0000.tar")).unwrap().ino();
-    let copies = (0..3).filter(|i| c.backing(*i, ino).exists()).count();
+    let copies = (0..3).filter(|i| c.holds(*i, ino)).count();
     assert!(copies >= 2, "replicas=2 by default: found {copies} backing files");
 
     // A directory policy of 3 replicas, inherited: every node holds the file.
@@ -146,8 +170,7 @@ fn three_nodes_share_files_close_to_open() {
     fs::write(a.path("ckpt/run1/weights.bin"), &small).unwrap();
     let ino = fs::metadata(a.path("ckpt/run1/weights.bin")).unwrap().ino();
     for i in 0..3 {
-        let held = fs::read(c.backing(i, ino)).unwrap_or_default();
-        assert!(held == small, "node {i} holds a full copy");
+        assert!(c.backing_becomes(i, ino, &small), "node {i} holds a full copy");
     }
 
     // Rename and unlink on B are seen on A.

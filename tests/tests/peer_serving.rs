@@ -11,22 +11,35 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use converged_transport::{ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, ServiceError};
+use converged_transport::{ChunkRef, ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, ServiceError};
 
 struct Nothing;
 impl ChunkService for Nothing {
-    fn read(&self, _: u64, _: u64, _: u32) -> Result<Vec<u8>, ServiceError> {
+    fn read(&self, _: &ChunkRef, _: u64, _: u32) -> Result<Vec<u8>, ServiceError> {
         Err(ServiceError { errno: 2, msg: "none".into() })
     }
-    fn write(&self, _: u64, _: u64, _: &[u8], _: bool) -> Result<(), ServiceError> {
+    fn write(&self, _: &ChunkRef, _: &[u8]) -> Result<(), ServiceError> {
         Ok(())
     }
     fn delete(&self, _: u64) -> Result<(), ServiceError> {
         Ok(())
     }
-    fn checksums(&self, _: u64, _: u64, _: u64) -> Result<Vec<u32>, ServiceError> {
+    fn checksums(&self, _: &ChunkRef, _: u64, _: u64) -> Result<Vec<u32>, ServiceError> {
         Ok(Vec::new())
     }
+}
+
+/// The version of chunk 0 of a file, from its `user.converged.layout`
+/// attribute (`index vN len holders` per chunk).
+fn first_chunk_version(path: &std::path::Path) -> u64 {
+    let out = std::process::Command::new("getfattr")
+        .args(["--only-values", "-n", "user.converged.layout"])
+        .arg(path)
+        .output()
+        .unwrap();
+    let layout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = layout.lines().next().unwrap_or_else(|| panic!("no layout: {layout:?}"));
+    line.split_whitespace().nth(1).and_then(|v| v.strip_prefix('v')).and_then(|v| v.parse().ok()).unwrap()
 }
 
 #[test]
@@ -42,6 +55,8 @@ fn a_mounted_node_serves_its_chunks_to_cluster_peers_only() {
     let data = pattern((3 << 20) + 777, 42);
     std::fs::write(m.path("shard-0000.tar"), &data).unwrap();
     let ino = std::fs::metadata(m.path("shard-0000.tar")).unwrap().ino();
+    // One 64 MiB chunk: the whole file.
+    let chunk = ChunkRef { ino, index: 0, version: first_chunk_version(&m.path("shard-0000.tar")), start: 0 };
 
     // Find n1's address the way a peer does: in the volume's membership.
     let out = converged().args(["status", "--meta", &uri]).output().unwrap();
@@ -60,11 +75,11 @@ fn a_mounted_node_serves_its_chunks_to_cluster_peers_only() {
             Duration::from_secs(5),
         )
         .unwrap();
-        let got = n2.read(&peer, ino, 0, data.len() as u32).await.unwrap();
+        let got = n2.read(&peer, &chunk, 0, data.len() as u32).await.unwrap();
         assert!(got == data, "peer read returns the file's bytes");
-        let part = n2.read(&peer, ino, 1 << 20, 65536).await.unwrap();
+        let part = n2.read(&peer, &chunk, 1 << 20, 65536).await.unwrap();
         assert_eq!(part, data[1 << 20..(1 << 20) + 65536]);
-        let crcs = n2.checksums(&peer, ino, 0, data.len() as u64).await.unwrap();
+        let crcs = n2.checksums(&peer, &chunk, 0, data.len() as u64).await.unwrap();
         let want: Vec<u32> = data.chunks(64 << 10).map(crc32c_of).collect();
         assert_eq!(crcs, want, "block checksums match the bytes");
 
@@ -75,7 +90,7 @@ fn a_mounted_node_serves_its_chunks_to_cluster_peers_only() {
         let rogue =
             QuicTransport::bind("127.0.0.1:0".parse().unwrap(), &rogue, Arc::new(Nothing), Duration::from_secs(5))
                 .unwrap();
-        assert!(rogue.read(&peer, ino, 0, 10).await.is_err());
+        assert!(rogue.read(&peer, &chunk, 0, 10).await.is_err());
     });
 }
 

@@ -10,25 +10,28 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use converged_transport::{ChunkService, ClusterCa, Peer, QuicTransport, ServiceError};
+use converged_transport::{ChunkRef, ChunkService, ClusterCa, Peer, QuicTransport, ServiceError};
 
 /// Serves the same buffer for every read: measures the transport, not a disk.
 struct Zeros(Vec<u8>);
 
 impl ChunkService for Zeros {
-    fn read(&self, _ino: u64, _offset: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
+    fn read(&self, _: &ChunkRef, _at: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
         Ok(self.0[..len as usize].to_vec())
     }
-    fn write(&self, _: u64, _: u64, _: &[u8], _: bool) -> Result<(), ServiceError> {
+    fn write(&self, _: &ChunkRef, _: &[u8]) -> Result<(), ServiceError> {
         Ok(())
     }
     fn delete(&self, _: u64) -> Result<(), ServiceError> {
         Ok(())
     }
-    fn checksums(&self, _: u64, _: u64, _: u64) -> Result<Vec<u32>, ServiceError> {
+    fn checksums(&self, _: &ChunkRef, _: u64, _: u64) -> Result<Vec<u32>, ServiceError> {
         Ok(Vec::new())
     }
 }
+
+/// The one chunk every request of the benchmark reads.
+const CHUNK: ChunkRef = ChunkRef { ino: 1, index: 0, version: 1, start: 0 };
 
 fn tcp_copy(total: usize, req: usize) -> f64 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -82,7 +85,7 @@ fn main() {
         let peer = Peer { addr: server.local_addr(), node: "n2".into() };
         // Connect, and let path MTU discovery settle, outside the timing.
         for _ in 0..(256 << 20) / req {
-            client.read(&peer, 1, 0, req as u32).await.unwrap();
+            client.read(&peer, &CHUNK, 0, req as u32).await.unwrap();
         }
         let start = Instant::now();
         let per_task = total / req / parallel;
@@ -91,7 +94,7 @@ fn main() {
                 let (client, peer) = (client.clone(), peer.clone());
                 tokio::spawn(async move {
                     for _ in 0..per_task {
-                        let d = client.read(&peer, 1, 0, req as u32).await.unwrap();
+                        let d = client.read(&peer, &CHUNK, 0, req as u32).await.unwrap();
                         assert_eq!(d.len(), req);
                     }
                 })

@@ -13,39 +13,37 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::{ChunkService, Peer, ServiceError, TransportError};
+use crate::{ChunkRef, ChunkService, Peer, ServiceError, TransportError};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Requests to peers. Every call has a deadline (the backend's, or the one
 /// given) and may be cancelled by dropping its future.
 pub trait PeerTransport: Send + Sync + 'static {
-    /// Up to `len` bytes of `ino` from `offset` on `peer`.
+    /// Up to `len` bytes of a chunk version on `peer`, from `at` bytes into the chunk.
     fn read<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u32,
     ) -> BoxFuture<'a, Result<Vec<u8>, TransportError>>;
-    /// Store `data` at `offset` of `ino` on `peer`, on its stable storage
-    /// when this returns; `end_of_file` truncates the peer's copy after it.
+    /// Store `data`, the whole of a chunk version, on `peer`, on its stable
+    /// storage when this returns.
     fn write<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
         data: &'a [u8],
-        end_of_file: bool,
     ) -> BoxFuture<'a, Result<(), TransportError>>;
     /// Drop everything `peer` stores for `ino`.
     fn delete<'a>(&'a self, peer: &'a Peer, ino: u64) -> BoxFuture<'a, Result<(), TransportError>>;
-    /// crc32c of each 64 KiB block of `[offset, offset + len)` on `peer`.
+    /// crc32c of each 64 KiB block of `[at, at + len)` of a chunk version on `peer`.
     fn checksums<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u64,
     ) -> BoxFuture<'a, Result<Vec<u32>, TransportError>>;
     /// Have `peer` fetch chunk `chunk` of `ino` onto its SSD, within `timeout`.
@@ -64,21 +62,19 @@ impl PeerTransport for crate::QuicTransport {
     fn read<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u32,
     ) -> BoxFuture<'a, Result<Vec<u8>, TransportError>> {
-        Box::pin(crate::QuicTransport::read(self, peer, ino, offset, len))
+        Box::pin(crate::QuicTransport::read(self, peer, chunk, at, len))
     }
     fn write<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
         data: &'a [u8],
-        end_of_file: bool,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(crate::QuicTransport::write(self, peer, ino, offset, data, end_of_file))
+        Box::pin(crate::QuicTransport::write(self, peer, chunk, data))
     }
     fn delete<'a>(&'a self, peer: &'a Peer, ino: u64) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(crate::QuicTransport::delete(self, peer, ino))
@@ -86,11 +82,11 @@ impl PeerTransport for crate::QuicTransport {
     fn checksums<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u64,
     ) -> BoxFuture<'a, Result<Vec<u32>, TransportError>> {
-        Box::pin(crate::QuicTransport::checksums(self, peer, ino, offset, len))
+        Box::pin(crate::QuicTransport::checksums(self, peer, chunk, at, len))
     }
     fn stage<'a>(
         &'a self,
@@ -154,21 +150,19 @@ impl PeerTransport for MemTransport {
     fn read<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u32,
     ) -> BoxFuture<'a, Result<Vec<u8>, TransportError>> {
-        Box::pin(async move { self.call(peer, |s| s.read(ino, offset, len)) })
+        Box::pin(async move { self.call(peer, |s| s.read(chunk, at, len)) })
     }
     fn write<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
         data: &'a [u8],
-        end_of_file: bool,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move { self.call(peer, |s| s.write(ino, offset, data, end_of_file)) })
+        Box::pin(async move { self.call(peer, |s| s.write(chunk, data)) })
     }
     fn delete<'a>(&'a self, peer: &'a Peer, ino: u64) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move { self.call(peer, |s| s.delete(ino)) })
@@ -176,11 +170,11 @@ impl PeerTransport for MemTransport {
     fn checksums<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u64,
     ) -> BoxFuture<'a, Result<Vec<u32>, TransportError>> {
-        Box::pin(async move { self.call(peer, |s| s.checksums(ino, offset, len)) })
+        Box::pin(async move { self.call(peer, |s| s.checksums(chunk, at, len)) })
     }
     fn stage<'a>(
         &'a self,
@@ -252,13 +246,13 @@ impl<T: PeerTransport> PeerTransport for FaultyTransport<T> {
     fn read<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u32,
     ) -> BoxFuture<'a, Result<Vec<u8>, TransportError>> {
         Box::pin(async move {
             self.fail(peer).await?;
-            let mut data = self.inner.read(peer, ino, offset, len).await?;
+            let mut data = self.inner.read(peer, chunk, at, len).await?;
             if self.fault(peer) == Some(PeerFault::CorruptReads) {
                 data.iter_mut().for_each(|b| *b = !*b);
             }
@@ -268,10 +262,8 @@ impl<T: PeerTransport> PeerTransport for FaultyTransport<T> {
     fn write<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
         data: &'a [u8],
-        end_of_file: bool,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             self.fail(peer).await?;
@@ -279,7 +271,7 @@ impl<T: PeerTransport> PeerTransport for FaultyTransport<T> {
                 let err = ServiceError { errno, msg: "injected: write refused".into() };
                 return Err(TransportError::Remote { peer: peer.node.clone(), err });
             }
-            self.inner.write(peer, ino, offset, data, end_of_file).await
+            self.inner.write(peer, chunk, data).await
         })
     }
     fn delete<'a>(&'a self, peer: &'a Peer, ino: u64) -> BoxFuture<'a, Result<(), TransportError>> {
@@ -291,13 +283,13 @@ impl<T: PeerTransport> PeerTransport for FaultyTransport<T> {
     fn checksums<'a>(
         &'a self,
         peer: &'a Peer,
-        ino: u64,
-        offset: u64,
+        chunk: &'a ChunkRef,
+        at: u64,
         len: u64,
     ) -> BoxFuture<'a, Result<Vec<u32>, TransportError>> {
         Box::pin(async move {
             self.fail(peer).await?;
-            self.inner.checksums(peer, ino, offset, len).await
+            self.inner.checksums(peer, chunk, at, len).await
         })
     }
     fn stage<'a>(
@@ -321,38 +313,33 @@ impl<T: PeerTransport> PeerTransport for FaultyTransport<T> {
 mod tests {
     use super::*;
 
-    /// A node that stores bytes in memory.
+    /// A node that stores chunk versions in memory.
     #[derive(Default)]
-    struct MemChunks(Mutex<HashMap<u64, Vec<u8>>>);
+    struct MemChunks(Mutex<HashMap<ChunkRef, Vec<u8>>>);
 
     impl ChunkService for MemChunks {
-        fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
-            let files = self.0.lock();
-            let data = files.get(&ino).ok_or(ServiceError { errno: libc::ENOENT, msg: "no such file".into() })?;
-            let start = (offset as usize).min(data.len());
+        fn read(&self, chunk: &ChunkRef, at: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
+            let chunks = self.0.lock();
+            let data = chunks.get(chunk).ok_or(ServiceError { errno: libc::ENOENT, msg: "no such chunk".into() })?;
+            let start = (at as usize).min(data.len());
             let end = (start + len as usize).min(data.len());
             Ok(data[start..end].to_vec())
         }
-        fn write(&self, ino: u64, offset: u64, data: &[u8], end_of_file: bool) -> Result<(), ServiceError> {
-            let mut files = self.0.lock();
-            let f = files.entry(ino).or_default();
-            let end = offset as usize + data.len();
-            if f.len() < end {
-                f.resize(end, 0);
-            }
-            f[offset as usize..end].copy_from_slice(data);
-            if end_of_file {
-                f.truncate(end);
-            }
+        fn write(&self, chunk: &ChunkRef, data: &[u8]) -> Result<(), ServiceError> {
+            self.0.lock().insert(*chunk, data.to_vec());
             Ok(())
         }
         fn delete(&self, ino: u64) -> Result<(), ServiceError> {
-            self.0.lock().remove(&ino);
+            self.0.lock().retain(|c, _| c.ino != ino);
             Ok(())
         }
-        fn checksums(&self, _: u64, _: u64, _: u64) -> Result<Vec<u32>, ServiceError> {
+        fn checksums(&self, _: &ChunkRef, _: u64, _: u64) -> Result<Vec<u32>, ServiceError> {
             Ok(Vec::new())
         }
+    }
+
+    fn chunk(ino: u64) -> ChunkRef {
+        ChunkRef { ino, index: 0, version: 1, start: 0 }
     }
 
     fn peer(node: &str) -> Peer {
@@ -364,14 +351,14 @@ mod tests {
         let net = MemNetwork::new();
         net.join("b", Arc::new(MemChunks::default()));
         let t = MemTransport::new(net.clone());
-        t.write(&peer("b"), 7, 0, b"hello", true).await.unwrap();
-        assert_eq!(t.read(&peer("b"), 7, 1, 10).await.unwrap(), b"ello");
-        let e = t.read(&peer("c"), 7, 0, 1).await.unwrap_err();
+        t.write(&peer("b"), &chunk(7), b"hello").await.unwrap();
+        assert_eq!(t.read(&peer("b"), &chunk(7), 1, 10).await.unwrap(), b"ello");
+        let e = t.read(&peer("c"), &chunk(7), 0, 1).await.unwrap_err();
         assert!(e.is_retryable(), "an unknown node is a connect failure: {e}");
-        let e = t.read(&peer("b"), 8, 0, 1).await.unwrap_err();
+        let e = t.read(&peer("b"), &chunk(8), 0, 1).await.unwrap_err();
         assert!(!e.is_retryable(), "a service error is final: {e}");
         net.leave("b");
-        assert!(t.read(&peer("b"), 7, 0, 1).await.is_err());
+        assert!(t.read(&peer("b"), &chunk(7), 0, 1).await.is_err());
     }
 
     #[tokio::test]
@@ -379,17 +366,17 @@ mod tests {
         let net = MemNetwork::new();
         net.join("b", Arc::new(MemChunks::default()));
         let t = FaultyTransport::new(MemTransport::new(net));
-        t.write(&peer("b"), 1, 0, &[1, 2, 3], true).await.unwrap();
+        t.write(&peer("b"), &chunk(1), &[1, 2, 3]).await.unwrap();
         t.set("b", Some(PeerFault::Down));
-        assert!(matches!(t.read(&peer("b"), 1, 0, 3).await, Err(TransportError::Connect { .. })));
+        assert!(matches!(t.read(&peer("b"), &chunk(1), 0, 3).await, Err(TransportError::Connect { .. })));
         t.set("b", Some(PeerFault::Silent(Duration::from_millis(20))));
-        assert!(matches!(t.read(&peer("b"), 1, 0, 3).await, Err(TransportError::Timeout { .. })));
+        assert!(matches!(t.read(&peer("b"), &chunk(1), 0, 3).await, Err(TransportError::Timeout { .. })));
         t.set("b", Some(PeerFault::CorruptReads));
-        assert_eq!(t.read(&peer("b"), 1, 0, 3).await.unwrap(), vec![!1u8, !2, !3]);
+        assert_eq!(t.read(&peer("b"), &chunk(1), 0, 3).await.unwrap(), vec![!1u8, !2, !3]);
         t.set("b", Some(PeerFault::RefuseWrites(libc::ENOSPC)));
-        let e = t.write(&peer("b"), 1, 0, &[9], false).await.unwrap_err();
+        let e = t.write(&peer("b"), &chunk(1), &[9]).await.unwrap_err();
         assert!(matches!(e, TransportError::Remote { err: ServiceError { errno: libc::ENOSPC, .. }, .. }));
         t.set("b", None);
-        assert_eq!(t.read(&peer("b"), 1, 0, 3).await.unwrap(), vec![1, 2, 3]);
+        assert_eq!(t.read(&peer("b"), &chunk(1), 0, 3).await.unwrap(), vec![1, 2, 3]);
     }
 }

@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 
 use crate::tls::{NodeTls, TlsError};
 use crate::wire::{parse_header, Request, Response, WireError, HEADER_LEN, MAX_PAYLOAD};
-use crate::{ChunkService, ServiceError};
+use crate::{ChunkRef, ChunkService, ServiceError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
@@ -173,32 +173,32 @@ impl QuicTransport {
         }
     }
 
-    pub async fn read(&self, peer: &Peer, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, TransportError> {
-        Ok(self.call(peer, Request::Read { ino, offset, len }, &[]).await?.1)
+    /// `len` bytes of version `chunk.version` of a chunk on `peer`, from `at` bytes into it.
+    pub async fn read(&self, peer: &Peer, chunk: &ChunkRef, at: u64, len: u32) -> Result<Vec<u8>, TransportError> {
+        Ok(self.call(peer, Request::Read { chunk: *chunk, at, len }, &[]).await?.1)
     }
 
-    /// Store `data` at `offset` of `ino` on `peer`, on its stable storage
-    /// when this returns; `end_of_file` truncates the peer's copy after it.
-    pub async fn write(
-        &self,
-        peer: &Peer,
-        ino: u64,
-        offset: u64,
-        data: &[u8],
-        end_of_file: bool,
-    ) -> Result<(), TransportError> {
+    /// Store `data`, the whole of a chunk version, on `peer`, on its stable
+    /// storage when this returns.
+    pub async fn write(&self, peer: &Peer, chunk: &ChunkRef, data: &[u8]) -> Result<(), TransportError> {
         let len = u32::try_from(data.len()).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or_else(|| {
             TransportError::Protocol { peer: peer.node.clone(), err: WireError::PayloadTooLarge(u32::MAX) }
         })?;
-        self.call(peer, Request::Write { ino, offset, len, end_of_file }, data).await.map(|_| ())
+        self.call(peer, Request::Write { chunk: *chunk, len }, data).await.map(|_| ())
     }
 
     pub async fn delete(&self, peer: &Peer, ino: u64) -> Result<(), TransportError> {
         self.call(peer, Request::Delete { ino }, &[]).await.map(|_| ())
     }
 
-    pub async fn checksums(&self, peer: &Peer, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, TransportError> {
-        match self.call(peer, Request::Checksums { ino, offset, len }, &[]).await?.0 {
+    pub async fn checksums(
+        &self,
+        peer: &Peer,
+        chunk: &ChunkRef,
+        at: u64,
+        len: u64,
+    ) -> Result<Vec<u32>, TransportError> {
+        match self.call(peer, Request::Checksums { chunk: *chunk, at, len }, &[]).await?.0 {
             Response::Checksums { crcs } => Ok(crcs),
             other => Err(stream_err(peer, format!("unexpected answer {other:?}"))),
         }
@@ -342,27 +342,24 @@ async fn answer(req: Request, recv: &mut quinn::RecvStream, service: Arc<dyn Chu
     let blocking =
         |f: Box<dyn FnOnce() -> Answer + Send>| async move { tokio::task::spawn_blocking(f).await.map_err(io_error)? };
     match req {
-        Request::Read { ino, offset, len } => {
+        Request::Read { chunk, at, len } => {
             blocking(Box::new(move || {
-                let data = service.read(ino, offset, len)?;
+                let data = service.read(&chunk, at, len)?;
                 Ok((Response::Data { len: data.len() as u32 }, data))
             }))
             .await
         }
-        Request::Write { ino, offset, len, end_of_file } => {
+        Request::Write { chunk, len } => {
             let mut data = vec![0u8; len as usize];
             read_payload(recv, &mut data).await.map_err(io_error)?;
-            blocking(Box::new(move || {
-                service.write(ino, offset, &data, end_of_file).map(|()| (Response::Done, Vec::new()))
-            }))
-            .await
+            blocking(Box::new(move || service.write(&chunk, &data).map(|()| (Response::Done, Vec::new())))).await
         }
         Request::Delete { ino } => {
             blocking(Box::new(move || service.delete(ino).map(|()| (Response::Done, Vec::new())))).await
         }
-        Request::Checksums { ino, offset, len } => {
+        Request::Checksums { chunk, at, len } => {
             blocking(Box::new(move || {
-                service.checksums(ino, offset, len).map(|crcs| (Response::Checksums { crcs }, Vec::new()))
+                service.checksums(&chunk, at, len).map(|crcs| (Response::Checksums { crcs }, Vec::new()))
             }))
             .await
         }

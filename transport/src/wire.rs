@@ -6,8 +6,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ChunkRef;
+
 pub const MAGIC: &[u8; 3] = b"CVG";
-pub const VERSION: u8 = 1;
+/// 2: requests name a chunk version ([`ChunkRef`]); replica writes carry a whole chunk.
+pub const VERSION: u8 = 2;
 /// Frames are small; payloads travel after them.
 pub const MAX_FRAME: u32 = 64 << 10;
 /// One request moves at most one chunk.
@@ -16,25 +19,23 @@ pub const HEADER_LEN: usize = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
+    /// `len` bytes of a chunk version, from `at` bytes into the chunk.
     Read {
-        ino: u64,
-        offset: u64,
+        chunk: ChunkRef,
+        at: u64,
         len: u32,
     },
-    /// `len` payload bytes follow the frame. `end_of_file`: the file ends
-    /// with these bytes, so the replica drops anything it holds beyond them.
+    /// A whole chunk version: `len` payload bytes follow the frame.
     Write {
-        ino: u64,
-        offset: u64,
+        chunk: ChunkRef,
         len: u32,
-        end_of_file: bool,
     },
     Delete {
         ino: u64,
     },
     Checksums {
-        ino: u64,
-        offset: u64,
+        chunk: ChunkRef,
+        at: u64,
         len: u64,
     },
     /// Fetch chunk `chunk` of `ino` onto the receiving node's SSD (from the
@@ -159,20 +160,24 @@ mod tests {
 
     use super::*;
 
+    fn chunk() -> impl Strategy<Value = ChunkRef> {
+        (any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(ino, index, version, start)| ChunkRef {
+            ino,
+            index,
+            version,
+            start,
+        })
+    }
+
     fn request() -> impl Strategy<Value = Request> {
         prop_oneof![
-            (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD).prop_map(|(ino, offset, len)| Request::Read {
-                ino,
-                offset,
-                len
-            }),
-            (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD, any::<bool>())
-                .prop_map(|(ino, offset, len, end_of_file)| Request::Write { ino, offset, len, end_of_file }),
+            (chunk(), any::<u64>(), 0..=MAX_PAYLOAD).prop_map(|(chunk, at, len)| Request::Read { chunk, at, len }),
+            (chunk(), 0..=MAX_PAYLOAD).prop_map(|(chunk, len)| Request::Write { chunk, len }),
             any::<u64>().prop_map(|ino| Request::Delete { ino }),
             (any::<u64>(), any::<u32>()).prop_map(|(ino, chunk)| Request::Stage { ino, chunk }),
-            (any::<u64>(), any::<u64>(), 0..=MAX_PAYLOAD as u64).prop_map(|(ino, offset, len)| Request::Checksums {
-                ino,
-                offset,
+            (chunk(), any::<u64>(), 0..=MAX_PAYLOAD as u64).prop_map(|(chunk, at, len)| Request::Checksums {
+                chunk,
+                at,
                 len
             }),
         ]
@@ -211,7 +216,8 @@ mod tests {
         let mut f = Request::Delete { ino: 1 }.encode();
         f[4..8].copy_from_slice(&(MAX_FRAME + 1).to_be_bytes());
         assert_eq!(Request::decode(&f), Err(WireError::TooLarge(MAX_FRAME + 1)));
-        let f = Request::Read { ino: 1, offset: 0, len: MAX_PAYLOAD + 1 }.encode();
+        let chunk = ChunkRef { ino: 1, index: 0, version: 1, start: 0 };
+        let f = Request::Read { chunk, at: 0, len: MAX_PAYLOAD + 1 }.encode();
         assert_eq!(Request::decode(&f), Err(WireError::PayloadTooLarge(MAX_PAYLOAD + 1)));
     }
 }

@@ -7,39 +7,40 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use converged_transport::{ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, ServiceError, TransportError};
+use converged_transport::{
+    ChunkRef, ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, ServiceError, TransportError,
+};
 use parking_lot::Mutex;
 
-/// Chunks kept in memory: the service side of the test.
+/// Chunk versions kept in memory: the service side of the test.
 #[derive(Default)]
-struct MemChunks(Mutex<HashMap<u64, Vec<u8>>>);
+struct MemChunks(Mutex<HashMap<ChunkRef, Vec<u8>>>);
 
 impl ChunkService for MemChunks {
-    fn read(&self, ino: u64, offset: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
+    fn read(&self, chunk: &ChunkRef, at: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
         let m = self.0.lock();
-        let f = m.get(&ino).ok_or(ServiceError { errno: 2, msg: format!("no chunks of inode {ino}") })?;
-        let start = (offset as usize).min(f.len());
+        let f = m.get(chunk).ok_or(ServiceError { errno: 2, msg: format!("no such chunk {chunk:?}") })?;
+        let start = (at as usize).min(f.len());
         let end = (start + len as usize).min(f.len());
         Ok(f[start..end].to_vec())
     }
-    fn write(&self, ino: u64, offset: u64, data: &[u8], end_of_file: bool) -> Result<(), ServiceError> {
-        let mut m = self.0.lock();
-        let f = m.entry(ino).or_default();
-        let end = offset as usize + data.len();
-        if f.len() < end || end_of_file {
-            f.resize(end, 0);
-        }
-        f[offset as usize..end].copy_from_slice(data);
+    fn write(&self, chunk: &ChunkRef, data: &[u8]) -> Result<(), ServiceError> {
+        self.0.lock().insert(*chunk, data.to_vec());
         Ok(())
     }
     fn delete(&self, ino: u64) -> Result<(), ServiceError> {
-        self.0.lock().remove(&ino);
+        self.0.lock().retain(|c, _| c.ino != ino);
         Ok(())
     }
-    fn checksums(&self, ino: u64, offset: u64, len: u64) -> Result<Vec<u32>, ServiceError> {
-        let data = self.read(ino, offset, len as u32)?;
+    fn checksums(&self, chunk: &ChunkRef, at: u64, len: u64) -> Result<Vec<u32>, ServiceError> {
+        let data = self.read(chunk, at, len as u32)?;
         Ok(data.chunks(64 << 10).map(|b| b.len() as u32).collect())
     }
+}
+
+/// Version 1 of chunk 0 of `ino`.
+fn chunk(ino: u64) -> ChunkRef {
+    ChunkRef { ino, index: 0, version: 1, start: 0 }
 }
 
 fn node(tls: &NodeTls, service: Arc<MemChunks>) -> QuicTransport {
@@ -67,22 +68,22 @@ async fn peers_with_cluster_certificates_move_chunks() {
     let peer2 = Peer { addr: n2.local_addr(), node: "n2".into() };
 
     let data = pattern(5 << 20);
-    n1.write(&peer2, 7, 0, &data, true).await.unwrap();
-    assert_eq!(store2.0.lock()[&7], data, "bytes landed on n2");
-    assert_eq!(n1.read(&peer2, 7, 0, 5 << 20).await.unwrap(), data);
-    assert_eq!(n1.read(&peer2, 7, 1_000_000, 4096).await.unwrap(), data[1_000_000..1_004_096]);
+    n1.write(&peer2, &chunk(7), &data).await.unwrap();
+    assert_eq!(store2.0.lock()[&chunk(7)], data, "bytes landed on n2");
+    assert_eq!(n1.read(&peer2, &chunk(7), 0, 5 << 20).await.unwrap(), data);
+    assert_eq!(n1.read(&peer2, &chunk(7), 1_000_000, 4096).await.unwrap(), data[1_000_000..1_004_096]);
     // Several reads at once share one connection, one stream each.
     let reads: Vec<_> = (0..8u64)
         .map(|i| {
             let (n1, p) = (&n1, &peer2);
-            async move { n1.read(p, 7, i * 65536, 65536).await.unwrap() }
+            async move { n1.read(p, &chunk(7), i * 65536, 65536).await.unwrap() }
         })
         .collect();
     for (i, got) in futures_join(reads).await.into_iter().enumerate() {
         assert_eq!(got, data[i * 65536..(i + 1) * 65536]);
     }
-    assert_eq!(n1.checksums(&peer2, 7, 0, 200_000).await.unwrap().len(), 4);
-    let err = n1.read(&peer2, 99, 0, 10).await.unwrap_err();
+    assert_eq!(n1.checksums(&peer2, &chunk(7), 0, 200_000).await.unwrap().len(), 4);
+    let err = n1.read(&peer2, &chunk(99), 0, 10).await.unwrap_err();
     assert!(matches!(err, TransportError::Remote { ref err, .. } if err.errno == 2), "{err}");
     n1.delete(&peer2, 7).await.unwrap();
     assert!(store2.0.lock().is_empty());
@@ -103,7 +104,7 @@ async fn a_peer_from_another_ca_is_refused() {
     let ca = ClusterCa::generate("cluster A").unwrap();
     let rogue_ca = ClusterCa::generate("cluster A").unwrap();
     let store = Arc::new(MemChunks::default());
-    store.write(1, 0, b"secret", true).unwrap();
+    store.write(&chunk(1), b"secret").unwrap();
     let server = node(&ca.issue("n2").unwrap(), store);
     let peer = Peer { addr: server.local_addr(), node: "n2".into() };
 
@@ -112,25 +113,25 @@ async fn a_peer_from_another_ca_is_refused() {
     let mut rogue_tls = rogue_ca.issue("n1").unwrap();
     rogue_tls.ca_pem = ca.cert_pem.clone();
     let rogue = node(&rogue_tls, Arc::default());
-    let err = rogue.read(&peer, 1, 0, 6).await.unwrap_err();
+    let err = rogue.read(&peer, &chunk(1), 0, 6).await.unwrap_err();
     assert!(
         matches!(err, TransportError::Connect { .. } | TransportError::Stream { .. }),
         "rogue peer must not get data: {err}"
     );
     // And a node of the other cluster does not accept our server either.
     let stranger = node(&rogue_ca.issue("n3").unwrap(), Arc::default());
-    assert!(matches!(stranger.read(&peer, 1, 0, 6).await, Err(TransportError::Connect { .. })));
+    assert!(matches!(stranger.read(&peer, &chunk(1), 0, 6).await, Err(TransportError::Connect { .. })));
 
     // The legitimate member still gets through afterwards.
     let member = node(&ca.issue("n1").unwrap(), Arc::default());
-    assert_eq!(member.read(&peer, 1, 0, 6).await.unwrap(), b"secret");
+    assert_eq!(member.read(&peer, &chunk(1), 0, 6).await.unwrap(), b"secret");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_on_a_stream_resets_only_that_stream() {
     let ca = ClusterCa::generate("cluster").unwrap();
     let store = Arc::new(MemChunks::default());
-    store.write(3, 0, b"intact", true).unwrap();
+    store.write(&chunk(3), b"intact").unwrap();
     let server = node(&ca.issue("n2").unwrap(), store);
     let peer = Peer { addr: server.local_addr(), node: "n2".into() };
 
@@ -139,7 +140,9 @@ async fn garbage_on_a_stream_resets_only_that_stream() {
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(tls.client_config().unwrap());
     let conn = ep.connect(peer.addr, "n2").unwrap().await.unwrap();
-    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xff; 64][..], b"CVG\x01\xff\xff\xff\xff"] {
+    for junk in
+        [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xff; 64][..], b"CVG\x02\xff\xff\xff\xff", b"CVG\x01\x00\x00\x00\x00"]
+    {
         let (mut send, mut recv) = conn.open_bi().await.unwrap();
         send.write_all(junk).await.unwrap();
         let _ = send.finish();
@@ -149,9 +152,9 @@ async fn garbage_on_a_stream_resets_only_that_stream() {
     }
     // The server still answers proper requests, on a new and the same connection.
     let client = node(&tls, Arc::default());
-    assert_eq!(client.read(&peer, 3, 0, 6).await.unwrap(), b"intact");
+    assert_eq!(client.read(&peer, &chunk(3), 0, 6).await.unwrap(), b"intact");
     let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    send.write_all(&converged_transport::Request::Read { ino: 3, offset: 0, len: 6 }.encode()).await.unwrap();
+    send.write_all(&converged_transport::Request::Read { chunk: chunk(3), at: 0, len: 6 }.encode()).await.unwrap();
     send.finish().unwrap();
     let reply = recv.read_to_end(1024).await.unwrap();
     assert!(reply.ends_with(b"intact"));
@@ -171,7 +174,7 @@ async fn a_silent_peer_fails_within_the_deadline() {
     let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let addr: SocketAddr = silent.local_addr().unwrap();
     let started = Instant::now();
-    let err = client.read(&Peer { addr, node: "n9".into() }, 1, 0, 10).await.unwrap_err();
+    let err = client.read(&Peer { addr, node: "n9".into() }, &chunk(1), 0, 10).await.unwrap_err();
     assert!(matches!(err, TransportError::Timeout { .. }), "{err}");
     assert!(err.is_retryable());
     assert!(started.elapsed() < Duration::from_secs(5), "deadline, not a hang");

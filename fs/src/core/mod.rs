@@ -52,6 +52,7 @@ mod open;
 mod read;
 mod reconcile;
 mod replicate;
+mod versions;
 mod write;
 
 use std::fs::File;
@@ -188,15 +189,18 @@ impl Core {
     /// Join the cluster: from now on chunks are replicated to peers and read
     /// from them when this node does not hold them.
     pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
-        let weak = Arc::downgrade(self);
-        cluster.set_stager(Box::new(move |ino, chunk| {
-            let core = weak.upgrade().ok_or_else(|| converged_transport::ServiceError {
-                errno: libc::ESHUTDOWN,
-                msg: "node is stopping".into(),
-            })?;
-            core.stage_chunk(ino, chunk)
-                .map_err(|e| converged_transport::ServiceError { errno: e.errno(), msg: e.to_string() })
-        }));
+        let (weak, weak2) = (Arc::downgrade(self), Arc::downgrade(self));
+        cluster.set_hooks(crate::chunkstore::LocalHooks {
+            stage: Box::new(move |ino, chunk| {
+                let core = weak.upgrade().ok_or_else(|| converged_transport::ServiceError {
+                    errno: libc::ESHUTDOWN,
+                    msg: "node is stopping".into(),
+                })?;
+                core.stage_chunk(ino, chunk)
+                    .map_err(|e| converged_transport::ServiceError { errno: e.errno(), msg: e.to_string() })
+            }),
+            being_written: Box::new(move |ino| weak2.upgrade().is_some_and(|core| core.rewrites_backing_file(ino))),
+        });
         let _ = self.cluster.set(cluster);
         self.under_replicated.1.notify_one();
     }
@@ -232,6 +236,16 @@ impl Core {
     /// Whether a writer here has the file's bytes ahead of its metadata.
     pub(crate) fn is_being_written(&self, ino: Ino) -> bool {
         self.open.get(ino).is_some_and(|oi| oi.state.lock().write.reads_backing_file())
+    }
+
+    /// Whether the backing file of `ino` here may hold bytes of no
+    /// published version: a writer changes it in place, or a writer whose
+    /// lease was lost left it so. Peers are then sent elsewhere.
+    pub(crate) fn rewrites_backing_file(&self, ino: Ino) -> bool {
+        self.open.get(ino).is_some_and(|oi| {
+            let st = oi.state.lock();
+            st.write.reads_backing_file() || st.write.is_fenced()
+        })
     }
 
     pub(crate) fn data_dir(&self) -> &std::path::Path {
@@ -519,8 +533,17 @@ impl Core {
                 continue;
             }
             if let Some(f) = self.store.create_spare(ino) {
+                // Shutdown sets the flag under this lock before it removes
+                // the spares: one made after that is removed here.
+                let mut spares = self.spares.lock();
+                if self.spares_stopped.load(Ordering::SeqCst) {
+                    drop(spares);
+                    drop(f);
+                    let _ = self.store.remove(ino);
+                    break;
+                }
                 made += 1;
-                self.spares.lock().insert(ino, f);
+                spares.insert(ino, f);
             }
         }
         made
@@ -529,8 +552,12 @@ impl Core {
     /// Flush the namespace to stable storage (unmount).
     pub fn shutdown(&self) {
         // Spares not used by a regular file would be strays at the next mount.
-        self.spares_stopped.store(true, Ordering::SeqCst);
-        for (ino, _) in std::mem::take(&mut *self.spares.lock()) {
+        let spares = {
+            let mut spares = self.spares.lock();
+            self.spares_stopped.store(true, Ordering::SeqCst);
+            std::mem::take(&mut *spares)
+        };
+        for (ino, _) in spares {
             let unused = match self.ns.getattr(ino) {
                 Err(MetaError::NotFound) => true,
                 Ok(inode) => inode.kind != FileKind::Regular,

@@ -350,6 +350,14 @@ impl Core {
         created: Option<&super::attr::SealSnapshot>,
         kernel: bool,
     ) -> FsResult<Opened> {
+        // Chunk versions that reached this node beside its backing file go
+        // into it before the first open here (an open elsewhere would have
+        // to read them through the daemon).
+        if self.store.has_versions(ino) {
+            if let Some(Err(e)) = self.while_closed(ino, || self.settle_versions(ino, true)) {
+                tracing::warn!(ino, error = %e, "could not settle chunk versions; reads go through the daemon");
+            }
+        }
         let oi = self.open.open_inode(ino, || match self.take_spare(ino) {
             Some(f) => Ok(f),
             None => self.store.open_backing(ino),
@@ -412,7 +420,8 @@ impl Core {
             // ... and the backing file has the file's size: passthrough reads
             // to the backing file's end.
             let same_size = oi.file.metadata().is_ok_and(|m| m.len() == layout.size);
-            passthrough = same_size && layout.chunks.iter().flatten().all(|r| self.is_local(r));
+            passthrough =
+                same_size && layout.chunks.iter().flatten().all(|r| self.is_local(r)) && !self.store.has_versions(ino);
         }
         let io = self.choose_io(oi, passthrough, writable);
         self.open.set_io(fh, io);

@@ -59,9 +59,10 @@ impl Drop for FetchSlot<'_> {
     }
 }
 
-/// Bytes `[from, to)` of a file, inside the chunk that starts at `chunk_start`.
+/// Bytes `[from, to)` of a file, inside chunk `index`, which starts at `chunk_start`.
 struct Part<'a> {
     rec: &'a ChunkRecord,
+    index: u32,
     chunk_start: u64,
     from: u64,
     to: u64,
@@ -73,6 +74,11 @@ impl Part<'_> {
         let bs = BLOCK_SIZE as u64;
         let stop = (self.to.div_ceil(bs) * bs).min(self.chunk_start + self.rec.len as u64).max(self.to);
         (self.from / bs * bs, stop)
+    }
+
+    /// The chunk version a peer request names.
+    fn chunk_ref(&self, ino: Ino) -> converged_transport::ChunkRef {
+        converged_transport::ChunkRef { ino, index: self.index, version: self.rec.version, start: self.chunk_start }
     }
 }
 
@@ -103,7 +109,10 @@ impl Core {
     /// the sealed layout that it overtakes fails its checksums although
     /// nothing is corrupt: such a read is done again (from the backing file
     /// once the file is unsealed, or with the new layout once it is sealed
-    /// again). A mismatch that no write state change explains is `EIO`.
+    /// again). A read whose layout was published over while it was open,
+    /// and whose old versions are gone from every holder, is done again
+    /// with the layout as it is now. A failure that neither explains is
+    /// the answer (`EIO`).
     fn read_handle(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         const ATTEMPTS: usize = 4;
         let (ino, _, oi) = self.open.handle(fh)?;
@@ -111,15 +120,36 @@ impl Core {
         loop {
             let (r, layout) = self.read_once(ino, &oi, offset, size);
             let overtaken = matches!(r, Err(FsError::Corrupt { .. }))
-                && layout.is_some_and(|used| {
+                && layout.as_ref().is_some_and(|used| {
                     let st = oi.state.lock();
-                    st.write.reads_backing_file() || !st.layout.as_ref().is_some_and(|l| Arc::ptr_eq(l, &used))
+                    st.write.reads_backing_file() || !st.layout.as_ref().is_some_and(|l| Arc::ptr_eq(l, used))
                 });
-            if !overtaken || attempt == ATTEMPTS {
+            let superseded = matches!(r, Err(FsError::Peer(_) | FsError::Corrupt { .. }))
+                && layout.as_ref().is_some_and(|used| self.layout_changed(ino, used));
+            if !(overtaken || superseded) || attempt == ATTEMPTS {
                 return r;
             }
-            tracing::debug!(ino, offset, attempt, "a read overtaken by a local writer; reading again");
+            if superseded {
+                oi.state.lock().forget_layout();
+            }
+            tracing::debug!(ino, offset, attempt, superseded, "a read overtaken by a writer; reading again");
             attempt += 1;
+        }
+    }
+
+    /// Whether the layout recorded now differs from `used` (another seal).
+    fn layout_changed(&self, ino: Ino, used: &Layout) -> bool {
+        match self.load_layout(ino) {
+            Ok(now) => {
+                now.size != used.size
+                    || now.chunks.len() != used.chunks.len()
+                    || now
+                        .chunks
+                        .iter()
+                        .zip(&used.chunks)
+                        .any(|(a, b)| a.as_ref().map(|r| r.version) != b.as_ref().map(|r| r.version))
+            }
+            Err(_) => false,
         }
     }
 
@@ -180,25 +210,27 @@ impl Core {
                     let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, false)?;
                     // Local from now on: the next read of this open uses the new layout.
                     oi.state.lock().forget_layout();
-                    self.read_local(ino, oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
+                    self.read_local(
+                        ino,
+                        oi,
+                        &Part { rec: &rec, index: index as u32, chunk_start, from: pos, to },
+                        &mut out,
+                    )?;
                 }
                 Source::Local(rec) => {
                     let before = out.len();
-                    let part = Part { rec, chunk_start, from: pos, to };
+                    let part = Part { rec, index: index as u32, chunk_start, from: pos, to };
                     match self.read_local(ino, oi, &part, &mut out) {
                         Ok(()) => {}
-                        // A bad local copy: read another replica and repair ours.
-                        Err(FsError::Corrupt { .. }) if rec.replicas.len() > 1 && self.cluster.get().is_some() => {
+                        // A bad local copy: read another source and repair ours.
+                        Err(e @ FsError::Corrupt { .. }) => {
                             out.truncate(before);
-                            self.repair_from_peer(ino, oi, &part, &mut out)?;
-                        }
-                        // ... or fetch it again from the object store.
-                        Err(FsError::Corrupt { .. }) if layout.object.is_some() => {
-                            out.truncate(before);
-                            let obj = layout.object.as_ref().expect("checked");
-                            let rec =
-                                self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, true)?;
-                            self.read_local(ino, oi, &Part { rec: &rec, chunk_start, from: pos, to }, &mut out)?;
+                            if let Err(elsewhere) = self.read_elsewhere_and_repair(ino, oi, layout, &part, &mut out) {
+                                // The checksum failure is the answer (a read
+                                // overtaken by a local writer is done again).
+                                tracing::debug!(ino, error = %elsewhere, "no other source of a chunk whose local copy failed its checksum");
+                                return Err(e);
+                            }
                         }
                         Err(e) => return Err(e),
                     }
@@ -206,11 +238,19 @@ impl Core {
                 Source::Peer(_) => {
                     let windows = windows.get_or_insert_with(|| self.remote_windows(ino, oi, layout, offset, end));
                     let cluster = self.cluster.get().expect("a chunk held elsewhere implies a cluster");
+                    let before = out.len();
+                    let mut failed = None;
                     for (start, w) in windows.iter() {
                         if *start >= to || start + WINDOW <= pos {
                             continue;
                         }
-                        let data = w.wait(cluster.call_deadline())?;
+                        let data = match w.wait(cluster.call_deadline()) {
+                            Ok(data) => data,
+                            Err(e) => {
+                                failed = Some(e);
+                                break;
+                            }
+                        };
                         let from = pos.max(*start);
                         let upto = to.min(start + WINDOW);
                         let have = data.len() as u64;
@@ -219,6 +259,17 @@ impl Core {
                         out.extend_from_slice(&data[a..b]);
                         // Past the chunk's recorded length: zeros.
                         out.resize(out.len() + ((upto - from) as usize - (b - a)), 0);
+                    }
+                    if let Some(e) = failed {
+                        // No holder answered with good bytes: the object
+                        // store has them when the file is backed.
+                        let Some(obj) = layout.object.as_deref() else { return Err(e) };
+                        tracing::warn!(ino, chunk = index, error = %e, "no holder served the chunk; reading it from the object store");
+                        out.truncate(before);
+                        let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, true)?;
+                        oi.state.lock().forget_layout();
+                        let part = Part { rec: &rec, index: index as u32, chunk_start, from: pos, to };
+                        self.read_local(ino, oi, &part, &mut out)?;
                     }
                 }
             }
@@ -335,11 +386,18 @@ impl Core {
         })
     }
 
-    /// Bytes `[from, to)` of a chunk this node holds, read block-aligned and verified.
+    /// Bytes `[from, to)` of a chunk this node holds, read block-aligned and
+    /// verified: from the version file of the chunk's version when this
+    /// node holds one (the backing file may hold another version), else
+    /// from the backing file.
     fn read_local(&self, ino: Ino, oi: &OpenInode, part: &Part<'_>, out: &mut Vec<u8>) -> FsResult<()> {
         let (start, stop) = part.blocks();
         let mut buf = vec![0u8; (stop - start) as usize];
-        read_exact_at(&oi.file, &mut buf, start).map_err(|e| FsError::io("read backing file", e))?;
+        let read = match self.store.open_version(ino, part.index, part.rec.version) {
+            Some(f) => read_exact_at(&f, &mut buf, start - part.chunk_start),
+            None => read_exact_at(&oi.file, &mut buf, start),
+        };
+        read.map_err(|e| FsError::io("read backing file", e))?;
         if let Err(e) = remote::verify(ino, part.rec, part.chunk_start, start, &buf) {
             if let FsError::Corrupt { offset, .. } = &e {
                 self.stats.corrupt_blocks.fetch_add(1, Ordering::Relaxed);
@@ -351,23 +409,60 @@ impl Core {
         Ok(())
     }
 
-    /// Bytes `[from, to)` of a chunk whose local copy failed its checksum,
-    /// from another replica (verified); the good blocks are written over the
-    /// bad local ones.
-    fn repair_from_peer(&self, ino: Ino, oi: &OpenInode, part: &Part<'_>, out: &mut Vec<u8>) -> FsResult<()> {
-        let cluster = self.cluster.get().expect("checked by the caller");
+    /// Bytes `[from, to)` of a chunk whose local copy failed its checksum:
+    /// from another holder (verified), else from the object store when the
+    /// file is backed. Good bytes from a holder are written over the bad
+    /// local ones (an object fetch rewrites the whole chunk).
+    fn read_elsewhere_and_repair(
+        &self,
+        ino: Ino,
+        oi: &OpenInode,
+        layout: &Layout,
+        part: &Part<'_>,
+        out: &mut Vec<u8>,
+    ) -> FsResult<()> {
         let (start, stop) = part.blocks();
-        let (rec, chunk_start, from, to) = (part.rec, part.chunk_start, part.from, part.to);
-        let task = remote::fetch(cluster, ino, Arc::new(rec.clone()), chunk_start, start, (stop - start) as u32);
-        let data = remote::wait(cluster, task)?;
-        match oi.file.write_all_at(&data, start) {
-            Ok(()) => {
-                tracing::warn!(ino, offset = start, len = data.len(), "repaired a corrupt local range from a replica")
+        let (from, to) = (part.from, part.to);
+        let from_peer = match self.cluster.get() {
+            Some(cluster) if part.rec.replicas.iter().any(|r| r != self.node_id()) => {
+                let task = remote::fetch(
+                    cluster,
+                    part.chunk_ref(ino),
+                    Arc::new(part.rec.clone()),
+                    start,
+                    (stop - start) as u32,
+                );
+                remote::wait(cluster, task)
             }
-            Err(e) => tracing::warn!(ino, error = %e, "could not repair a corrupt local range"),
+            _ => Err(FsError::Peer("no other holder".into())),
+        };
+        match (from_peer, layout.object.as_deref()) {
+            (Ok(data), _) => {
+                let version = part.rec.version;
+                let repaired = match self.store.has_version(ino, part.index, version) {
+                    true => self.store.patch_version(ino, part.index, version, start - part.chunk_start, &data),
+                    false => oi.file.write_all_at(&data, start),
+                };
+                match repaired {
+                    Ok(()) => tracing::warn!(
+                        ino,
+                        offset = start,
+                        len = data.len(),
+                        "repaired a corrupt local range from a replica"
+                    ),
+                    Err(e) => tracing::warn!(ino, error = %e, "could not repair a corrupt local range"),
+                }
+                out.extend_from_slice(&data[(from - start) as usize..(to - start) as usize]);
+                Ok(())
+            }
+            (Err(_), Some(obj)) => {
+                let cs = layout.chunk_size;
+                let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, part.index, obj, true)?;
+                oi.state.lock().forget_layout();
+                self.read_local(ino, oi, &Part { rec: &rec, ..*part }, out)
+            }
+            (Err(e), None) => Err(e),
         }
-        out.extend_from_slice(&data[(from - start) as usize..(to - start) as usize]);
-        Ok(())
     }
 
     /// The peer windows covering `[offset, end)` (and readahead beyond).
@@ -384,11 +479,13 @@ impl Core {
         let peer_chunk = |start: u64| {
             let index = start / cs;
             match self.locate(layout, index) {
-                Source::Peer(_) => Some((layout.chunks[index as usize].clone()?, index * cs)),
+                Source::Peer(rec) => {
+                    Some((layout.chunks[index as usize].clone()?, remote::chunk_ref(ino, index, cs, rec)))
+                }
                 _ => None,
             }
         };
-        oi.readahead.lock().windows(cluster, ino, offset, end, layout.size, &peer_chunk)
+        oi.readahead.lock().windows(cluster, offset, end, layout.size, &peer_chunk)
     }
 
     /// The layout of `ino` as the metadata has it now.
@@ -447,13 +544,21 @@ impl Core {
         for index in 0..layout.size.div_ceil(cs) {
             let chunk_start = index * cs;
             match self.locate(&layout, index) {
-                Source::Local(_) => {}
+                Source::Local(rec) => {
+                    // Held in a version file: the backing file needs it in place.
+                    if self.store.open_version(ino, index as u32, rec.version).is_some() {
+                        self.store
+                            .install_version(file, ino, index as u32, rec.version, chunk_start)
+                            .map_err(|e| FsError::io("install a chunk version", e))?;
+                    }
+                }
                 Source::Peer(rec) => {
+                    let chunk = remote::chunk_ref(ino, index, cs, rec);
                     let rec = Arc::new(rec.clone());
                     let end = chunk_start + rec.len as u64;
                     let mut off = chunk_start;
                     while off < end {
-                        wanted.push((rec.clone(), chunk_start, off, WINDOW.min(end - off) as u32));
+                        wanted.push((rec.clone(), chunk, off, WINDOW.min(end - off) as u32));
                         off += WINDOW;
                     }
                 }
@@ -485,9 +590,7 @@ impl Core {
             for batch in wanted.chunks(16) {
                 let tasks: Vec<_> = batch
                     .iter()
-                    .map(|(rec, chunk_start, off, len)| {
-                        (*off, remote::fetch(cluster, ino, rec.clone(), *chunk_start, *off, *len))
-                    })
+                    .map(|(rec, chunk, off, len)| (*off, remote::fetch(cluster, *chunk, rec.clone(), *off, *len)))
                     .collect();
                 for (off, task) in tasks {
                     let data = remote::wait(cluster, task)?;

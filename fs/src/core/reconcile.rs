@@ -18,7 +18,7 @@ use super::open::OpenInode;
 use super::Core;
 use crate::chunkstore::block_crcs;
 use crate::error::{FsError, FsResult};
-use crate::remote::{self, WINDOW};
+use crate::remote;
 
 impl Core {
     /// Make the local copy of `ino` match its layout after its session
@@ -58,7 +58,7 @@ impl Core {
                 continue;
             }
             fixed += 1;
-            match self.read_chunk_elsewhere(ino, &rec, start) {
+            match self.read_chunk_elsewhere(ino, index, &rec, start) {
                 Ok(data) => {
                     file.write_all_at(&data, start).map_err(|e| FsError::io("rewrite local chunk", e))?;
                 }
@@ -75,26 +75,17 @@ impl Core {
 
     /// The bytes of a chunk from a holder other than this node (verified),
     /// or from the object store when the file is backed.
-    pub(super) fn read_chunk_elsewhere(&self, ino: Ino, rec: &ChunkRecord, start: u64) -> FsResult<Vec<u8>> {
+    pub(super) fn read_chunk_elsewhere(
+        &self,
+        ino: Ino,
+        index: u32,
+        rec: &ChunkRecord,
+        start: u64,
+    ) -> FsResult<Vec<u8>> {
         let from_peers = match self.cluster.get() {
             Some(cluster) => {
-                let rec = Arc::new(rec.clone());
-                let tasks: Vec<_> = (0..rec.len as u64)
-                    .step_by(WINDOW as usize)
-                    .map(|at| {
-                        let len = WINDOW.min(rec.len as u64 - at) as u32;
-                        remote::fetch(cluster, ino, rec.clone(), start, start + at, len)
-                    })
-                    .collect();
-                let mut data = Vec::with_capacity(rec.len as usize);
-                let mut r = Ok(());
-                for task in tasks {
-                    match remote::wait(cluster, task) {
-                        Ok(part) => data.extend_from_slice(&part),
-                        Err(e) => r = Err(e),
-                    }
-                }
-                r.map(|()| data)
+                let chunk = converged_transport::ChunkRef { ino, index, version: rec.version, start };
+                remote::fetch_chunk(cluster, chunk, Arc::new(rec.clone()))
             }
             None => Err(FsError::Peer("no cluster".into())),
         };

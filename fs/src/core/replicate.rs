@@ -91,16 +91,21 @@ impl Core {
             }
             let start = index as u64 * cs;
             let mut data = vec![0u8; rec.len as usize];
-            read_exact_at(&file, &mut data, start).map_err(|e| FsError::io("read chunk to replicate", e))?;
+            // The version as sealed: its version file while the backing
+            // file is rewritten, else the backing file.
+            let (src, at) = match self.store.open_version(ino, index, rec.version) {
+                Some(f) => (f, 0),
+                None => (file.try_clone().map_err(|e| FsError::io("reopen backing file", e))?, start),
+            };
+            read_exact_at(&src, &mut data, at).map_err(|e| FsError::io("read chunk to replicate", e))?;
             if remote::verify(ino, &rec, start, start, &data).is_err() {
                 // Changed since this record was sealed: a newer seal follows.
                 continue;
             }
-            let last = start + rec.len as u64 >= inode.size;
             let missing = want - rec.replicas.len();
             let ranked = cluster.plan(ino, index, &rec.replicas);
-            let copies =
-                cluster.block_on(cluster.clone().push(ino, index, start, Arc::new(data), last, missing, ranked));
+            let chunk = remote::chunk_ref(ino, index as u64, cs, &rec);
+            let copies = cluster.block_on(cluster.clone().push(chunk, Arc::new(data), missing, ranked));
             short |= rec.replicas.len() + copies.len() < want;
             if !copies.is_empty() {
                 self.ns.add_replicas(ino, index, rec.version, &copies)?;

@@ -35,6 +35,7 @@ use std::time::Duration;
 
 use converged_metadata::types::*;
 use converged_metadata::{ChunkRecord, Durability, MetaError, Seal};
+use converged_transport::ChunkRef;
 
 use super::open::OpenInode;
 use super::{chunk_range, ts_from, Core};
@@ -347,10 +348,11 @@ impl Core {
         let r = match created.is_some_and(|snap| self.seals.none_ended_since(snap, ino)) {
             true => Ok(converged_metadata::CREATE_LEASE),
             // Written here from now on: chunks held elsewhere come here first.
-            false => self
-                .take_write_lease(ino)
-                .map_err(FsError::from)
-                .and_then(|lease| self.hydrate(ino, &oi.file).map(|()| lease)),
+            false => self.take_write_lease(ino).map_err(FsError::from).and_then(|lease| {
+                self.hydrate(ino, &oi.file)?;
+                self.keep_sole_copies(ino, &oi.file)?;
+                Ok(lease)
+            }),
         };
         let mut st = oi.state.lock();
         st.write.end_lease(r.as_ref().ok().copied(), created.is_some());
@@ -635,12 +637,25 @@ impl Core {
             _ => 1,
         };
         let replicate_now = cluster.filter(|c| want > 1 && c.durability() == DurabilityMode::Replicated);
+        // A publish while writers go on (close or fsync in a cluster): the
+        // backing file keeps changing in place and holds no published
+        // version. A chunk version no peer took a copy of is kept here in a
+        // version file, so that it can be served and replicated as sealed.
+        let keep_here = cluster.is_some() && how.keep_unsealed;
+        let epoch = how.lease.unwrap_or(converged_metadata::CREATE_LEASE);
         let mut short = false;
         let mut chunks: Vec<(u32, ChunkRecord)> = Vec::with_capacity(which.len());
-        // Replica writes in flight (position in `chunks`, task): the next
-        // chunk is read and checksummed while earlier ones cross the network.
+        // Replica writes in flight (position in `chunks`, the bytes, task):
+        // the next chunk is read and checksummed while earlier ones cross
+        // the network.
         let mut inflight = std::collections::VecDeque::new();
-        let land = |chunks: &mut Vec<(u32, ChunkRecord)>, (at, task): (usize, tokio::task::JoinHandle<Vec<String>>)| {
+        let keep_version = |chunk: &ChunkRef, data: &[u8]| {
+            if let Err(e) = self.store.write_version(chunk, data) {
+                tracing::warn!(ino = chunk.ino, chunk = chunk.index, error = %e, "could not keep the published version of a chunk beside the one being written");
+            }
+        };
+        type Inflight = (usize, ChunkRef, Arc<Vec<u8>>, tokio::task::JoinHandle<Vec<String>>);
+        let land = |chunks: &mut Vec<(u32, ChunkRecord)>, (at, chunk, data, task): Inflight| {
             let c = replicate_now.expect("only replicating chunks are in flight");
             let copies = c.block_on(task).unwrap_or_default();
             let (index, record) = &mut chunks[at];
@@ -653,19 +668,23 @@ impl Core {
                     "chunk under-replicated: too few peers answered"
                 );
             }
+            if copies.is_empty() && keep_here {
+                keep_version(&chunk, &data);
+            }
             record.replicas.extend(copies);
         };
         for index in which {
             let start = index as u64 * cs;
             let len = (size - start).min(cs);
-            // Bytes that go to peers are read once, and checksummed as sent.
-            let data = match replicate_now {
-                Some(_) => {
+            // Bytes that leave the backing file are read once, and
+            // checksummed as they are sent or kept.
+            let data = match replicate_now.is_some() || keep_here {
+                true => {
                     let mut data = vec![0u8; len as usize];
                     read_exact_at(file, &mut data, start).map_err(|e| FsError::io("read chunk to replicate", e))?;
                     Some(data)
                 }
-                None => None,
+                false => None,
             };
             let block_crcs = match &data {
                 Some(data) => data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect(),
@@ -679,16 +698,21 @@ impl Core {
                 }
             }
             let record = ChunkRecord {
-                version: previous.map_or(1, |o| o.version + 1),
+                version: converged_metadata::next_version(previous.map(|o| o.version), epoch),
                 len: len as u32,
                 replicas: vec![self.node_id().to_string()],
                 block_crcs,
             };
-            if let (Some(c), Some(data)) = (replicate_now, data) {
-                let ranked = c.plan(inode.ino, index, &record.replicas);
-                let last = start + len == size;
-                let push = c.clone().push(inode.ino, index, start, Arc::new(data), last, want - 1, ranked);
-                inflight.push_back((chunks.len(), c.spawn(push)));
+            let chunk = ChunkRef { ino: inode.ino, index, version: record.version, start };
+            match (replicate_now, data) {
+                (Some(c), Some(data)) => {
+                    let ranked = c.plan(inode.ino, index, &record.replicas);
+                    let data = Arc::new(data);
+                    let push = c.clone().push(chunk, data.clone(), want - 1, ranked);
+                    inflight.push_back((chunks.len(), chunk, data, c.spawn(push)));
+                }
+                (None, Some(data)) => keep_version(&chunk, &data),
+                (_, None) => {}
             }
             chunks.push((index, record));
             while inflight.len() >= REPLICATION_WINDOW {

@@ -129,3 +129,28 @@ impl Worker for Backfiller {
         }
     }
 }
+
+/// Settles chunk versions held beside backing files: installs the ones the
+/// layout records, removes the ones it moved past (see `core/versions.rs`).
+pub struct Settler {
+    pub core: Weak<Core>,
+}
+
+impl Worker for Settler {
+    fn name(&self) -> String {
+        "settler".into()
+    }
+
+    fn step(&mut self) -> Step {
+        std::thread::sleep(Duration::from_secs(1));
+        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        match core.settle_step() {
+            Ok(0) => Step::Idle,
+            Ok(n) => Step::Worked(format!("settled {n} chunk versions")),
+            Err(e) => {
+                tracing::warn!(error = %e, "settling chunk versions failed");
+                Step::Failed(format!("settle: {e}"), Duration::from_secs(5))
+            }
+        }
+    }
+}
