@@ -26,6 +26,9 @@ pub struct FuseAdapter {
     ttl: Duration,
     want_passthrough: bool,
     backing: Mutex<BackingIds>,
+    /// Notifications to the kernel from request handlers (set once the
+    /// session exists).
+    notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
 
 /// Backing ids registered with the kernel: one per inode, shared by every
@@ -38,7 +41,19 @@ struct BackingIds {
 
 impl FuseAdapter {
     pub fn new(core: Arc<Core>, ttl: Duration, want_passthrough: bool) -> Self {
-        Self { core, ttl, want_passthrough, backing: Mutex::default() }
+        Self { core, ttl, want_passthrough, backing: Mutex::default(), notifier: Arc::default() }
+    }
+
+    /// Drop the kernel's cached attributes of `ino` (not its pages: that
+    /// would wait for requests in flight on the inode, this one included).
+    fn refresh_attrs(&self, ino: u64) {
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(INodeNo(ino), -1, 0) {
+                if e.raw_os_error() != Some(libc::ENOENT) {
+                    tracing::debug!(ino, error = %e, "could not drop the kernel's attributes");
+                }
+            }
+        }
     }
 }
 
@@ -387,10 +402,15 @@ impl Filesystem for FuseAdapter {
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _s = debug_span!("open", ino = ino.0, flags = flags.0).entered();
         match self.core.open(ino.0, is_writable(flags)) {
-            Ok(opened) => match self.backing_id(ino.0, &opened, |f| reply.open_backing(f)) {
-                Some(id) => reply.opened_passthrough(FileHandle(opened.fh), FopenFlags::empty(), &id),
-                None => reply.opened(FileHandle(opened.fh), fopen_flags(&opened)),
-            },
+            Ok(opened) => {
+                if opened.refresh_attrs {
+                    self.refresh_attrs(ino.0);
+                }
+                match self.backing_id(ino.0, &opened, |f| reply.open_backing(f)) {
+                    Some(id) => reply.opened_passthrough(FileHandle(opened.fh), FopenFlags::empty(), &id),
+                    None => reply.opened(FileHandle(opened.fh), fopen_flags(&opened)),
+                }
+            }
             Err(e) => reply.error(errno("open", e)),
         }
     }
@@ -700,6 +720,7 @@ pub fn serve(
 ) -> anyhow::Result<()> {
     use anyhow::Context;
     let adapter = FuseAdapter::new(core, spec.attr_timeout, spec.want_passthrough);
+    let notifier = adapter.notifier.clone();
     let mut config = fuser::Config::default();
     config.mount_options = vec![
         fuser::MountOption::FSName(spec.source),
@@ -715,6 +736,7 @@ pub fn serve(
     config.clone_fd = true;
     let mut session = fuser::Session::new(adapter, spec.mountpoint, &config)
         .with_context(|| format!("mount {}", spec.mountpoint.display()))?;
+    let _ = notifier.set(session.notifier());
     let mut unmounter = session.unmount_callable();
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])?;
     let mp = spec.mountpoint.to_path_buf();

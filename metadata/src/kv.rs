@@ -83,6 +83,12 @@ pub trait KvEngine: Send + Sync + 'static {
     /// The engine's name, for logs and `status`.
     fn name(&self) -> &'static str;
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>>;
+    /// A read transaction on the engine itself, past any node-local cache
+    /// in front of it: what another node committed before it started is
+    /// seen. A cache refreshes itself from what it reads.
+    fn fresh_read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        self.read_txn()
+    }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>>;
     /// Make every commit so far durable.
     fn sync(&self) -> KvResult<()>;

@@ -68,6 +68,8 @@ impl CachedKv {
 struct CachedRead<'a> {
     kv: &'a CachedKv,
     inner: Box<dyn KvRead + 'a>,
+    /// Read past the cache (and refill it): a close-to-open read.
+    fresh: bool,
 }
 
 impl KvRead for CachedRead<'_> {
@@ -75,8 +77,10 @@ impl KvRead for CachedRead<'_> {
         if !cacheable(key) {
             return self.inner.get(key);
         }
-        if let Some(v) = self.kv.cache.get(key) {
-            return Ok(v.map(|v| v.as_ref().clone()));
+        if !self.fresh {
+            if let Some(v) = self.kv.cache.get(key) {
+                return Ok(v.map(|v| v.as_ref().clone()));
+            }
         }
         let before = self.kv.epoch.load(Ordering::Acquire);
         let v = self.inner.get(key)?;
@@ -147,7 +151,10 @@ impl KvEngine for CachedKv {
         self.inner.name()
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
-        Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()? }))
+        Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: false }))
+    }
+    fn fresh_read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: true }))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
         Ok(Box::new(CachedWrite { kv: self, inner: self.inner.write_txn()?, written: Vec::new(), ranges: false }))

@@ -85,6 +85,9 @@ impl KvEngine for FaultyKv {
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         self.inner.read_txn()
     }
+    fn fresh_read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        self.inner.fresh_read_txn()
+    }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
         Ok(Box::new(FaultyWrite { kv: self, inner: self.inner.write_txn()? }))
     }

@@ -25,7 +25,7 @@ const MAX_ATTEMPTS: u32 = 64;
 pub const LINK_MAX: u32 = 65_000;
 
 pub struct Namespace {
-    kv: Arc<dyn KvEngine>,
+    pub(crate) kv: Arc<dyn KvEngine>,
     next_ino: Mutex<(Ino, Ino)>,
     chunk_size: u32,
     /// Set by buffered commits, cleared by `sync`: lets a periodic flusher

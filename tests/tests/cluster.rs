@@ -5,143 +5,14 @@
 //! chunks, promptly, and nothing else.
 
 mod common;
-#[path = "../../metadata/tests/etcd_cluster/mod.rs"]
-mod etcd_cluster;
 
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use common::cluster::*;
 use common::*;
-
-struct Cluster {
-    _etcd: etcd_cluster::EtcdCluster,
-    _certs: tempfile::TempDir,
-    nodes: Vec<Mount>,
-    meta: String,
-}
-
-impl Cluster {
-    /// `n` nodes named n1..nN; `extra` goes to every mount.
-    fn start(n: usize, extra: &[&str]) -> Option<Self> {
-        let etcd = etcd_cluster::EtcdCluster::start()?;
-        let certs = tempfile::tempdir().unwrap();
-        let ca = certs.path().join("ca");
-        let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let uri = format!("etcd://{}/vol", etcd.endpoints.join(","));
-        let mut nodes = Vec::new();
-        for i in 1..=n {
-            let id = format!("n{i}");
-            let tls = ca.join(&id);
-            if i > 1 {
-                let out = converged()
-                    .args(["cluster", "issue-cert", "--node", &id, "--ca"])
-                    .arg(&ca)
-                    .arg("--out")
-                    .arg(&tls)
-                    .output()
-                    .unwrap();
-                assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            }
-            let mut args = vec![
-                "--meta",
-                &uri,
-                "--listen",
-                "127.0.0.1:0",
-                "--tls-dir",
-                tls.to_str().unwrap(),
-                "--lease-ttl",
-                "3",
-                "--peer-timeout",
-                "2",
-            ];
-            args.extend_from_slice(extra);
-            nodes.push(Mount::with_args(&args));
-        }
-        Some(Cluster { _etcd: etcd, _certs: certs, nodes, meta: uri })
-    }
-
-    fn node(&self, i: usize) -> &Mount {
-        &self.nodes[i]
-    }
-
-    /// The backing file of `ino` in node `i`'s data dir.
-    fn backing(&self, i: usize, ino: u64) -> PathBuf {
-        self.nodes[i].data.join("chunks").join(format!("{ino:016x}"))
-    }
-
-    /// Whether node `i` holds any copy of `ino`: its backing file, or a
-    /// chunk version beside it (`<ino>.<index>.<version>`, not installed yet).
-    fn holds(&self, i: usize, ino: u64) -> bool {
-        let prefix = format!("{ino:016x}");
-        fs::read_dir(self.nodes[i].data.join("chunks"))
-            .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
-            .unwrap_or(false)
-    }
-
-    /// Wait until node `i`'s backing file of `ino` holds `want` (chunk
-    /// versions replicated to it are moved into it in the background).
-    fn backing_becomes(&self, i: usize, ino: u64, want: &[u8]) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if fs::read(self.backing(i, ino)).is_ok_and(|held| held == want) {
-                return true;
-            }
-            if Instant::now() > deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-}
-
-fn status(c: &Cluster) -> String {
-    let out = converged().args(["status", "--meta", &c.meta]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            for (i, n) in self.nodes.iter().enumerate() {
-                let log = n.log();
-                let tail: Vec<&str> = log.lines().rev().take(40).collect();
-                eprintln!("---- log of n{} (last lines) ----", i + 1);
-                for l in tail.into_iter().rev() {
-                    eprintln!("{l}");
-                }
-            }
-        }
-    }
-}
-
-fn setxattr(path: &std::path::Path, name: &str, value: &[u8]) {
-    let n = std::ffi::CString::new(name).unwrap();
-    // SAFETY: setxattr(2) with valid pointers.
-    let rc = unsafe { libc::setxattr(cstr(path).as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
-    assert_eq!(rc, 0, "setxattr {name}: errno {}", errno());
-}
-
-/// Equal bytes, or a short report of where they differ.
-fn same(got: &[u8], want: &[u8], what: &str) {
-    if got != want {
-        let first = got.iter().zip(want).position(|(a, b)| a != b);
-        panic!("{what}: {} bytes read, {} expected, first difference at {first:?}", got.len(), want.len());
-    }
-}
-
-/// Poll `f` until it is true or `secs` pass (cross-node changes arrive by watch).
-fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "not within {secs}s: {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[test]
 fn three_nodes_share_files_close_to_open() {
@@ -362,11 +233,6 @@ fn stage_spreads_an_imported_dataset_over_the_cluster() {
     assert!(holders(&l).iter().all(|h| h.len() == 2 && h[0] != h[1]), "two copies of each chunk: {l}");
     drop_caches();
     same(&fs::read(c.node(2).path("web/shard.bin")).unwrap(), &data, "read on n3 after stage");
-}
-
-fn xattr_value(p: &std::path::Path, name: &str) -> String {
-    let out = std::process::Command::new("getfattr").args(["--only-values", "-n", name]).arg(p).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A node killed before its files were uploaded: once its membership lease

@@ -1,8 +1,6 @@
 //! A mount whose metadata lives in a real 3-member etcd cluster.
 
 mod common;
-#[path = "../../metadata/tests/etcd_cluster/mod.rs"]
-mod etcd_cluster;
 
 use std::fs;
 
@@ -10,7 +8,7 @@ use common::*;
 
 #[test]
 fn mount_on_etcd_metadata_keeps_namespace_and_bytes() {
-    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
     let uri = format!("etcd://{}/vol1", cluster.endpoints.join(","));
     let mut m = Mount::with_args(&["--meta", &uri]);
     fs::create_dir_all(m.path("ckpt/run1")).unwrap();
@@ -56,7 +54,7 @@ fn state_of(status: &str, node: &str) -> Option<String> {
 
 #[test]
 fn nodes_register_heartbeat_and_are_seen_dead() {
-    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
     let uri = format!("etcd://{}/members", cluster.endpoints.join(","));
     let mut a = Mount::with_args(&["--meta", &uri, "--node-id", "n1", "--labels", "rack=r1", "--lease-ttl", "2"]);
     let mut b = Mount::with_args(&["--meta", &uri, "--node-id", "n2", "--labels", "rack=r2", "--lease-ttl", "2"]);

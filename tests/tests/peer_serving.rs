@@ -3,8 +3,6 @@
 //! the mount, found through the volume's membership; a stranger is refused.
 
 mod common;
-#[path = "../../metadata/tests/etcd_cluster/mod.rs"]
-mod etcd_cluster;
 
 use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
@@ -44,7 +42,7 @@ fn first_chunk_version(path: &std::path::Path) -> u64 {
 
 #[test]
 fn a_mounted_node_serves_its_chunks_to_cluster_peers_only() {
-    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
     let t = tempfile::tempdir().unwrap();
     let ca_dir = t.path().join("ca");
     let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca_dir).output().unwrap();

@@ -26,6 +26,11 @@ pub struct Opened {
     pub backing: Option<Arc<File>>,
     /// Served by the daemon outside the kernel's page cache (FOPEN_DIRECT_IO).
     pub direct_io: bool,
+    /// The kernel's cached attributes of the inode must be dropped before
+    /// the open returns: another node may have changed the file (in a
+    /// cluster, close-to-open), and the kernel cuts reads at the size it
+    /// holds.
+    pub refresh_attrs: bool,
 }
 
 /// How the kernel does a handle's I/O. It refuses a passthrough open while
@@ -399,7 +404,7 @@ impl Core {
             self.open.set_writable(fh);
         }
         if !kernel {
-            return Ok(Opened { fh, backing: None, direct_io: true });
+            return Ok(Opened { fh, backing: None, direct_io: true, refresh_attrs: false });
         }
         let mut passthrough = self.passthrough();
         if passthrough && writable {
@@ -411,11 +416,20 @@ impl Core {
         if !writable && self.tier.get().is_some() && sealed && self.check_import(ino)? {
             oi.state.lock().forget_layout();
         }
-        let partial = self.cluster.get().is_some() || self.tier.get().is_some();
-        if passthrough && !writable && partial && sealed {
-            // Close-to-open: read the layout as it is now; the kernel may
-            // read the backing file directly only if every chunk is here...
+        let clustered = self.cluster.get().is_some();
+        if clustered && sealed {
+            // Close-to-open: read the layout as it is now (size and chunks
+            // together, past the node's cache, which it refreshes), and
+            // have the kernel drop the attributes it holds.
             oi.state.lock().forget_layout();
+            self.layout(ino, oi)?;
+        }
+        let partial = clustered || self.tier.get().is_some();
+        if passthrough && !writable && partial && sealed {
+            // The kernel may read the backing file directly only if every chunk is here...
+            if !clustered {
+                oi.state.lock().forget_layout();
+            }
             let layout = self.layout(ino, oi)?;
             // ... and the backing file has the file's size: passthrough reads
             // to the backing file's end.
@@ -425,7 +439,12 @@ impl Core {
         }
         let io = self.choose_io(oi, passthrough, writable);
         self.open.set_io(fh, io);
-        Ok(Opened { fh, backing: (io == Io::Passthrough).then(|| oi.file.clone()), direct_io: io == Io::Direct })
+        Ok(Opened {
+            fh,
+            backing: (io == Io::Passthrough).then(|| oi.file.clone()),
+            direct_io: io == Io::Direct,
+            refresh_attrs: clustered,
+        })
     }
 
     /// The kernel I/O mode of a new handle, given the handles already open.

@@ -489,10 +489,12 @@ impl Core {
     }
 
     /// The layout of `ino` as the metadata has it now.
+    /// The size and the chunks are read together, past the node's cache,
+    /// so an open after another node's close sees that close whole.
     fn load_layout(&self, ino: Ino) -> FsResult<Layout> {
-        let inode = self.ns.getattr(ino)?;
+        let (inode, records) = self.ns.layout(ino)?;
         let mut chunks: Vec<Option<Arc<ChunkRecord>>> = Vec::new();
-        for (index, record) in self.ns.chunks(ino)? {
+        for (index, record) in records {
             let index = index as usize;
             if chunks.len() <= index {
                 chunks.resize(index + 1, None);

@@ -97,6 +97,19 @@ impl Namespace {
         })
     }
 
+    /// A file's attributes and chunk records as one read at one point in
+    /// time, past any node-local cache: what an open reads, so that it sees
+    /// the size and the chunks of the last seal together (close-to-open).
+    pub fn layout(&self, ino: Ino) -> MetaResult<(Inode, Vec<(u32, ChunkRecord)>)> {
+        let mut txn = self.kv.fresh_read_txn()?;
+        let inode = get_inode(txn.as_mut(), ino)?;
+        let chunks = scan_paged(txn.as_mut(), &schema::chunks_of(ino), CHUNKS_PER_BATCH)?
+            .into_iter()
+            .map(|(k, v)| Ok((schema::chunk_index(&k), decode(&k, &v)?)))
+            .collect::<MetaResult<_>>()?;
+        Ok((inode, chunks))
+    }
+
     /// One chunk record, if the file has one for `index`.
     pub fn chunk(&self, ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
         self.read(|txn| {

@@ -4,6 +4,9 @@
 
 pub mod azure;
 pub mod client;
+pub mod cluster;
+#[path = "../../../metadata/tests/etcd_cluster/mod.rs"]
+pub mod etcd_cluster;
 pub mod s3;
 
 use std::ffi::CString;

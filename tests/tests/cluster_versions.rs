@@ -1,0 +1,227 @@
+//! Cluster correctness under failure, on real daemons: three nodes on
+//! loopback, a real 3-member etcd, QUIC between them. A writer paused for
+//! longer than its membership lease cannot overwrite what another node
+//! wrote meanwhile; readers elsewhere read the last published version while
+//! a file is rewritten, never EIO; a writer killed in the middle of a large
+//! fsync leaves every other node reading the old version or the new one,
+//! whole, even with its disk gone; and an open after another node's close
+//! sees that close, size and bytes together, round after round.
+
+mod common;
+
+use std::fs::{self, OpenOptions};
+use std::os::fd::IntoRawFd;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+use common::cluster::*;
+use common::*;
+
+const MIB: usize = 1 << 20;
+
+/// close(2) of a descriptor, with its result: what a writer whose close
+/// publishes the file sees (Rust's `File` drops that result).
+fn close(f: fs::File) -> Result<(), i32> {
+    // SAFETY: close(2) of a descriptor we own and give up here.
+    match unsafe { libc::close(f.into_raw_fd()) } {
+        0 => Ok(()),
+        _ => Err(errno()),
+    }
+}
+
+fn signal(m: &Mount, sig: i32) {
+    // SAFETY: kill(2).
+    assert_eq!(unsafe { libc::kill(m.daemon_pid(), sig) }, 0);
+}
+
+/// A writer in a process of its own: opens `path` for reading and writing,
+/// writes `first` at 0, then waits for a line on stdin, writes `then` right
+/// after `first` and closes, printing what close(2) returned. (The test
+/// process itself must hold no descriptor on a node it freezes: the close
+/// of its close-on-exec descriptors at every exec would wait on that node.)
+struct Writer(std::process::Child);
+
+impl Writer {
+    fn start(path: &std::path::Path, first: &[u8], then: &[u8]) -> Self {
+        let script = r#"
+import os, sys
+path, first, then = sys.argv[1], sys.argv[2].encode(), sys.argv[3].encode()
+fd = os.open(path, os.O_RDWR)
+os.pwrite(fd, first, 0)
+print("written", flush=True)
+sys.stdin.readline()
+os.pwrite(fd, then, len(first))
+try:
+    os.close(fd)
+    print("close ok", flush=True)
+except OSError as e:
+    print("close errno", e.errno, flush=True)
+"#;
+        let mut child = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(path)
+            .arg(std::str::from_utf8(first).unwrap())
+            .arg(std::str::from_utf8(then).unwrap())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()), &mut line).unwrap();
+        assert_eq!(line.trim(), "written");
+        Writer(child)
+    }
+
+    /// Write the rest and close; what close(2) said.
+    fn finish(mut self) -> String {
+        use std::io::Write;
+        self.0.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        let out = self.0.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+/// The paused-writer scenario: n1 holds a file open for writing with bytes
+/// it has not published, and is frozen for longer than its membership
+/// lease. n2 takes the write lease over and writes; n3 reads n2's bytes.
+/// n1, resumed, writes on and closes: its close fails (EIO) and n2's bytes
+/// are what every node reads, n1 included.
+#[test]
+fn a_paused_writer_cannot_overwrite_another_nodes_acknowledged_write() {
+    let Some(c) = Cluster::start(3, &[]) else { return };
+    let (n1, n2, n3) = (c.node(0), c.node(1), c.node(2));
+    let mut want = pattern(3 * MIB, 1);
+    fs::write(n1.path("f"), &want).unwrap();
+
+    let writer = Writer::start(&n1.path("f"), b"AAAA", b"aa");
+    signal(n1, libc::SIGSTOP);
+    // Longer than the 3 s membership lease of the test cluster.
+    std::thread::sleep(Duration::from_secs(6));
+    eventually(10, "n1 is seen dead", || status(&c).contains("2 live, 1 dead"));
+
+    let f2 = OpenOptions::new().write(true).open(n2.path("f")).unwrap();
+    f2.write_all_at(b"BBBB", 0).unwrap();
+    assert_eq!(close(f2), Ok(()), "n2's write is acknowledged");
+    want[..4].copy_from_slice(b"BBBB");
+    // (No drop_caches while n1 is frozen: it would wait on n1's mount.)
+    same(&fs::read(n3.path("f")).unwrap(), &want, "n3 reads n2's write");
+
+    signal(n1, libc::SIGCONT);
+    assert_eq!(writer.finish(), format!("close errno {}", libc::EIO), "n1's close reports its unpublished writes");
+    drop_caches();
+    for (i, n) in [n1, n2, n3].into_iter().enumerate() {
+        eventually(10, &format!("n{} reads n2's bytes", i + 1), || fs::read(n.path("f")).is_ok_and(|d| d == want));
+    }
+    assert!(n1.log().contains("write lease lost"), "n1 says why its close failed");
+}
+
+/// The rewrite scenario: a 192 MiB file (three chunks) is written and
+/// closed on n1; n1 opens it again and changes one byte in each chunk
+/// without closing. n2 and n3 read the closed version, whole, no EIO; after
+/// n1's fsync they read the new bytes.
+#[test]
+fn readers_elsewhere_read_the_last_published_version_while_a_file_is_rewritten() {
+    let Some(c) = Cluster::start(3, &[]) else { return };
+    let (n1, n2, n3) = (c.node(0), c.node(1), c.node(2));
+    let old = pattern(192 * MIB, 2);
+    fs::write(n1.path("big"), &old).unwrap();
+
+    let f = OpenOptions::new().read(true).write(true).open(n1.path("big")).unwrap();
+    let mut new = old.clone();
+    for chunk in 0..3 {
+        let at = chunk * 64 * MIB + 4097;
+        new[at] ^= 0x5a;
+        f.write_all_at(&new[at..at + 1], at as u64).unwrap();
+    }
+    for round in 0..2 {
+        drop_caches();
+        for (name, n) in [("n2", n2), ("n3", n3)] {
+            let got = fs::read(n.path("big")).unwrap_or_else(|e| panic!("{name} round {round}: {e}"));
+            same(&got, &old, &format!("{name} while n1 rewrites (round {round})"));
+        }
+    }
+    f.sync_all().unwrap();
+    drop_caches();
+    for (name, n) in [("n2", n2), ("n3", n3)] {
+        same(&fs::read(n.path("big")).unwrap(), &new, &format!("{name} after n1's fsync"));
+    }
+    assert_eq!(close(f), Ok(()));
+}
+
+/// `kill -9` of the writer while a large fsync publishes a new version of
+/// a checkpoint, at delays spread over the whole fsync (its length is
+/// measured first, on a cluster of its own): the other nodes read the old
+/// version or the new one, whole; and still do once the killed node's disk
+/// is gone.
+#[test]
+fn a_writer_killed_in_the_middle_of_a_large_fsync_leaves_one_whole_version() {
+    let len = 160 * MIB;
+    let (old, new) = (pattern(len, 3), pattern(len, 4));
+    let fsync_took = {
+        let Some(c) = Cluster::start(3, &[]) else { return };
+        fs::write(c.node(0).path("ckpt.pt"), &old).unwrap();
+        let f = OpenOptions::new().write(true).open(c.node(0).path("ckpt.pt")).unwrap();
+        f.write_all_at(&new, 0).unwrap();
+        let t = Instant::now();
+        f.sync_all().unwrap();
+        t.elapsed()
+    };
+    eprintln!("a 160 MiB fsync takes {fsync_took:?} here");
+    for tenths in [0u32, 2, 4, 6, 8] {
+        let delay = fsync_took * tenths / 10;
+        let Some(mut c) = Cluster::start(3, &[]) else { return };
+        fs::write(c.node(0).path("ckpt.pt"), &old).unwrap();
+        let f = OpenOptions::new().write(true).open(c.node(0).path("ckpt.pt")).unwrap();
+        f.write_all_at(&new, 0).unwrap();
+        // The fsync runs (and never returns: its node dies under it).
+        let syncing = std::thread::spawn(move || {
+            let _ = f.sync_all();
+            std::mem::forget(f);
+        });
+        std::thread::sleep(delay);
+        c.nodes[0].crash();
+        let _ = syncing.join();
+        fs::remove_dir_all(&c.node(0).data).unwrap();
+        drop_caches();
+        for i in [1, 2] {
+            let got = fs::read(c.node(i).path("ckpt.pt"))
+                .unwrap_or_else(|e| panic!("n{} after a kill at {delay:?}: {e}", i + 1));
+            assert!(
+                got == old || got == new,
+                "n{} after a kill at {delay:?} reads neither version whole ({} bytes)",
+                i + 1,
+                got.len()
+            );
+        }
+    }
+}
+
+/// Close-to-open across nodes: n1 rewrites a file with a new size and
+/// closes it, then n2 opens, reads and hashes it; 2,000 rounds, no mismatch.
+#[test]
+fn an_open_after_another_nodes_close_sees_that_close() {
+    let Some(c) = Cluster::start(3, &[]) else { return };
+    let (n1, n2) = (c.node(0), c.node(1));
+    let rounds: usize = std::env::var("CLOSE_TO_OPEN_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+    let started = Instant::now();
+    let mut mismatches = Vec::new();
+    for round in 0..rounds {
+        // Sizes that grow and shrink, across block and chunk-window boundaries.
+        let len = (round * 7919) % (300 << 10) + round % 3;
+        let data = pattern(len, round as u64);
+        fs::write(n1.path("f"), &data).unwrap();
+        match fs::read(n2.path("f")) {
+            Ok(got) if got == data => {}
+            Ok(got) => mismatches.push(format!("round {round}: {} bytes read, {len} written", got.len())),
+            Err(e) => mismatches.push(format!("round {round}: {e}")),
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of {rounds} rounds saw another close: {:?}",
+        mismatches.len(),
+        &mismatches[..mismatches.len().min(10)]
+    );
+    eprintln!("{rounds} close-to-open rounds in {:?}", started.elapsed());
+}
