@@ -12,12 +12,16 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use converged_metadata::types::{FileKind, Ino, TierRecord, TierState, Timespec, BLOCK_SIZE};
-use converged_metadata::{ChunkRecord, MetaError, UploadEnd};
+use converged_metadata::{ChunkRecord, MetaError, UploadEnd, UploadStart};
 
 use crate::core::Core;
 use crate::error::{FsError, FsResult};
 use crate::objects::ObjectError;
 use crate::tier::{Tiering, ADOPT_LOOK, ADOPT_RESCAN, MAX_KEY_BYTES};
+
+/// How long an upload or re-key waits for another file to move its object
+/// off the key it needs.
+const KEY_BUSY_WAIT: Duration = Duration::from_secs(1);
 
 /// What one look at a file decided.
 enum Step {
@@ -290,7 +294,16 @@ impl Core {
         if too_long(t, ino, &key) {
             return Ok(Step::Done);
         }
-        let Some(rec) = ns.begin_upload(ino)? else { return Ok(Step::Done) };
+        let rec = match ns.begin_upload(ino, &key)? {
+            UploadStart::Go(rec) => rec,
+            UploadStart::Skip => return Ok(Step::Done),
+            // A file renamed away from this key still has its object here:
+            // its re-key moves it first.
+            UploadStart::KeyBusy { owner } => {
+                tracing::debug!(ino, owner, %key, "object key still owned by the file renamed from it; waiting");
+                return Ok(Step::Later(KEY_BUSY_WAIT));
+            }
+        };
         let inode = match ns.getattr(ino) {
             Ok(i) => i,
             Err(MetaError::NotFound) => return Ok(Step::Done),
@@ -346,44 +359,76 @@ impl Core {
         }
     }
 
-    /// Copy a backed object to its file's current key and delete the old one.
+    /// Move a file's object to its current key (after a rename): claim the
+    /// key, copy the object inside the store (up to the copy limit), or
+    /// else upload the file again from its chunks (a larger object, or an
+    /// imported one, which moves from its source bucket into the mount's
+    /// store); then record the new key and delete the old object if no
+    /// other file owns its key.
     fn rekey_file(&self, t: &Tiering, ino: Ino, rec: &TierRecord) -> FsResult<Step> {
-        if rec.source.is_some() {
-            return Ok(Step::Done);
-        }
+        let ns = self.namespace();
         let Some(key) = key_of(self, ino)? else { return Ok(Step::Done) };
         if too_long(t, ino, &key) {
             return Ok(Step::Done);
         }
-        if key == rec.key {
+        if key == rec.key && rec.source.is_none() {
             if rec.state == TierState::ReKeying {
-                self.namespace().end_rekey(ino, &rec.key, &key, rec.etag.clone())?;
+                ns.end_rekey(ino, &rec.key, None, &key, rec.etag.clone())?;
             }
             return Ok(Step::Done);
         }
-        let Some(rec) = self.namespace().begin_rekey(ino)? else { return Ok(Step::Done) };
+        if rec.source.is_some() && rec.state == TierState::Backed {
+            // An imported object at its source: nothing to move until renamed.
+            return Ok(Step::Done);
+        }
+        let Some(rec) = ns.begin_rekey(ino)? else { return Ok(Step::Done) };
+        if let Err(owner) = ns.claim_rekey(ino, &key)? {
+            tracing::debug!(ino, owner, %key, "object key still owned by another file; waiting");
+            return Ok(Step::Later(KEY_BUSY_WAIT));
+        }
         let home = t.objects.home();
+        let size = ns.getattr(ino)?.size;
         let (from, to) = (home.key(&rec.key), home.key(&key));
-        match t.objects.copy(&from, &to) {
+        let copied = match rec.source.is_none() && size <= t.cfg.copy_limit {
+            true => t.objects.copy(&from, &to).map_err(FsError::from),
+            false => self.upload_from_chunks(t, ino, &to, size),
+        };
+        match copied {
             Ok(etag) => {
                 t.succeeded();
-                if self.namespace().end_rekey(ino, &rec.key, &key, etag)? {
+                let (recorded, free) = ns.end_rekey(ino, &rec.key, rec.source.as_deref(), &key, etag)?;
+                if recorded {
                     t.stats.rekeyed.fetch_add(1, Ordering::Relaxed);
-                    self.delete_object(t, &rec.key);
-                    tracing::debug!(ino, from = %from, to = %to, "re-keyed");
+                    if free {
+                        self.delete_object(t, &rec.key);
+                    }
+                    tracing::debug!(ino, from = %from, to = %to, imported = rec.source.is_some(), "re-keyed");
                 }
                 Ok(Step::Done)
             }
-            Err(e) if e.is_retryable() => {
+            Err(FsError::Object(e)) if e.is_retryable() => {
                 t.failed(&e);
                 Ok(Step::Later(Duration::ZERO))
             }
             Err(e) => {
                 // The old object is gone (deleted behind our back): upload again.
                 tracing::warn!(ino, error = %e, "re-key failed; the file will be uploaded again");
-                Err(FsError::Peer(e.to_string()))
+                Err(e)
             }
         }
+    }
+
+    /// Upload a file as the object `full_key` from its chunks, every one
+    /// brought here first (from peers or its current object) and every part
+    /// checked against the recorded checksums.
+    fn upload_from_chunks(&self, t: &Tiering, ino: Ino, full_key: &str, size: u64) -> FsResult<Option<String>> {
+        let ns = self.namespace();
+        let file = self.chunk_store().open_backing(ino)?;
+        self.fetch_missing(ino, &file)?;
+        let cs = ns.getattr(ino)?.chunk_size.max(1) as u64;
+        let chunks: HashMap<u32, ChunkRecord> = ns.chunks(ino)?.into_iter().collect();
+        let check = |off: u64, buf: &[u8]| sealed_bytes(&chunks, cs, off, buf);
+        Ok(t.objects.upload(full_key, &file, size, &check)?)
     }
 
     /// Whether a file of the namespace is now at the path `rel` names: its
@@ -412,10 +457,12 @@ impl Core {
         }
     }
 
-    /// Delete the objects of purged files (unless the mount keeps them).
+    /// Delete the objects of purged files (unless the mount keeps them, or
+    /// another file owns the key now).
     fn collect_garbage(&self, t: &Tiering) -> FsResult<()> {
         for (ino, g) in self.namespace().garbage()? {
-            if !t.cfg.keep_deleted && g.source.is_none() && !self.path_taken(&g.key) {
+            let free = g.source.is_none() && self.namespace().release_garbage_key(ino, &g.key)?;
+            if free && !t.cfg.keep_deleted && !self.path_taken(&g.key) {
                 if let Err(e) = t.objects.delete(&t.objects.home().key(&g.key)) {
                     if e.is_retryable() {
                         t.failed(&e);

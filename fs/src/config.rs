@@ -106,6 +106,11 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub backfill_workers: u16,
 
+    /// The largest object a rename re-keys by a copy inside the store (`5G`, `512M`); a larger
+    /// one is uploaded again from the file's chunks, in parts. S3's CopyObject stops at 5 GiB.
+    #[arg(long, default_value = "5G", value_name = "BYTES", value_parser = parse_bytes)]
+    pub object_copy_limit: u64,
+
     /// Keep a file's object when the file is deleted (by default the object goes too).
     #[arg(long)]
     pub keep_deleted_objects: bool,
@@ -211,6 +216,23 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("{s:?} is out of range (0 to 7 days)"));
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// A byte count: a number with an optional K, M, G or T suffix (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size (try 16M, 5G)"))?;
+    let shift = match unit.trim_end_matches(['B', 'b', 'i']) {
+        "" => 0,
+        "K" | "k" => 10,
+        "M" | "m" => 20,
+        "G" | "g" => 30,
+        "T" | "t" => 40,
+        other => return Err(format!("unknown size unit {other:?} (use K, M, G or T)")),
+    };
+    n.checked_mul(1 << shift).ok_or_else(|| format!("{s:?} is too large"))
 }
 
 pub fn parse_labels(s: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {

@@ -197,6 +197,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
                     evict_high: args.evict_high / 100.0,
                     evict_low: args.evict_low / 100.0,
                     workers: args.backfill_workers as usize,
+                    copy_limit: args.object_copy_limit,
                 },
             )))
         }

@@ -79,11 +79,10 @@ impl Core {
                 candidates.push((ino, index, rec.version, rec.len));
             }
         })?;
-        candidates.retain(|(ino, ..)| {
-            *backed.entry(*ino).or_insert_with(|| {
-                ns.tier(*ino).ok().flatten().is_some_and(|r| matches!(r.state, TierState::Backed | TierState::ReKeying))
-            })
-        });
+        // Only files whose object is where the record says, as recorded:
+        // backed (not re-keying or uploading), and its ETag checked with the
+        // store before the first chunk of the file goes.
+        candidates.retain(|(ino, ..)| *backed.entry(*ino).or_insert_with(|| self.object_verified(t, *ino)));
         // Never read since this daemon started counts as oldest.
         candidates.sort_by_key(|(ino, index, ..)| (t.access.get(&(*ino, *index)).map_or(0, |a| *a), *ino, *index));
         let mut freed = 0u64;
@@ -105,6 +104,36 @@ impl Core {
             tracing::info!(bytes = freed, files = files.len(), "evicted backed chunks from the data disk");
         }
         Ok(freed)
+    }
+
+    /// Whether `ino` is backed and the store still holds its object as
+    /// recorded (same ETag). An object replaced behind converged's back, or
+    /// by an upload that lost to a newer seal, makes the file dirty again:
+    /// it is uploaded anew before any of its chunks may be evicted.
+    fn object_verified(&self, t: &Tiering, ino: Ino) -> bool {
+        let ns = self.namespace();
+        let Some(rec) = ns.tier(ino).ok().flatten().filter(|r| r.state == TierState::Backed) else { return false };
+        let key = match &rec.source {
+            Some(_) => rec.key.clone(),
+            None => t.objects.home().key(&rec.key),
+        };
+        match t.objects.head(rec.source.as_deref(), &key) {
+            Ok((_, _, etag)) if etag == rec.etag => true,
+            Ok((_, _, etag)) => {
+                tracing::warn!(ino, %key, recorded = ?rec.etag, found = ?etag, "object changed in the store; the file is uploaded again before anything is evicted");
+                if let Err(e) = ns.object_changed(ino, rec.etag.as_deref()) {
+                    tracing::warn!(ino, error = %e, "could not mark the file dirty");
+                }
+                if let Some(t) = self.tiering() {
+                    t.enqueue(ino, std::time::Duration::ZERO);
+                }
+                false
+            }
+            Err(e) => {
+                tracing::debug!(ino, error = %e, "cannot check the object; not evicting the file");
+                false
+            }
+        }
     }
 
     /// Record that this node no longer holds the chunk, then free its bytes

@@ -26,7 +26,14 @@ pub struct TierConfig {
     pub evict_low: f64,
     /// Files uploaded at once.
     pub workers: usize,
+    /// The largest object a re-key copies inside the store (S3's CopyObject
+    /// stops at 5 GiB); a larger one is uploaded again, in parts, from the
+    /// file's chunks.
+    pub copy_limit: u64,
 }
+
+/// S3's limit on a single CopyObject.
+pub const COPY_LIMIT: u64 = 5 << 30;
 
 /// The longest object key S3, GCS and Azure accept, in bytes.
 pub(crate) const MAX_KEY_BYTES: usize = 1024;

@@ -26,6 +26,7 @@ fn cfg(evict: bool) -> TierConfig {
         evict_high: if evict { 1e-9 } else { 0.99 },
         evict_low: if evict { 1e-10 } else { 0.98 },
         workers: 1,
+        copy_limit: converged_fs::tier::COPY_LIMIT,
     }
 }
 

@@ -110,6 +110,7 @@ fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32, obj
             evict_high: 0.99,
             evict_low: 0.98,
             workers: 1,
+            copy_limit: converged_fs::tier::COPY_LIMIT,
         };
         core.attach_tier(Arc::new(converged_fs::tier::Tiering::new(objects, cfg)));
     }

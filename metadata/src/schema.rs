@@ -23,6 +23,10 @@
 //! | `T` ino                    | [`TierRecord`]       | backfill state and object key of a file      |
 //! | `G` ino                    | [`GarbageObject`]    | object of a purged file, to delete           |
 //! | `R` ino                    | [`RenamedDir`]       | renamed directory: objects below to re-key   |
+//! | `Y` object key             | ino (u64 BE)         | the file that owns this key of the mount's   |
+//! |                            |                      | object store: no other file's upload or      |
+//! |                            |                      | re-key may write it while that file's tier   |
+//! |                            |                      | record points at it                          |
 //! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //!
@@ -55,6 +59,7 @@ const TIER: u8 = b'T';
 const GARBAGE: u8 = b'G';
 const RENAMED: u8 = b'R';
 const LEASE_EPOCH: u8 = b'E';
+const KEY_OWNER: u8 = b'Y';
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -180,6 +185,10 @@ pub fn renamed_dir(ino: Ino) -> Vec<u8> {
 
 pub fn renamed_dirs() -> Vec<u8> {
     vec![RENAMED]
+}
+
+pub fn key_owner(object_key: &str) -> Vec<u8> {
+    [&[KEY_OWNER][..], object_key.as_bytes()].concat()
 }
 
 pub fn known_node(id: &str) -> Vec<u8> {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use converged_metadata::kv::{Durability, KvEngine, KvError};
 use converged_metadata::kv_fault::{Fault, FaultyKv};
 use converged_metadata::types::*;
-use converged_metadata::{EtcdKv, MemKv, MetaError, Namespace, RedbKv, ROOT};
+use converged_metadata::{EtcdKv, MemKv, MetaError, Namespace, RedbKv, UploadEnd, UploadStart, ROOT};
 
 fn engines() -> Vec<(&'static str, Arc<dyn KvEngine>, Option<tempfile::TempDir>)> {
     let dir = tempfile::tempdir().unwrap();
@@ -33,7 +33,16 @@ const SUITES: &[(&str, Suite)] = &[
     ("tier_state_machine", tier_state_machine),
     ("seals_of_unsynced_bytes_stay_marked_until_synced", seals_of_unsynced_bytes_stay_marked_until_synced),
     ("write_lease_epochs_fence_stale_writers", write_lease_epochs_fence_stale_writers),
+    ("object_keys_belong_to_one_file_at_a_time", object_keys_belong_to_one_file_at_a_time),
 ];
+
+/// The record an upload starts from, when it may start.
+fn go(start: UploadStart) -> converged_metadata::types::TierRecord {
+    match start {
+        UploadStart::Go(rec) => rec,
+        other => panic!("the upload did not start: {other:?}"),
+    }
+}
 
 #[test]
 fn suites_on_memory_and_redb() {
@@ -201,6 +210,55 @@ fn namespace_setattr_xattr_and_seal(name: &str, kv: Arc<dyn KvEngine>) {
     assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: truncate drops chunk records");
 }
 
+/// Checkpoint rotation: `latest` is backed, then renamed to `prev` while
+/// its object waits to move, and a new `latest` is written. The new file's
+/// upload may not write the key until the old file's object has moved off
+/// it; a purged file's object is deleted only if no other file owns its key.
+fn object_keys_belong_to_one_file_at_a_time(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv).with_tier();
+    let record = ChunkRecord { version: 1, len: 10, replicas: vec!["n1".into()], block_crcs: vec![7] };
+    let seal = converged_metadata::Seal {
+        size: 10,
+        mtime: Timespec::now(),
+        chunks: vec![(0, record)],
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+    };
+    let old = ns.mknod(ROOT, b"latest", &file(0o644)).unwrap();
+    ns.seal(old.ino, &seal, Durability::Durable).unwrap();
+    let up = go(ns.begin_upload(old.ino, "latest").unwrap());
+    ns.end_upload(old.ino, up.generation, "latest", Some("\"v1\"".into())).unwrap();
+
+    ns.rename(ROOT, b"latest", ROOT, b"prev", RenameMode::Replace).unwrap();
+    assert_eq!(ns.tier(old.ino).unwrap().unwrap().state, TierState::ReKeying, "{name}");
+    let new = ns.mknod(ROOT, b"latest", &file(0o644)).unwrap();
+    ns.seal(new.ino, &seal, Durability::Durable).unwrap();
+    assert_eq!(
+        ns.begin_upload(new.ino, "latest").unwrap(),
+        UploadStart::KeyBusy { owner: old.ino },
+        "{name}: the old file's object is still under the key"
+    );
+    assert!(!ns.drop_replica(old.ino, 0, 1).unwrap(), "{name}: a re-keying file is not evictable");
+    // The old file's object moves to its new key; the key is free then.
+    assert_eq!(ns.claim_rekey(old.ino, "prev").unwrap(), Ok(()), "{name}");
+    assert_eq!(ns.end_rekey(old.ino, "latest", None, "prev", Some("\"v1b\"".into())).unwrap(), (true, true), "{name}");
+    let up = go(ns.begin_upload(new.ino, "latest").unwrap());
+    assert_eq!(ns.end_upload(new.ino, up.generation, "latest", None).unwrap(), UploadEnd::Backed { stale: None });
+    // Another backed file, renamed, cannot claim `prev`'s key while prev owns it...
+    let other = ns.mknod(ROOT, b"other", &file(0o644)).unwrap();
+    ns.seal(other.ino, &seal, Durability::Durable).unwrap();
+    let up = go(ns.begin_upload(other.ino, "other").unwrap());
+    ns.end_upload(other.ino, up.generation, "other", None).unwrap();
+    ns.rename(ROOT, b"other", ROOT, b"moved", RenameMode::Replace).unwrap();
+    assert_eq!(ns.claim_rekey(other.ino, "prev").unwrap(), Err(old.ino), "{name}");
+    // ... and once prev is purged, its garbage may go only if no one else claimed it.
+    let gone = ns.unlink_purging(ROOT, b"prev", &|_| true).unwrap();
+    assert!(gone.purged, "{name}");
+    assert_eq!(ns.claim_rekey(other.ino, "prev").unwrap(), Ok(()), "{name}: a purged owner lets go");
+    assert!(!ns.release_garbage_key(old.ino, "prev").unwrap(), "{name}: prev's object is other's now");
+}
+
 /// A take of a write lease the node does not hold gets a higher epoch than
 /// any before it for that file, across seals that drop the mark; a take of
 /// a lease it holds keeps it. A seal made under a stale epoch is refused
@@ -351,7 +409,7 @@ fn replica_policy_is_checked_and_inherited(name: &str, kv: Arc<dyn KvEngine>) {
 /// file, a purge queues its object for deletion, eviction and fetches move
 /// the chunk's copy, and imports are files with no copy anywhere.
 fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
-    use converged_metadata::{ImportEntry, UploadEnd};
+    use converged_metadata::ImportEntry;
     let ns = Namespace::open(kv, 0, 0).unwrap().with_node("n1").with_tier();
     let d = ns.mknod(ROOT, b"ckpt", &dir()).unwrap();
     let f = ns.mknod(d.ino, b"a.pt", &file(0o644)).unwrap();
@@ -371,12 +429,12 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!((rec.state, rec.generation), (TierState::Dirty, 1), "{name}");
 
     // An upload superseded by a seal does not count; the next one does.
-    let up = ns.begin_upload(f.ino).unwrap().expect("dirty and ours");
+    let up = go(ns.begin_upload(f.ino, "ckpt/a.pt").unwrap());
     assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::Uploading, "{name}");
     ns.seal(f.ino, &seal(vec![(0, ChunkRecord { version: 2, ..record.clone() })]), Durability::Durable).unwrap();
     assert_eq!(ns.end_upload(f.ino, up.generation, "ckpt/a.pt", None).unwrap(), UploadEnd::Superseded, "{name}");
     assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::Dirty, "{name}");
-    let up = ns.begin_upload(f.ino).unwrap().unwrap();
+    let up = go(ns.begin_upload(f.ino, "ckpt/a.pt").unwrap());
     let end = ns.end_upload(f.ino, up.generation, "ckpt/a.pt", Some("\"e1\"".into())).unwrap();
     assert_eq!(end, UploadEnd::Backed { stale: None }, "{name}");
     let rec = ns.tier(f.ino).unwrap().unwrap();
@@ -395,7 +453,7 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
     ns.rename(d.ino, b"a.pt", ROOT, b"b.pt", RenameMode::Replace).unwrap();
     assert_eq!(ns.path_of(f.ino).unwrap(), Some(vec![b"b.pt".to_vec()]), "{name}");
     assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::ReKeying, "{name}");
-    assert!(ns.end_rekey(f.ino, "ckpt/a.pt", "b.pt", None).unwrap(), "{name}");
+    assert_eq!(ns.end_rekey(f.ino, "ckpt/a.pt", None, "b.pt", None).unwrap(), (true, true), "{name}");
     assert_eq!(ns.tier(f.ino).unwrap().unwrap().state, TierState::Backed, "{name}");
     // A dirty file cannot be evicted.
     ns.seal(f.ino, &seal(vec![(0, ChunkRecord { version: 3, ..record.clone() })]), Durability::Durable).unwrap();
@@ -632,14 +690,14 @@ fn etcd_a_dead_nodes_backfill_is_taken_over() {
     // While a lives, its work stays its own.
     assert!(!b.adopt_backfill(f.ino, "a").unwrap());
     assert!(!b.adopt_renamed_dir(d.ino, &marks[0].1).unwrap());
-    assert!(b.begin_upload(f.ino).unwrap().is_none(), "b does not upload a's file");
+    assert_eq!(b.begin_upload(f.ino, "run/f").unwrap(), UploadStart::Skip, "b does not upload a's file");
     // a dies: b takes the upload and the walk over, once.
     akv.membership().unwrap().leave().unwrap();
     assert!(b.adopt_backfill(f.ino, "a").unwrap());
     assert!(!b.adopt_backfill(f.ino, "a").unwrap(), "taken once");
     let rec = b.tier(f.ino).unwrap().unwrap();
     assert_eq!((rec.state, rec.node.as_str()), (TierState::Dirty, "b"));
-    assert!(b.begin_upload(f.ino).unwrap().is_some(), "b uploads what a last published");
+    assert!(matches!(b.begin_upload(f.ino, "run2/f").unwrap(), UploadStart::Go(_)), "b uploads what a last published");
     assert!(b.adopt_renamed_dir(d.ino, &marks[0].1).unwrap());
     assert_eq!(b.renamed_dirs(true).unwrap().len(), 1);
     assert!(a.renamed_dirs(true).unwrap().is_empty(), "a, back, leaves it to b");

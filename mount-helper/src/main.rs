@@ -91,7 +91,7 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "log_file" => out.extend(["--log-file".into(), need(value)?.into()]),
             "node_id" | "listen" | "tls_dir" | "lease_ttl" | "replicas" | "durability" | "failure_domain"
             | "peer_timeout" | "object_store" | "s3_endpoint" | "backfill_delay" | "backfill_workers"
-            | "evict_high" | "evict_low" | "metrics" => {
+            | "evict_high" | "evict_low" | "metrics" | "object_copy_limit" => {
                 out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()])
             }
             "keep_deleted_objects" => out.push("--keep-deleted-objects".into()),

@@ -521,3 +521,106 @@ fn azure_blob_storage_backfills_renames_deletes_and_imports() {
     assert!(same(&fs::read(&p).unwrap(), &shard));
     assert!(tier(&p).contains("local=1"), "read once, hydrated: {}", tier(&p));
 }
+
+/// Renaming an imported file that was never read keeps it reading as its
+/// source object, and its object in the mount's store (the copy its rename
+/// asks for) holds the source's bytes; the source is left alone.
+#[test]
+fn a_renamed_imported_file_keeps_its_bytes_and_its_object_gets_them() {
+    let Some(s3) = S3Server::start() else { return };
+    s3.client().mkbucket("datasets");
+    s3.client().mkbucket("scratch");
+    // Over the 16 MiB part size: the copy into the mount's store is a multipart upload.
+    let a = pattern(40 << 20, 50);
+    let b = pattern(3 << 20, 51);
+    s3.client().put("datasets", "ds/a.bin", &a);
+    s3.client().put("datasets", "ds/sub/b.bin", &b);
+    let m = mount(&tier_args(&s3, "scratch", "vol", &[]));
+    let out = converged()
+        .args(["import", "s3://datasets/ds"])
+        .arg(m.path("ds"))
+        .args(["--s3-endpoint", &s3.endpoint()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Neither file is read before it is renamed (a directory rename for
+    // one, listed first: a directory of an import lists its keys when first
+    // read, and only files already listed move with it).
+    assert_eq!(fs::read_dir(m.path("ds/sub")).unwrap().count(), 1);
+    assert!(tier(&m.path("ds/a.bin")).contains("local=0"));
+    assert!(tier(&m.path("ds/sub/b.bin")).contains("local=0"));
+    fs::rename(m.path("ds/a.bin"), m.path("a.bin")).unwrap();
+    fs::rename(m.path("ds/sub"), m.path("moved")).unwrap();
+    drop_caches();
+    assert!(same(&fs::read(m.path("a.bin")).unwrap(), &a), "a.bin reads as its source object");
+    eventually(90, "a.bin's object is in the mount's store", || {
+        s3.client().get("scratch", "vol/a.bin").is_some_and(|o| same(&o, &a))
+    });
+    eventually(90, "b.bin's object is in the mount's store", || {
+        s3.client().get("scratch", "vol/moved/b.bin").is_some_and(|o| same(&o, &b))
+    });
+    eventually(30, "a.bin is backed by its own object", || {
+        let t = tier(&m.path("a.bin"));
+        t.starts_with("state=backed") && t.contains("object=s3://scratch/vol/a.bin")
+    });
+    assert!(same(&s3.client().get("datasets", "ds/a.bin").unwrap(), &a), "the source is untouched");
+    drop_caches();
+    assert!(same(&fs::read(m.path("a.bin")).unwrap(), &a));
+    assert!(same(&fs::read(m.path("moved/b.bin")).unwrap(), &b));
+}
+
+/// Checkpoint rotation (`mv latest prev`, then a new `latest`) while the
+/// store is cut off, so that the old file's re-key and the new file's
+/// upload race for the key `latest` when it returns; then a second
+/// rotation, with the store up; then eviction. Every file reads its
+/// bytes, and every object holds its file's bytes. Objects are re-keyed
+/// by uploads here (a copy limit below the files' size).
+#[test]
+fn checkpoint_rotation_with_a_lagging_backfill_and_eviction_keeps_files_and_objects() {
+    let Some(s3) = S3Server::start() else { return };
+    s3.client().mkbucket("rot");
+    let target: std::net::SocketAddr = s3.endpoint().trim_start_matches("http://").parse().unwrap();
+    let proxy = common::proxy::Proxy::start(target);
+    let disk = SmallDisk::new("192m");
+    let mut args =
+        tier_args(&s3, "rot", "run", &["--evict-high", "60", "--evict-low", "40", "--object-copy-limit", "16M"]);
+    args[3] = proxy.endpoint();
+    let mnt = disk.mount(&args);
+    let (v1, v2, v3) = (pattern(40 << 20, 60), pattern(36 << 20, 61), pattern(30 << 20, 62));
+    fs::write(mnt.join("latest"), &v1).unwrap();
+    eventually(90, "v1 is backed", || tier(&mnt.join("latest")).starts_with("state=backed"));
+
+    proxy.cut();
+    fs::rename(mnt.join("latest"), mnt.join("prev")).unwrap();
+    fs::write(mnt.join("latest"), &v2).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    proxy.restore();
+    eventually(120, "both files are backed after the outage", || {
+        tier(&mnt.join("prev")).starts_with("state=backed") && tier(&mnt.join("latest")).starts_with("state=backed")
+    });
+    assert!(same(&s3.client().get("rot", "run/prev").expect("prev's object"), &v1), "prev's object is v1");
+    assert!(same(&s3.client().get("rot", "run/latest").expect("latest's object"), &v2), "latest's object is v2");
+
+    // The next rotation, store up: v1 goes, v2 becomes prev.
+    fs::rename(mnt.join("latest"), mnt.join("prev")).unwrap();
+    fs::write(mnt.join("latest"), &v3).unwrap();
+    eventually(120, "the second rotation is backed", || {
+        s3.client().get("rot", "run/prev").is_some_and(|o| same(&o, &v2))
+            && s3.client().get("rot", "run/latest").is_some_and(|o| same(&o, &v3))
+            && tier(&mnt.join("prev")).starts_with("state=backed")
+            && tier(&mnt.join("latest")).starts_with("state=backed")
+    });
+    // 66 MiB of a 192 MiB disk is over the 60 % mark with the metadata: a filler pushes it.
+    fs::write(mnt.join("filler"), pattern(60 << 20, 63)).unwrap();
+    eventually(90, "chunks of the checkpoints are evicted", || {
+        ["prev", "latest"].iter().any(|f| tier(&mnt.join(f)).contains("local=0"))
+    });
+    drop_caches();
+    assert!(same(&fs::read(mnt.join("prev")).unwrap(), &v2), "prev reads v2");
+    assert!(same(&fs::read(mnt.join("latest")).unwrap(), &v3), "latest reads v3");
+    let keys = s3.client().list("rot", "run/");
+    assert!(
+        keys.iter().all(|k| ["run/filler", "run/latest", "run/prev"].contains(&k.as_str())),
+        "no stray object: {keys:?}"
+    );
+}

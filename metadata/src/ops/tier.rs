@@ -48,12 +48,54 @@ pub(crate) fn mark_dirty(txn: &mut (impl KvWrite + ?Sized), ino: Ino, node: &str
     Ok(())
 }
 
+/// The file that owns `key` of the mount's store: the one recorded in the
+/// key's `Y` entry, while its tier record still points at the key (or it
+/// is uploading or re-keying, perhaps to it). A claim left by a file that moved on, or
+/// was purged, no longer counts.
+fn key_owner(txn: &mut (impl KvRead + ?Sized), key: &str) -> MetaResult<Option<Ino>> {
+    let Some(v) = txn.get(&schema::key_owner(key))? else { return Ok(None) };
+    let ino = u64::from_be_bytes(v.as_slice().try_into().map_err(|_| MetaError::Corrupt {
+        key: format!("owner of object key {key}"),
+        msg: format!("{} bytes where 8 were expected", v.len()),
+    })?);
+    // Uploading or re-keying: on its way to a key, perhaps this one.
+    let holds = get_tier(txn, ino)?.is_some_and(|r| {
+        (r.key == key && r.source.is_none()) || matches!(r.state, TierState::Uploading | TierState::ReKeying)
+    });
+    Ok(holds.then_some(ino))
+}
+
+/// Make `ino` the owner of `key`, unless another file owns it.
+fn claim_key(txn: &mut (impl KvWrite + ?Sized), key: &str, ino: Ino) -> MetaResult<Result<(), Ino>> {
+    match key_owner(txn, key)? {
+        Some(other) if other != ino => Ok(Err(other)),
+        _ => {
+            txn.put(&schema::key_owner(key), &ino.to_be_bytes());
+            Ok(Ok(()))
+        }
+    }
+}
+
+/// `ino` lets go of `key`. Returns whether the object under it may be
+/// deleted: it was this file's (or nobody's).
+fn release_key(txn: &mut (impl KvWrite + ?Sized), key: &str, ino: Ino) -> MetaResult<bool> {
+    let k = schema::key_owner(key);
+    match txn.get(&k)? {
+        Some(v) if v.as_slice() == ino.to_be_bytes() => {
+            txn.delete(&k);
+            Ok(true)
+        }
+        Some(_) => Ok(key_owner(txn, key)?.is_none()),
+        None => Ok(true),
+    }
+}
+
 impl Namespace {
-    /// An inode got a new name. A backed object must move to the new key;
-    /// an imported one stays where it is and the file is backfilled to the
-    /// mount's own store instead (by the renaming node, which reads it
-    /// through the tier). A directory is recorded (`R`) for a walk that
-    /// marks every file below it.
+    /// An inode got a new name. A backed object must move to the new key.
+    /// An imported one stays where it is, and its file keeps reading from
+    /// it until a copy of it is the file's object in the mount's own store
+    /// (re-keying, by the renaming node). A directory is recorded (`R`) for
+    /// a walk that marks every file below it.
     pub(crate) fn note_rename(&self, txn: &mut (impl KvWrite + ?Sized), inode: &Inode) -> MetaResult<()> {
         if inode.kind == FileKind::Directory && self.tiered {
             let mark = RenamedDir { node: self.node.clone(), at: Timespec::now() };
@@ -64,18 +106,13 @@ impl Namespace {
             return Ok(());
         }
         let Some(mut rec) = get_tier(txn, inode.ino)? else { return Ok(()) };
-        match (rec.state, &rec.source) {
-            (TierState::Backed | TierState::ReKeying, None) => {
+        match rec.state {
+            TierState::Backed | TierState::ReKeying => {
                 rec.state = TierState::ReKeying;
                 rec.node = self.node.clone();
             }
-            (TierState::Backed | TierState::ReKeying, Some(_)) => {
-                rec.state = TierState::Dirty;
-                rec.generation += 1;
-                rec.node = self.node.clone();
-            }
             // Not uploaded yet: the upload uses the name it finds.
-            (TierState::Dirty | TierState::Uploading, _) => return Ok(()),
+            TierState::Dirty | TierState::Uploading => return Ok(()),
         }
         put_tier(txn, inode.ino, &rec);
         Ok(())
@@ -166,6 +203,18 @@ pub(crate) fn discard(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult
     Ok(())
 }
 
+/// Whether an upload may start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UploadStart {
+    /// Uploading now, from this record.
+    Go(TierRecord),
+    /// Another file still owns the key (its object has not moved away yet):
+    /// try again later.
+    KeyBusy { owner: Ino },
+    /// Nothing to upload here (not dirty, another node's, being written).
+    Skip,
+}
+
 /// How an upload ended in the metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UploadEnd {
@@ -204,39 +253,54 @@ impl Namespace {
         self.records_by_node(&schema::tier_all(), mine, |r: &TierRecord| &r.node)
     }
 
-    /// Dirty → Uploading, if the file is dirty and this node holds its
-    /// bytes. Returns the record as it is now uploading.
-    pub fn begin_upload(&self, ino: Ino) -> MetaResult<Option<TierRecord>> {
+    /// Dirty → Uploading to `key`, if the file is dirty and this node
+    /// holds its bytes, and no other file owns the key (a file renamed away
+    /// from it whose object has not moved yet). Claims the key.
+    pub fn begin_upload(&self, ino: Ino, key: &str) -> MetaResult<UploadStart> {
         self.write(Durability::Buffered, |txn| {
-            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(None) };
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(UploadStart::Skip) };
             // Uploading here: a crash or failure during an earlier attempt.
             if !matches!(rec.state, TierState::Dirty | TierState::Uploading) || !self.is_mine(rec.node.as_bytes()) {
-                return Ok(None);
+                return Ok(UploadStart::Skip);
             }
             if let Some(writer) = txn.get(&schema::unsealed(ino))? {
                 // Being written: sealed again later. A writer whose node is
                 // dead left what it last published, which is what goes up.
                 let writer = String::from_utf8_lossy(crate::ops::layout::parse_lease_mark(&writer).0).into_owned();
                 if self.is_mine(writer.as_bytes()) || txn.get(&schema::live_node(&writer))?.is_some() {
-                    return Ok(None);
+                    return Ok(UploadStart::Skip);
                 }
+            }
+            if let Err(owner) = claim_key(txn, key, ino)? {
+                return Ok(UploadStart::KeyBusy { owner });
             }
             rec.state = TierState::Uploading;
             put_tier(txn, ino, &rec);
-            Ok(Some(rec))
+            Ok(UploadStart::Go(rec))
         })
     }
 
     /// Uploading → Backed, when no seal came in since `generation` began.
+    /// An upload that lost to a newer seal but wrote the key the file's
+    /// object is recorded under may have replaced that object with older
+    /// bytes: the file is marked dirty again so its owner uploads it anew.
     pub fn end_upload(&self, ino: Ino, generation: u64, key: &str, etag: Option<String>) -> MetaResult<UploadEnd> {
         self.write(Durability::Buffered, |txn| {
             let Some(mut rec) = get_tier(txn, ino)? else { return Ok(UploadEnd::Superseded) };
             if rec.generation != generation || rec.state != TierState::Uploading {
+                if rec.key == key && rec.state == TierState::Backed && rec.etag != etag {
+                    rec.state = TierState::Dirty;
+                    rec.generation += 1;
+                    put_tier(txn, ino, &rec);
+                }
                 return Ok(UploadEnd::Superseded);
             }
-            let stale = (!rec.key.is_empty() && rec.key != key && rec.source.is_none()).then(|| rec.key.clone());
+            let old = std::mem::replace(&mut rec.key, key.to_string());
+            let stale = match !old.is_empty() && old != key && rec.source.is_none() {
+                true => release_key(txn, &old, ino)?.then_some(old),
+                false => None,
+            };
             rec.state = TierState::Backed;
-            rec.key = key.to_string();
             rec.etag = etag.clone();
             rec.source = None;
             put_tier(txn, ino, &rec);
@@ -257,12 +321,13 @@ impl Namespace {
         })
     }
 
-    /// Mark a backed file whose object sits under an old key (a directory
-    /// above it was renamed) as re-keying. Returns the record if it was.
+    /// Mark a backed file whose object sits under an old key (it or a
+    /// directory above it was renamed; an imported file's object is in its
+    /// source bucket) as re-keying. Returns the record if it was.
     pub fn begin_rekey(&self, ino: Ino) -> MetaResult<Option<TierRecord>> {
         self.write(Durability::Buffered, |txn| {
             let Some(mut rec) = get_tier(txn, ino)? else { return Ok(None) };
-            if rec.source.is_some() || !matches!(rec.state, TierState::Backed | TierState::ReKeying) {
+            if !matches!(rec.state, TierState::Backed | TierState::ReKeying) {
                 return Ok(None);
             }
             if rec.state == TierState::Backed {
@@ -274,29 +339,78 @@ impl Namespace {
         })
     }
 
-    /// The object was copied from `old` to `new`: record the new key (the
-    /// old object is then deleted by the caller). Returns false when the
-    /// record moved on (the file is gone, or another re-key won).
-    pub fn end_rekey(&self, ino: Ino, old: &str, new: &str, etag: Option<String>) -> MetaResult<bool> {
+    /// The store no longer holds the object of `ino` that the record names
+    /// (its ETag is not `etag`): the file is dirty again, to be uploaded by
+    /// this node, which holds its bytes. Imported files are left alone: an
+    /// import follows its source (see `refresh_import`).
+    pub fn object_changed(&self, ino: Ino, etag: Option<&str>) -> MetaResult<()> {
         self.write(Durability::Buffered, |txn| {
-            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(false) };
-            if rec.key != old {
-                return Ok(false);
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok(()) };
+            if rec.state != TierState::Backed || rec.etag.as_deref() != etag || rec.source.is_some() {
+                return Ok(());
+            }
+            rec.state = TierState::Dirty;
+            rec.generation += 1;
+            rec.node = self.node.clone();
+            rec.sealed_at = Timespec::now();
+            put_tier(txn, ino, &rec);
+            Ok(())
+        })
+    }
+
+    /// Claim `new`, the key a re-key copies the object of `ino` to. Err
+    /// with the owner when another file still owns it.
+    pub fn claim_rekey(&self, ino: Ino, new: &str) -> MetaResult<Result<(), Ino>> {
+        self.write(Durability::Buffered, |txn| claim_key(txn, new, ino))
+    }
+
+    /// The object was copied from `old` to `new` (a key of the mount's
+    /// store; `old` is one of the mount's store too, or of the import
+    /// source `from`): record the new key. Returns whether it was recorded
+    /// (false when the record moved on: the file is gone, or another
+    /// re-key won) and whether the object under `old` may be deleted now.
+    pub fn end_rekey(
+        &self,
+        ino: Ino,
+        old: &str,
+        from: Option<&str>,
+        new: &str,
+        etag: Option<String>,
+    ) -> MetaResult<(bool, bool)> {
+        self.write(Durability::Buffered, |txn| {
+            let Some(mut rec) = get_tier(txn, ino)? else { return Ok((false, false)) };
+            if rec.key != old || rec.source.as_deref() != from {
+                return Ok((false, false));
             }
             rec.key = new.to_string();
             rec.etag = etag.clone();
+            rec.source = None;
             if rec.state == TierState::ReKeying {
                 rec.state = TierState::Backed;
             }
             put_tier(txn, ino, &rec);
-            Ok(true)
+            // An import source's objects are never converged's to delete.
+            let free = from.is_none() && old != new && release_key(txn, old, ino)?;
+            Ok((true, free))
         })
+    }
+
+    /// A stale object key of `ino` (left by an upload under an older name):
+    /// let go of it; true when its object may be deleted.
+    pub fn release_key(&self, ino: Ino, key: &str) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| release_key(txn, key, ino))
     }
 
     /// Objects of purged files, waiting for deletion.
     pub fn garbage(&self) -> MetaResult<Vec<(Ino, GarbageObject)>> {
         let all = self.read(|txn| scan_all(txn, &schema::garbage_all()))?;
         all.into_iter().map(|(k, v)| Ok((schema::key_ino(&k), decode(&k, &v)?))).collect()
+    }
+
+    /// The object of a purged file: may it be deleted (no other file owns
+    /// its key now)? The key is let go of either way.
+    pub fn release_garbage_key(&self, ino: Ino, key: &str) -> MetaResult<bool> {
+        self.release_key(ino, key)
     }
 
     pub fn drop_garbage(&self, ino: Ino) -> MetaResult<()> {
@@ -335,8 +449,9 @@ impl Namespace {
     /// its bytes). Returns whether the copy may now be deleted.
     pub fn drop_replica(&self, ino: Ino, index: u32, version: u64) -> MetaResult<bool> {
         self.write(Durability::Durable, |txn| {
-            let backed =
-                get_tier(txn, ino)?.is_some_and(|r| matches!(r.state, TierState::Backed | TierState::ReKeying));
+            // Only a file whose object is where its record says: not one
+            // re-keying (a new key is being written) or being uploaded.
+            let backed = get_tier(txn, ino)?.is_some_and(|r| r.state == TierState::Backed);
             if !backed || txn.get(&schema::unsealed(ino))?.is_some() {
                 return Ok(false);
             }
@@ -380,7 +495,8 @@ impl Namespace {
                     r
                 }
                 (None, None) => {
-                    let backed = get_tier(txn, ino)?.is_some_and(|r| r.state == TierState::Backed);
+                    let backed =
+                        get_tier(txn, ino)?.is_some_and(|r| matches!(r.state, TierState::Backed | TierState::ReKeying));
                     if !backed || txn.get(&schema::unsealed(ino))?.is_some() {
                         return Ok(false);
                     }
@@ -455,6 +571,10 @@ impl Namespace {
                             source: source.clone(),
                         };
                         put_tier(txn, *ino, &rec);
+                        if source.is_none() {
+                            // An object of the mount's own store: this file's.
+                            txn.put(&schema::key_owner(key), &ino.to_be_bytes());
+                        }
                     }
                     ImportEntry::Dir { url, .. } => {
                         txn.put(&schema::xattr(*ino, IMPORT_XATTR), url.as_bytes());

@@ -7,6 +7,7 @@ pub mod client;
 pub mod cluster;
 #[path = "../../../metadata/tests/etcd_cluster/mod.rs"]
 pub mod etcd_cluster;
+pub mod proxy;
 pub mod s3;
 
 use std::ffi::CString;
