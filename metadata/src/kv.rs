@@ -83,6 +83,13 @@ pub trait KvEngine: Send + Sync + 'static {
     /// The engine's name, for logs and `status`.
     fn name(&self) -> &'static str;
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>>;
+    /// The most operations one write transaction may carry, when the
+    /// engine has a limit (etcd's `--max-txn-ops`, 128 by default). Larger
+    /// changes (a layout of hundreds of chunks) are written in batches and
+    /// made current by one small transaction at the end.
+    fn txn_limit(&self) -> Option<usize> {
+        None
+    }
     /// A read transaction on the engine itself, past any node-local cache
     /// in front of it: what another node committed before it started is
     /// seen. A cache refreshes itself from what it reads.

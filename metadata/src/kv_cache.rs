@@ -153,6 +153,9 @@ impl KvEngine for CachedKv {
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: false }))
     }
+    fn txn_limit(&self) -> Option<usize> {
+        self.inner.txn_limit()
+    }
     fn fresh_read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: true }))
     }

@@ -281,6 +281,11 @@ impl KvEngine for EtcdKv {
     fn name(&self) -> &'static str {
         "etcd"
     }
+    /// etcd's default `--max-txn-ops`, which also bounds the compares a
+    /// commit makes of what it read.
+    fn txn_limit(&self) -> Option<usize> {
+        Some(128)
+    }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         Ok(Box::new(EtcdRead { kv: self, rev: 0 }))
     }

@@ -19,6 +19,8 @@ pub enum Fault {
 pub struct FaultyKv {
     inner: Arc<dyn KvEngine>,
     fault: parking_lot::Mutex<Option<Fault>>,
+    /// Commits to let through before failing.
+    skip: AtomicU32,
     /// Commits still to fail.
     remaining: AtomicU32,
     /// Commits that were failed so far.
@@ -27,17 +29,33 @@ pub struct FaultyKv {
 
 impl FaultyKv {
     pub fn new(inner: Arc<dyn KvEngine>) -> Self {
-        Self { inner, fault: Default::default(), remaining: AtomicU32::new(0), injected: AtomicU32::new(0) }
+        Self {
+            inner,
+            fault: Default::default(),
+            skip: AtomicU32::new(0),
+            remaining: AtomicU32::new(0),
+            injected: AtomicU32::new(0),
+        }
     }
 
     /// Fail the next `count` commits with `fault`.
     pub fn fail_next(&self, fault: Fault, count: u32) {
+        self.fail_after(0, fault, count);
+    }
+
+    /// Let `skip` commits through, then fail `count` with `fault` (a crash
+    /// in the middle of an operation made of several transactions).
+    pub fn fail_after(&self, skip: u32, fault: Fault, count: u32) {
         *self.fault.lock() = Some(fault);
+        self.skip.store(skip, Ordering::SeqCst);
         self.remaining.store(count, Ordering::SeqCst);
     }
 
     fn take_fault(&self) -> Option<Fault> {
         let fault = (*self.fault.lock())?;
+        if self.skip.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            return None;
+        }
         self.remaining.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).ok().map(|_| {
             self.injected.fetch_add(1, Ordering::SeqCst);
             fault
@@ -84,6 +102,9 @@ impl KvEngine for FaultyKv {
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         self.inner.read_txn()
+    }
+    fn txn_limit(&self) -> Option<usize> {
+        self.inner.txn_limit()
     }
     fn fresh_read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         self.inner.fresh_read_txn()

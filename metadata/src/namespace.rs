@@ -338,6 +338,11 @@ pub(crate) fn chunk_at_version(
     index: u32,
     version: u64,
 ) -> MetaResult<Option<ChunkRecord>> {
+    // A batched layout not yet moved to plain records: the caller's update
+    // waits for the move (the seal that made it current finishes it).
+    if crate::ops::layout::layout_moving(txn, ino)? {
+        return Ok(None);
+    }
     let key = schema::chunk(ino, index);
     let Some(v) = txn.get(&key)? else { return Ok(None) };
     let record: ChunkRecord = decode(&key, &v)?;

@@ -11,6 +11,11 @@
 //! | `D` parent name            | [`Dentry`]           | a name in a directory                        |
 //! | `X` ino name               | raw bytes            | one extended attribute                       |
 //! | `C` ino chunk-index(u32)   | [`ChunkRecord`]      | one chunk of a file's layout                 |
+//! | `P` ino chunk-index(u32)   | token, [`ChunkRecord`] | a record of a layout too large for one     |
+//! |                            |                      | transaction, written ahead in batches; it is |
+//! |                            |                      | current once `Q` holds its token             |
+//! | `Q` ino                    | token (u64 BE)       | the batched layout that is current: its `P`  |
+//! |                            |                      | records win over `C` until moved there       |
 //! | `O` ino                    | node id              | orphan: unlinked while open on that node     |
 //! | `U` ino                    | node id, NUL, epoch  | unsealed: open for writing on that node; its |
 //! |                            | (u64 BE)             | checksums are stale; the file's write lease, |
@@ -60,6 +65,8 @@ const GARBAGE: u8 = b'G';
 const RENAMED: u8 = b'R';
 const LEASE_EPOCH: u8 = b'E';
 const KEY_OWNER: u8 = b'Y';
+const PENDING_CHUNK: u8 = b'P';
+const LAYOUT_COMMIT: u8 = b'Q';
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -124,6 +131,20 @@ pub fn chunk(ino: Ino, index: u32) -> Vec<u8> {
 
 pub fn chunks_of(ino: Ino) -> Vec<u8> {
     with_ino(CHUNK, ino)
+}
+
+pub fn pending_chunk(ino: Ino, index: u32) -> Vec<u8> {
+    let mut k = with_ino(PENDING_CHUNK, ino);
+    k.extend_from_slice(&index.to_be_bytes());
+    k
+}
+
+pub fn pending_chunks_of(ino: Ino) -> Vec<u8> {
+    with_ino(PENDING_CHUNK, ino)
+}
+
+pub fn layout_commit(ino: Ino) -> Vec<u8> {
+    with_ino(LAYOUT_COMMIT, ino)
 }
 
 /// Every chunk record of the volume.

@@ -34,6 +34,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("seals_of_unsynced_bytes_stay_marked_until_synced", seals_of_unsynced_bytes_stay_marked_until_synced),
     ("write_lease_epochs_fence_stale_writers", write_lease_epochs_fence_stale_writers),
     ("object_keys_belong_to_one_file_at_a_time", object_keys_belong_to_one_file_at_a_time),
+    ("large_layouts_switch_whole_across_a_crash", large_layouts_switch_whole_across_a_crash),
 ];
 
 /// The record an upload starts from, when it may start.
@@ -387,6 +388,58 @@ fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
     ns.unlink(ROOT, b"big").unwrap();
     assert!(ns.chunks(f.ino).unwrap().is_empty() || ns.purge(f.ino).unwrap(), "{name}");
     assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: purge drops the whole layout");
+}
+
+/// A seal of a 300-chunk layout cut short at each point where a crash can
+/// land: readers see the whole old layout (with its size) or the whole new
+/// one, never a mix, and the next seal or move finishes what was left.
+fn large_layouts_switch_whole_across_a_crash(name: &str, kv: Arc<dyn KvEngine>) {
+    let faulty = Arc::new(FaultyKv::new(kv));
+    let ns = ns(faulty.clone());
+    let f = ns.mknod(ROOT, b"big", &file(0o644)).unwrap();
+    let blocks = (DEFAULT_CHUNK_SIZE / BLOCK_SIZE) as usize;
+    let layout = |version: u64, n: u32| -> Vec<(u32, ChunkRecord)> {
+        (0..n)
+            .map(|i| {
+                let crcs = (0..blocks as u32).map(|b| b ^ i ^ version as u32).collect();
+                (i, ChunkRecord { version, len: DEFAULT_CHUNK_SIZE, replicas: vec!["n1".into()], block_crcs: crcs })
+            })
+            .collect()
+    };
+    let seal = |chunks: &[(u32, ChunkRecord)]| converged_metadata::Seal {
+        size: chunks.len() as u64 * DEFAULT_CHUNK_SIZE as u64,
+        mtime: Timespec::now(),
+        chunks: chunks.to_vec(),
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+    };
+    let (v1, v2, v3) = (layout(1, 300), layout(2, 280), layout(3, 300));
+    ns.seal(f.ino, &seal(&v1), Durability::Durable).unwrap();
+    let now = |what: &str, want: &[(u32, ChunkRecord)]| {
+        assert!(ns.chunks(f.ino).unwrap() == want, "{name}: {what}: the layout is not the one expected");
+        assert_eq!(ns.getattr(f.ino).unwrap().size, want.len() as u64 * DEFAULT_CHUNK_SIZE as u64, "{name}: {what}");
+    };
+    // Written in batches where the engine limits a transaction (etcd):
+    // five of 64 records, then the commit; else the commit alone.
+    let batches = if faulty.txn_limit().is_some() { 5 } else { 0 };
+    for crash_after in 0..=batches {
+        faulty.fail_after(crash_after, Fault::Unavailable, 1);
+        assert!(ns.seal(f.ino, &seal(&v2), Durability::Durable).is_err(), "{name}");
+        now(&format!("crash after {crash_after} of the seal's transactions"), &v1);
+    }
+    ns.seal(f.ino, &seal(&v2), Durability::Durable).unwrap();
+    now("a seal after the crashes", &v2);
+    if batches > 0 {
+        // Made current, then the move to plain records cut short.
+        faulty.fail_after(batches + 1, Fault::Unavailable, 1);
+        ns.seal(f.ino, &seal(&v3), Durability::Durable).unwrap();
+        now("current before it is moved", &v3);
+        assert!(!ns.add_replicas(f.ino, 7, 3, &["n9".into()]).unwrap(), "{name}: updates wait for the move");
+        ns.finish_layout_move(f.ino).unwrap();
+        now("moved", &v3);
+        assert!(ns.add_replicas(f.ino, 7, 3, &["n9".into()]).unwrap(), "{name}");
+    }
 }
 
 fn replica_policy_is_checked_and_inherited(name: &str, kv: Arc<dyn KvEngine>) {

@@ -1,5 +1,15 @@
 //! File layouts: chunk records, and the sealed / unsealed state of a file.
 //!
+//! A seal switches a file's layout atomically: a reader sees every chunk
+//! record of one seal or of the next, with the size that goes with it. A
+//! layout too large for one transaction of the engine (etcd's operation
+//! limit) is written ahead in batches as *pending* records (`P`) under a
+//! token, and made current by one small transaction that records the token
+//! (`Q`); readers take a pending record with the current token over the
+//! plain one (`C`), and the records are then moved to `C` in batches. A
+//! writer that dies between batches leaves pending records no token makes
+//! current: readers ignore them, and the next seal clears them.
+//!
 //! A file open for writing is *unsealed* (a `U` key holding the writing
 //! node's id): its checksums may be stale. The `U` key is also the file's
 //! write lease: while its node is live, no other node may open the file for
@@ -75,11 +85,88 @@ fn parse_sync_mark(v: &[u8]) -> Option<(u64, &[u8])> {
     Some((token, &v[8..]))
 }
 
-/// Delete the layout records of chunks `first` and beyond (one range delete).
+/// Delete the layout records of chunks `first` and beyond, plain and
+/// pending (one range delete each).
 pub(crate) fn drop_chunks_from(txn: &mut (impl KvWrite + ?Sized), ino: Ino, first: u64) -> MetaResult<()> {
-    let (_, end) = schema::prefix_range(&schema::chunks_of(ino));
     let Ok(first) = u32::try_from(first) else { return Ok(()) };
-    Ok(txn.delete_range(&schema::chunk(ino, first), &end)?)
+    let (_, end) = schema::prefix_range(&schema::chunks_of(ino));
+    txn.delete_range(&schema::chunk(ino, first), &end)?;
+    let (_, end) = schema::prefix_range(&schema::pending_chunks_of(ino));
+    Ok(txn.delete_range(&schema::pending_chunk(ino, first), &end)?)
+}
+
+/// A chunk record written ahead of the transaction that makes it current.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PendingChunk {
+    token: u64,
+    record: ChunkRecord,
+}
+
+/// The token of the batched layout of `ino` that is current, if one is.
+fn current_token(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Option<u64>> {
+    let key = schema::layout_commit(ino);
+    match txn.get(&key)? {
+        Some(v) => Ok(Some(u64::from_be_bytes(v.as_slice().try_into().map_err(|_| MetaError::Corrupt {
+            key: format!("layout commit of inode {ino}"),
+            msg: format!("{} bytes where 8 were expected", v.len()),
+        })?))),
+        None => Ok(None),
+    }
+}
+
+/// The current chunk records of `ino`, in index order: plain records, with
+/// the pending records of the current batched layout over them.
+pub(crate) fn read_layout(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Vec<(u32, ChunkRecord)>> {
+    let mut chunks: std::collections::BTreeMap<u32, ChunkRecord> =
+        scan_paged(txn, &schema::chunks_of(ino), CHUNKS_PER_BATCH)?
+            .into_iter()
+            .map(|(k, v)| Ok((schema::chunk_index(&k), decode(&k, &v)?)))
+            .collect::<MetaResult<_>>()?;
+    if let Some(token) = current_token(txn, ino)? {
+        for (k, v) in scan_paged(txn, &schema::pending_chunks_of(ino), CHUNKS_PER_BATCH)? {
+            let p: PendingChunk = decode(&k, &v)?;
+            if p.token == token {
+                chunks.insert(schema::chunk_index(&k), p.record);
+            }
+        }
+    }
+    Ok(chunks.into_iter().collect())
+}
+
+/// The current record of chunk `index` of `ino`.
+pub(crate) fn read_chunk(txn: &mut (impl KvRead + ?Sized), ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
+    if let Some(token) = current_token(txn, ino)? {
+        let key = schema::pending_chunk(ino, index);
+        if let Some(v) = txn.get(&key)? {
+            let p: PendingChunk = decode(&key, &v)?;
+            if p.token == token {
+                return Ok(Some(p.record));
+            }
+        }
+    }
+    let key = schema::chunk(ino, index);
+    txn.get(&key)?.map(|v| decode(&key, &v)).transpose()
+}
+
+/// Whether a batched layout of `ino` is current and not yet moved to
+/// plain records: record updates (a replica added, a copy evicted) wait.
+pub(crate) fn layout_moving(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<bool> {
+    Ok(current_token(txn, ino)?.is_some())
+}
+
+/// Pending records moved to plain ones per transaction: a put and a
+/// delete each, under etcd's limit with room for the compares.
+const FOLD_BATCH: usize = 32;
+
+/// A token for a batched seal: distinct, with overwhelming odds, from any
+/// left by an earlier seal that died (its own node's, or another's).
+fn seal_token(node: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    node.hash(&mut h);
+    std::time::SystemTime::now().hash(&mut h);
+    std::thread::current().id().hash(&mut h);
+    h.finish() | 1
 }
 
 /// Chunk records per etcd page or transaction: a record carries one
@@ -89,12 +176,7 @@ const CHUNKS_PER_BATCH: usize = 64;
 
 impl Namespace {
     pub fn chunks(&self, ino: Ino) -> MetaResult<Vec<(u32, ChunkRecord)>> {
-        self.read(|txn| {
-            scan_paged(txn, &schema::chunks_of(ino), CHUNKS_PER_BATCH)?
-                .into_iter()
-                .map(|(k, v)| Ok((schema::chunk_index(&k), decode(&k, &v)?)))
-                .collect()
-        })
+        self.read(|txn| read_layout(txn, ino))
     }
 
     /// A file's attributes and chunk records as one read at one point in
@@ -103,19 +185,13 @@ impl Namespace {
     pub fn layout(&self, ino: Ino) -> MetaResult<(Inode, Vec<(u32, ChunkRecord)>)> {
         let mut txn = self.kv.fresh_read_txn()?;
         let inode = get_inode(txn.as_mut(), ino)?;
-        let chunks = scan_paged(txn.as_mut(), &schema::chunks_of(ino), CHUNKS_PER_BATCH)?
-            .into_iter()
-            .map(|(k, v)| Ok((schema::chunk_index(&k), decode(&k, &v)?)))
-            .collect::<MetaResult<_>>()?;
+        let chunks = read_layout(txn.as_mut(), ino)?;
         Ok((inode, chunks))
     }
 
     /// One chunk record, if the file has one for `index`.
     pub fn chunk(&self, ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
-        self.read(|txn| {
-            let key = schema::chunk(ino, index);
-            txn.get(&key)?.map(|v| decode(&key, &v)).transpose()
-        })
+        self.read(|txn| read_chunk(txn, ino, index))
     }
 
     /// Visit every chunk record of the volume, in inode order, one page per
@@ -242,27 +318,32 @@ impl Namespace {
         })
     }
 
-    /// Record size, mtime and chunk records; drop chunks past the end.
-    ///
-    /// A layout too large for one transaction is written in batches first;
-    /// the file stays unsealed until the last one, which records the size,
-    /// so a crash in between is repaired by re-sealing at the next mount.
+    /// Record size, mtime and chunk records; drop chunks past the end. The
+    /// layout switches in one step for readers, however large (see the
+    /// module's head).
     pub fn seal(&self, ino: Ino, seal: &Seal, durability: Durability) -> MetaResult<Inode> {
         let token = self.sync_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let split = seal.chunks.len().saturating_sub(CHUNKS_PER_BATCH);
-        for batch in seal.chunks[..split].chunks(CHUNKS_PER_BATCH) {
-            self.write(Durability::Buffered, |txn| {
-                get_inode(txn, ino)?;
-                if let Some(epoch) = seal.lease {
-                    self.check_lease(txn, ino, epoch)?;
-                }
-                for (index, record) in batch {
-                    txn.put(&schema::chunk(ino, *index), &encode(record));
-                }
-                Ok(())
-            })?;
+        let batched = self.kv.txn_limit().is_some() && seal.chunks.len() > CHUNKS_PER_BATCH;
+        // A batched layout of an earlier seal that was made current but not
+        // moved yet would win over the records written here: move it first.
+        self.finish_layout_move(ino)?;
+        let layout_token = batched.then(|| seal_token(&self.node));
+        if let Some(layout) = layout_token {
+            for batch in seal.chunks.chunks(CHUNKS_PER_BATCH) {
+                self.write(Durability::Buffered, |txn| {
+                    get_inode(txn, ino)?;
+                    if let Some(epoch) = seal.lease {
+                        self.check_lease(txn, ino, epoch)?;
+                    }
+                    for (index, record) in batch {
+                        let pending = PendingChunk { token: layout, record: record.clone() };
+                        txn.put(&schema::pending_chunk(ino, *index), &encode(&pending));
+                    }
+                    Ok(())
+                })?;
+            }
         }
-        self.write(durability, |txn| {
+        let sealed = self.write(durability, |txn| {
             let mut inode = get_inode(txn, ino)?;
             if let Some(epoch) = seal.lease {
                 self.check_lease(txn, ino, epoch)?;
@@ -270,9 +351,15 @@ impl Namespace {
             let chunk_size = inode.chunk_size.max(1) as u64;
             let keep = seal.size.div_ceil(chunk_size);
             drop_chunks_from(txn, ino, keep)?;
-            for (index, record) in &seal.chunks[split..] {
-                if (*index as u64) < keep {
-                    txn.put(&schema::chunk(ino, *index), &encode(record));
+            match layout_token {
+                // The batches written above become the current records.
+                Some(layout) => txn.put(&schema::layout_commit(ino), &layout.to_be_bytes()),
+                None => {
+                    for (index, record) in &seal.chunks {
+                        if (*index as u64) < keep {
+                            txn.put(&schema::chunk(ino, *index), &encode(record));
+                        }
+                    }
                 }
             }
             if self.tiered {
@@ -298,7 +385,55 @@ impl Namespace {
                 }
             }
             Ok(inode)
-        })
+        })?;
+        if layout_token.is_some() {
+            // Readers see the new layout already; the move is housekeeping,
+            // done again by the next seal should this one stop half-way.
+            if let Err(e) = self.finish_layout_move(ino) {
+                tracing::warn!(ino, error = %e, "could not move a batched layout to its plain records yet");
+            }
+        }
+        Ok(sealed)
+    }
+
+    /// Move the current batched layout of `ino` (if one is) to plain
+    /// records, in batches, then drop its token and any pending records no
+    /// token made current (a seal that died between batches).
+    pub fn finish_layout_move(&self, ino: Ino) -> MetaResult<()> {
+        loop {
+            let (token, page) = self.read(|txn| {
+                let token = current_token(txn, ino)?;
+                let (start, end) = schema::prefix_range(&schema::pending_chunks_of(ino));
+                Ok((token, txn.scan(&start, &end, FOLD_BATCH)?))
+            })?;
+            if page.is_empty() {
+                if token.is_some() {
+                    self.write(Durability::Buffered, |txn| {
+                        if current_token(txn, ino)? == token {
+                            txn.delete(&schema::layout_commit(ino));
+                        }
+                        Ok(())
+                    })?;
+                }
+                return Ok(());
+            }
+            self.write(Durability::Buffered, |txn| {
+                if current_token(txn, ino)? != token {
+                    return Ok(());
+                }
+                for (k, v) in &page {
+                    if txn.get(k)?.as_deref() != Some(v.as_slice()) {
+                        continue;
+                    }
+                    let p: PendingChunk = decode(k, v)?;
+                    if Some(p.token) == token {
+                        txn.put(&schema::chunk(ino, schema::chunk_index(k)), &encode(&p.record));
+                    }
+                    txn.delete(k);
+                }
+                Ok(())
+            })?;
+        }
     }
 
     /// Drop the unsealed mark of files known to need no checksums (closed

@@ -42,7 +42,7 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
 /// A backed object of the file is queued for deletion (`G` key).
 fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> {
     crate::ops::tier::discard(txn, ino)?;
-    for prefix in [schema::chunks_of(ino), schema::xattrs_of(ino)] {
+    for prefix in [schema::chunks_of(ino), schema::pending_chunks_of(ino), schema::xattrs_of(ino)] {
         let (start, end) = schema::prefix_range(&prefix);
         txn.delete_range(&start, &end)?;
     }
@@ -50,6 +50,7 @@ fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> 
     txn.delete(&schema::orphan(ino));
     txn.delete(&schema::unsealed(ino));
     txn.delete(&schema::lease_epoch(ino));
+    txn.delete(&schema::layout_commit(ino));
     txn.delete(&schema::sync_pending(ino));
     Ok(())
 }

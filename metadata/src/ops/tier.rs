@@ -485,6 +485,9 @@ impl Namespace {
         block_crcs: &[u32],
     ) -> MetaResult<bool> {
         self.write(Durability::Buffered, |txn| {
+            if crate::ops::layout::layout_moving(txn, ino)? {
+                return Ok(false);
+            }
             let key = schema::chunk(ino, index);
             let mut record = match (txn.get(&key)?, version) {
                 (Some(v), Some(version)) => {
@@ -604,8 +607,8 @@ impl Namespace {
             }
             let mut inode = get_inode(txn, ino)?;
             let Some(mut rec) = get_tier(txn, ino)? else { return Ok(()) };
-            let (start, end) = schema::prefix_range(&schema::chunks_of(ino));
-            txn.delete_range(&start, &end)?;
+            crate::ops::layout::drop_chunks_from(txn, ino, 0)?;
+            txn.delete(&schema::layout_commit(ino));
             inode.size = size;
             inode.mtime = mtime;
             inode.ctime = Timespec::now();
