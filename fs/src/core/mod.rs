@@ -15,6 +15,9 @@
 //! - `durability.rs`: crash recovery at mount, and the flush that makes
 //!   buffered metadata durable only after the bytes it describes.
 //! - `replicate.rs`: topping up under-replicated chunks.
+//! - `versions.rs`: chunk versions held beside the backing file, and when
+//!   they are installed into it or removed.
+//! - `reconcile.rs`: a fenced writer's local copy brought back to the layout.
 //!
 //! # Lock order
 //!
@@ -31,7 +34,7 @@
 //!    held; others wait on `OpenInode::changed`, holding nothing.
 //! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
 //!    `doomed`, `unseal_later`, `spares`, `under_replicated`, `flush_now`,
-//!    the tier's tables.
+//!    the tier's tables, the chunk store's version index.
 //!
 //! And across the boundaries:
 //! - **No in-memory lock is taken inside a KV transaction closure**: what a
