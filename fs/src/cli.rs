@@ -10,9 +10,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use converged_metadata::{MetaUri, Namespace};
 
-use crate::config::{check, DEFAULT_CLUSTER_REPLICAS};
+use crate::config::check;
 pub use crate::config::{mount_source, parse_duration, MountArgs};
 use crate::daemon::READY;
 
@@ -56,6 +55,10 @@ pub enum Cmd {
     /// Warm files onto the SSDs: fetch every chunk a node lacks from peers or the object store,
     /// with a progress bar. Run it again after an interruption and it resumes.
     Stage(crate::admin::StageArgs),
+    /// Node administration of a cluster volume: drain a node before maintenance, let it take
+    /// copies again, forget one that will not come back.
+    #[command(subcommand)]
+    Node(crate::volume::NodeCmd),
     /// Cluster certificates: peers talk QUIC with mutual TLS from a cluster CA.
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -110,68 +113,6 @@ fn cluster(cmd: ClusterCmd) -> anyhow::Result<()> {
             println!("certificate of node {node} in {}", out.display());
         }
     }
-    Ok(())
-}
-
-fn status(meta: &str) -> anyhow::Result<()> {
-    let uri: MetaUri = meta.parse()?;
-    let engine = converged_metadata::open_engine(&uri).with_context(|| format!("open metadata {meta}"))?;
-    let Some(m) = engine.membership() else {
-        println!("{meta}: embedded metadata ({}), a single node", engine.name());
-        return Ok(());
-    };
-    let members = m.members()?;
-    println!("{:<16} {:<6} {:<22} {:>12} {:>12}  labels", "node", "state", "address", "capacity", "free");
-    for member in &members {
-        let i = &member.info;
-        let labels: Vec<String> = i.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        println!(
-            "{:<16} {:<6} {:<22} {:>9} GiB {:>9} GiB  {}",
-            i.id,
-            if member.alive { "live" } else { "dead" },
-            if i.addr.is_empty() { "-" } else { &i.addr },
-            i.capacity >> 30,
-            i.free >> 30,
-            labels.join(",")
-        );
-    }
-    let live = members.iter().filter(|m| m.alive).count();
-    println!("{live} live, {} dead", members.len() - live);
-
-    if members.is_empty() {
-        return Ok(());
-    }
-    // Chunk health: copies on live nodes against each file's policy.
-    let alive: std::collections::HashSet<&str> =
-        members.iter().filter(|m| m.alive).map(|m| m.info.id.as_str()).collect();
-    let ns = Namespace::open(engine.clone(), 0, 0)?;
-    let mut policy: std::collections::HashMap<u64, usize> = Default::default();
-    let (mut total, mut under, mut lost, mut bytes) = (0u64, 0u64, 0u64, 0u64);
-    let mut policy_err = None;
-    ns.for_each_chunk(|ino, _, rec| {
-        let want = *policy.entry(ino).or_insert_with(|| match ns.replicas_policy(ino) {
-            Ok(p) => p.unwrap_or(DEFAULT_CLUSTER_REPLICAS) as usize,
-            Err(e) => {
-                policy_err = Some(e);
-                DEFAULT_CLUSTER_REPLICAS as usize
-            }
-        });
-        let copies = rec.replicas.iter().filter(|r| alive.contains(r.as_str())).count();
-        total += 1;
-        bytes += rec.len as u64;
-        if copies == 0 {
-            lost += 1;
-        } else if copies < want {
-            under += 1;
-        }
-    })?;
-    if let Some(e) = policy_err {
-        return Err(e.into());
-    }
-    println!(
-        "{total} chunks ({} GiB): {under} under-replicated, {lost} with no live copy (policy: user.converged.replicas, default {DEFAULT_CLUSTER_REPLICAS})",
-        bytes >> 30
-    );
     Ok(())
 }
 
@@ -245,7 +186,8 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         Cmd::Umount { mountpoint } => umount(&mountpoint),
         Cmd::Cluster(cmd) => cluster(cmd),
         Cmd::Status { path: Some(p), meta: None } => crate::admin::status_path(&p),
-        Cmd::Status { path: None, meta: Some(m) } => status(&m),
+        Cmd::Status { path: None, meta: Some(m) } => crate::volume::status(&m),
+        Cmd::Node(cmd) => crate::volume::run(cmd),
         Cmd::Status { .. } => Err(anyhow::anyhow!("give either a PATH on a mount or --meta URI, not both")),
         Cmd::Import(a) => crate::admin::import(a),
         Cmd::Stage(a) => crate::admin::stage(a),

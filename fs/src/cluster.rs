@@ -11,14 +11,14 @@
 //! nodes in one process over a [`MemNetwork`] ([`Cluster::in_process`]),
 //! with faults injected on purpose.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use converged_metadata::membership::NodeInfo;
-use converged_metadata::KvEngine;
+use converged_metadata::{KvEngine, NodeAdmin};
 use converged_transport::{
     ChunkRef, FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
 };
@@ -57,13 +57,21 @@ pub struct Cluster {
     transport: Arc<dyn PeerTransport>,
     local_addr: SocketAddr,
     engine: Arc<dyn KvEngine>,
-    members: Mutex<(Option<Instant>, Vec<NodeInfo>)>,
+    /// Live nodes, and admins' word on nodes, as last read, and when.
+    members: Mutex<Members>,
     /// Peers that failed a call recently, and when.
     suspects: Mutex<HashMap<String, Instant>>,
     /// What the peer server asks of the core here.
     hooks: Arc<std::sync::OnceLock<LocalHooks>>,
     /// The in-process network this node serves on, if that is its transport.
     net: Option<Arc<MemNetwork>>,
+}
+
+#[derive(Default)]
+struct Members {
+    read_at: Option<Instant>,
+    live: Vec<NodeInfo>,
+    admin: BTreeMap<String, NodeAdmin>,
 }
 
 /// How long the live-node list is reused before asking membership again.
@@ -98,7 +106,7 @@ impl Cluster {
             transport,
             local_addr,
             engine,
-            members: Mutex::new((None, Vec::new())),
+            members: Mutex::default(),
             suspects: Mutex::default(),
             hooks,
             net,
@@ -173,18 +181,46 @@ impl Cluster {
 
     /// Live nodes other than this one that serve chunks.
     pub fn live_peers(&self) -> Vec<NodeInfo> {
-        let mut m = self.members.lock();
-        if m.0.is_none_or(|t| t.elapsed() > MEMBERS_TTL) {
-            match self.engine.membership().map(|ms| ms.members()) {
-                Some(Ok(all)) => {
-                    m.1 = all.into_iter().filter(|x| x.alive).map(|x| x.info).collect();
-                    m.0 = Some(Instant::now());
-                }
-                Some(Err(e)) => tracing::warn!(error = %e, "cannot read cluster membership; using the last list"),
-                None => {}
-            }
+        let m = self.refreshed_members();
+        m.live.iter().filter(|n| n.id != self.cfg.node && !n.addr.is_empty()).cloned().collect()
+    }
+
+    /// The member list, read again when older than [`MEMBERS_TTL`] (the
+    /// read happens with no lock held).
+    fn refreshed_members(&self) -> parking_lot::MutexGuard<'_, Members> {
+        if self.members.lock().read_at.is_some_and(|t| t.elapsed() <= MEMBERS_TTL) {
+            return self.members.lock();
         }
-        m.1.iter().filter(|n| n.id != self.cfg.node && !n.addr.is_empty()).cloned().collect()
+        let live = match self.engine.membership().map(|ms| ms.members()) {
+            Some(Ok(all)) => Some(all.into_iter().filter(|x| x.alive).map(|x| x.info).collect()),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "cannot read cluster membership; using the last list");
+                None
+            }
+            None => None,
+        };
+        let admin = converged_metadata::ops::nodes::admin_states(self.engine.as_ref())
+            .inspect_err(|e| tracing::warn!(error = %e, "cannot read node admin states; using the last ones"))
+            .ok();
+        let mut m = self.members.lock();
+        if let Some(live) = live {
+            m.live = live;
+            m.read_at = Some(Instant::now());
+        }
+        if let Some(admin) = admin {
+            m.admin = admin;
+        }
+        m
+    }
+
+    /// What an admin said of node `id` (draining, drained), if anything.
+    pub fn admin_state(&self, id: &str) -> Option<NodeAdmin> {
+        self.refreshed_members().admin.get(id).copied()
+    }
+
+    /// Whether node `id` may be given new copies: not draining or drained.
+    pub fn placeable(&self, id: &str) -> bool {
+        self.admin_state(id).is_none()
     }
 
     fn domain_of(&self, n: &NodeInfo) -> String {
@@ -193,7 +229,7 @@ impl Cluster {
 
     /// This node's failure domain, as placement counts it.
     fn own_domain(&self) -> String {
-        let me = self.members.lock().1.iter().find(|n| n.id == self.cfg.node).cloned();
+        let me = self.members.lock().live.iter().find(|n| n.id == self.cfg.node).cloned();
         match me {
             Some(n) => self.domain_of(&n),
             None => format!("node:{}", self.cfg.node),
@@ -219,10 +255,12 @@ impl Cluster {
 
     /// The live peers that may take a copy of chunk `index` of `ino`, best
     /// first: placement's ranking without the nodes in `holders` (which
-    /// have it already), peers that failed lately last. Asks membership, so
-    /// it must be called outside the transport runtime.
+    /// have it already) and without draining ones, peers that failed lately
+    /// last. Asks membership, so it must be called outside the transport
+    /// runtime.
     pub fn plan(&self, ino: u64, index: u32, holders: &[String]) -> Vec<NodeInfo> {
-        let peers: Vec<NodeInfo> = self.live_peers().into_iter().filter(|p| !holders.contains(&p.id)).collect();
+        let peers: Vec<NodeInfo> =
+            self.live_peers().into_iter().filter(|p| !holders.contains(&p.id) && self.placeable(&p.id)).collect();
         let candidates: Vec<Candidate> = peers
             .iter()
             .map(|n| Candidate { id: n.id.clone(), weight: n.free as f64, domain: self.domain_of(n) })
@@ -246,9 +284,10 @@ impl Cluster {
     /// so it must be called outside the transport runtime.
     pub fn stage_targets(&self, ino: u64, index: u32, n: usize) -> Vec<NodeInfo> {
         let mut nodes = self.live_peers();
-        if let Some(me) = self.members.lock().1.iter().find(|m| m.id == self.cfg.node).cloned() {
+        if let Some(me) = self.members.lock().live.iter().find(|m| m.id == self.cfg.node).cloned() {
             nodes.push(me);
         }
+        nodes.retain(|m| self.placeable(&m.id));
         let candidates: Vec<Candidate> = nodes
             .iter()
             .map(|m| Candidate { id: m.id.clone(), weight: m.free.max(1) as f64, domain: self.domain_of(m) })
@@ -276,6 +315,34 @@ impl Cluster {
         let candidates: Vec<Candidate> =
             ids.iter().map(|id| Candidate { id: id.clone(), weight: 1.0, domain: format!("node:{id}") }).collect();
         placement::rank(ino, 0, "", &candidates).first().is_some_and(|c| c.id == self.cfg.node)
+    }
+
+    /// Whether this node is the one that repairs chunk `index` of `ino`:
+    /// the first of the live nodes that take new copies, by rendezvous
+    /// hashing with equal weights, so that every node that sees the same
+    /// live set picks the same one, and the work spreads over all of them.
+    pub fn repairs(&self, ino: u64, index: u32) -> bool {
+        if !self.placeable(&self.cfg.node) {
+            return false;
+        }
+        let mut ids: Vec<String> =
+            self.live_peers().into_iter().filter(|n| self.placeable(&n.id)).map(|n| n.id).collect();
+        ids.push(self.cfg.node.clone());
+        let candidates: Vec<Candidate> =
+            ids.iter().map(|id| Candidate { id: id.clone(), weight: 1.0, domain: format!("node:{id}") }).collect();
+        placement::rank(ino, index, "", &candidates).first().is_some_and(|c| c.id == self.cfg.node)
+    }
+
+    /// Every node that registered on the volume, live or dead, read now.
+    pub fn members_now(&self) -> FsResult<Vec<converged_metadata::membership::Member>> {
+        let Some(ms) = self.engine.membership() else { return Ok(Vec::new()) };
+        ms.members().map_err(|e| FsError::Peer(format!("cluster membership: {e}")))
+    }
+
+    /// Ask `node` to drop every copy it holds of `ino` (a purged file).
+    pub async fn delete_on(self: Arc<Self>, node: NodeInfo, ino: u64) -> FsResult<()> {
+        let peer = Self::peer(&node).ok_or_else(|| FsError::Peer(format!("node {} has no address", node.id)))?;
+        self.transport.delete(&peer, ino).await.map_err(peer_err)
     }
 
     /// Have `node` fetch chunk `index` of `ino` onto its SSD (its share of a stage).

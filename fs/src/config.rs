@@ -86,6 +86,20 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600), value_name = "SECONDS")]
     pub lease_ttl: u64,
 
+    /// How long a dead node's copies are waited for before its chunks are copied elsewhere
+    /// (`30s`, `5m`): a node that comes back within it is not rebuilt around.
+    #[arg(long, default_value = "5m", value_name = "DURATION", value_parser = parse_duration)]
+    pub repair_delay: Duration,
+
+    /// Bytes per second this node copies for repair and drains (`500M`, `1G`; 0: unpaced).
+    #[arg(long, default_value = "500M", value_name = "BYTES", value_parser = parse_bytes)]
+    pub repair_bandwidth: u64,
+
+    /// How long a copy that no chunk record names any more (moved by repair or a drain, or
+    /// of a file deleted while this node was down) is kept before this node removes it.
+    #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = parse_duration)]
+    pub sweep_grace: Duration,
+
     /// Back every file with an object store: `s3://bucket/prefix`, `gs://bucket/prefix`,
     /// `az://container/prefix` or `file:///dir`. Each closed file is uploaded as one object at
     /// `<prefix>/<path>`; backed chunks may then be evicted from the SSDs. S3 credentials come

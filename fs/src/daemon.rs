@@ -245,6 +245,9 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         addr = cluster.local_addr().to_string();
         tracing::info!(%addr, %node, replicas = cluster.default_replicas(), durability = ?args.durability, "serving chunks to peers");
         core.attach_cluster(cluster);
+        let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
+        workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
+        workers.start(crate::workers::Sweeper::new(Arc::downgrade(&core), args.sweep_grace))?;
     }
     join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?;
     if let Some(t) = &tier {

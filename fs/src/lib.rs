@@ -22,4 +22,5 @@ pub mod placement;
 mod remote;
 pub mod stage;
 pub mod tier;
+pub mod volume;
 pub mod workers;

@@ -47,6 +47,8 @@ impl Collector for DaemonCollector {
             ),
             ("seals", "Files sealed: checksums and layout recorded", &s.seals),
             ("corrupt_blocks", "Local blocks that failed their checksum when read", &s.corrupt_blocks),
+            ("repair_copies", "Chunk copies this node made for repair and drains", &s.repair_copies),
+            ("repair_dropped_holders", "Holders this node dropped from chunk records after repair", &s.repair_dropped),
         ];
         for (name, help, v) in counters {
             counter(&mut encoder, name, help, v)?;
@@ -60,6 +62,28 @@ impl Collector for DaemonCollector {
             let under = core.under_replicated_files() as i64;
             gauge(&mut encoder, "under_replicated_files", "Files with fewer copies than their policy", under)?;
             gauge(&mut encoder, "live_peers", "Other live nodes of the cluster", c.live_peers().len() as i64)?;
+            if let Some(p) = core.repair_report() {
+                let figures = [
+                    (
+                        "repair_chunks_under_replicated",
+                        "Chunks with fewer good copies than their policy, at the last repair pass",
+                        p.under,
+                    ),
+                    (
+                        "repair_chunks_waiting",
+                        "Under-replicated chunks waiting for a dead holder's repair delay",
+                        p.waiting,
+                    ),
+                    (
+                        "repair_chunks_unavailable",
+                        "Chunks with no copy on a live node, at the last repair pass",
+                        p.unavailable,
+                    ),
+                ];
+                for (name, help, v) in figures {
+                    gauge(&mut encoder, name, help, v as i64)?;
+                }
+            }
         }
         let Some(t) = core.tiering() else { return Ok(()) };
         let b = t.backlog();

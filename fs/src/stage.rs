@@ -108,17 +108,33 @@ impl Core {
             return Ok(());
         }
         let file = self.chunk_store().open_backing(ino)?;
-        match (rec, self.backed_object(ino)?, self.cluster()) {
-            (Some(r), _, Some(cluster)) if !r.replicas.is_empty() => {
+        let backed = self.backed_object(ino)?;
+        match (rec, backed, self.cluster()) {
+            (Some(r), backed, Some(cluster)) if !r.replicas.is_empty() => {
                 let start = index as u64 * cs;
                 let chunk = crate::remote::chunk_ref(ino, index as u64, cs, &r);
-                let data = crate::remote::fetch_chunk(cluster, chunk, std::sync::Arc::new(r.clone()))?;
+                let data = match crate::remote::fetch_chunk(cluster, chunk, std::sync::Arc::new(r.clone())) {
+                    Ok(data) => data,
+                    // No live holder has it whole: the object does, when the file is backed.
+                    Err(e) => match backed {
+                        Some(obj) => {
+                            tracing::info!(ino, chunk = index, error = %e, "no holder answered; copying the chunk from the object store");
+                            self.fetch_object_chunk(ino, &file, inode.size, cs, index, &obj, false)?;
+                            return Ok(());
+                        }
+                        None => return Err(e),
+                    },
+                };
                 file.write_all_at(&data, start).map_err(|e| FsError::io("write staged chunk", e))?;
                 if file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len() < inode.size {
                     file.set_len(inode.size).map_err(|e| FsError::io("size backing file", e))?;
                 }
                 file.sync_data().map_err(|e| FsError::io("sync staged chunk", e))?;
-                self.namespace().add_replicas(ino, index, r.version, &[cluster.node().to_string()])?;
+                if !self.namespace().add_replicas(ino, index, r.version, &[cluster.node().to_string()])?
+                    && self.namespace().chunk(ino, index)?.is_none_or(|now| now.version != r.version)
+                {
+                    return Err(FsError::Peer(format!("chunk {index} of inode {ino} changed while it was copied")));
+                }
             }
             (_, Some(obj), _) => {
                 self.fetch_object_chunk(ino, &file, inode.size, cs, index, &obj, false)?;

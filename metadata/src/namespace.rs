@@ -303,7 +303,7 @@ impl Namespace {
     /// ahead of time, off the create path.
     pub fn upcoming_inos(&self, n: u64) -> std::ops::Range<Ino> {
         let range = self.next_ino.lock();
-        range.0..(range.0 + n).min(range.1)
+        range.0..range.0.saturating_add(n).min(range.1)
     }
 
     /// Make every namespace change so far durable (fsync, fsyncdir, unmount).

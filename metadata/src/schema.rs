@@ -34,6 +34,7 @@
 //! |                            |                      | record points at it                          |
 //! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
+//! | `A` node-id                | [`NodeAdmin`]        | an admin's word on a node: draining, drained |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -48,6 +49,7 @@
 //! [`TierRecord`]: crate::types::TierRecord
 //! [`GarbageObject`]: crate::types::GarbageObject
 //! [`RenamedDir`]: crate::types::RenamedDir
+//! [`NodeAdmin`]: crate::ops::nodes::NodeAdmin
 
 use crate::types::Ino;
 
@@ -220,6 +222,11 @@ pub fn live_node(id: &str) -> Vec<u8> {
     [b"L", id.as_bytes()].concat()
 }
 
+pub fn node_admin(id: &str) -> Vec<u8> {
+    [NODE_ADMIN, id.as_bytes()].concat()
+}
+
+pub const NODE_ADMIN: &[u8] = b"A";
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 

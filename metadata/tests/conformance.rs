@@ -35,6 +35,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("write_lease_epochs_fence_stale_writers", write_lease_epochs_fence_stale_writers),
     ("object_keys_belong_to_one_file_at_a_time", object_keys_belong_to_one_file_at_a_time),
     ("large_layouts_switch_whole_across_a_crash", large_layouts_switch_whole_across_a_crash),
+    ("copies_leave_a_record_only_after_their_replacements", copies_leave_a_record_only_after_their_replacements),
 ];
 
 /// The record an upload starts from, when it may start.
@@ -754,4 +755,42 @@ fn etcd_a_dead_nodes_backfill_is_taken_over() {
     assert!(b.adopt_renamed_dir(d.ino, &marks[0].1).unwrap());
     assert_eq!(b.renamed_dirs(true).unwrap().len(), 1);
     assert!(a.renamed_dirs(true).unwrap().is_empty(), "a, back, leaves it to b");
+}
+
+/// Repair and drain change chunk records in two steps: new holders are
+/// added at the chunk's version, then holders that no longer count are
+/// dropped, never below the copies asked for; a node is marked drained only
+/// once no record names it, and forgotten only then.
+fn copies_leave_a_record_only_after_their_replacements(name: &str, kv: Arc<dyn KvEngine>) {
+    use converged_metadata::NodeAdmin;
+    let ns = ns(kv);
+    let f = ns.mknod(ROOT, b"f", &file(0o644)).unwrap();
+    let record = ChunkRecord { version: 3, len: 10, replicas: vec!["n1".into(), "n3".into()], block_crcs: vec![7] };
+    let seal = converged_metadata::Seal {
+        size: 10,
+        mtime: Timespec::now(),
+        chunks: vec![(0, record)],
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+    };
+    ns.seal(f.ino, &seal, Durability::Durable).unwrap();
+    ns.set_node_admin("n3", Some(NodeAdmin::Draining)).unwrap();
+    assert_eq!(ns.node_admin_states().unwrap().get("n3"), Some(&NodeAdmin::Draining), "{name}");
+    assert!(ns.set_node_admin("n3", Some(NodeAdmin::Drained)).is_err(), "{name}: a record still names n3");
+    let gone = ["n3".to_string()];
+    // Dropping n3 would leave one copy where two are asked: refused.
+    assert!(!ns.drop_holders(f.ino, 0, 3, &gone, 2).unwrap(), "{name}");
+    // A copy of another version does not count.
+    assert!(!ns.add_replicas(f.ino, 0, 2, &["n4".into()]).unwrap(), "{name}");
+    assert!(ns.add_replicas(f.ino, 0, 3, &["n4".into()]).unwrap(), "{name}");
+    assert!(!ns.drop_holders(f.ino, 0, 2, &gone, 2).unwrap(), "{name}: stale version");
+    assert!(ns.drop_holders(f.ino, 0, 3, &gone, 2).unwrap(), "{name}");
+    assert_eq!(ns.chunks(f.ino).unwrap()[0].1.replicas, vec!["n1".to_string(), "n4".to_string()], "{name}");
+    assert_eq!(ns.chunks_naming("n3").unwrap(), 0, "{name}");
+    ns.set_node_admin("n3", Some(NodeAdmin::Drained)).unwrap();
+    // n1 is named by a record: it cannot be forgotten.
+    assert!(ns.forget_node("n1").is_err(), "{name}");
+    ns.set_node_admin("n3", None).unwrap();
+    assert!(ns.node_admin_states().unwrap().is_empty(), "{name}");
 }

@@ -40,7 +40,7 @@ fn ignored(opt: &str) -> bool {
 }
 
 const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,verify_reads][,threads=N][,attr_timeout=S][,log_file=F][,node_id=ID]
-                                                 [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local]
+                                                 [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local][,repair_delay=5m]
                                                  [,object_store=URI,s3_endpoint=URL,backfill_delay=5s,evict_high=90,evict_low=80]
                                                  [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S]]
 SOURCE is `local` (embedded metadata in the data dir) or a metadata URI such as redb:///nvme/converged/meta.redb
@@ -91,9 +91,8 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "log_file" => out.extend(["--log-file".into(), need(value)?.into()]),
             "node_id" | "listen" | "tls_dir" | "lease_ttl" | "replicas" | "durability" | "failure_domain"
             | "peer_timeout" | "object_store" | "s3_endpoint" | "backfill_delay" | "backfill_workers"
-            | "evict_high" | "evict_low" | "metrics" | "object_copy_limit" => {
-                out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()])
-            }
+            | "evict_high" | "evict_low" | "metrics" | "object_copy_limit" | "repair_delay" | "repair_bandwidth"
+            | "sweep_grace" => out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()]),
             "keep_deleted_objects" => out.push("--keep-deleted-objects".into()),
             // Commas separate mount options, so labels are joined with `+` here.
             "labels" => out.extend(["--labels".into(), need(value)?.replace('+', ",").into()]),

@@ -35,8 +35,9 @@ const SYNCFS_ABOVE: usize = 32;
 #[derive(Default)]
 pub(super) struct Pending {
     /// Backing files of purged inodes, removed only once the purge is
-    /// durable: a crash before that brings the inode back with its data.
-    doomed: Mutex<Vec<Ino>>,
+    /// durable: a crash before that brings the inode back with its data;
+    /// with the peers that held copies, told to remove theirs then.
+    doomed: Mutex<Vec<(Ino, Vec<String>)>>,
     doomed_bytes: AtomicU64,
     /// Files closed while still empty: nothing to checksum, so their
     /// unsealed mark is cleared in one batch by the next flush instead of a
@@ -128,17 +129,56 @@ impl Core {
     /// Queue the backing file of a purged inode for removal after the next
     /// durable flush. Deleting many small files shares one flush a second;
     /// a lot of space waiting to be freed wakes the flusher at once.
-    pub(super) fn doom(&self, ino: Ino) {
+    /// `holders`: the nodes whose copies go too (read before the purge).
+    pub(super) fn doom(&self, ino: Ino, holders: Vec<String>) {
         let bytes = std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len());
         let files = {
             let mut doomed = self.pending.doomed.lock();
-            doomed.push(ino);
+            doomed.push((ino, holders));
             doomed.len()
         };
         let pending = self.pending.doomed_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
         if pending >= WAKE_FLUSHER_BYTES || files >= WAKE_FLUSHER_FILES {
             *self.pending.flush_now.0.lock() = true;
             self.pending.flush_now.1.notify_one();
+        }
+    }
+
+    /// The nodes other than this one that hold a copy of a chunk of `ino`
+    /// (none without a cluster): read before a purge, whose peer deletes
+    /// they address. A copy made after this read is found by the holder's
+    /// own sweep (`core/sweep.rs`).
+    pub(super) fn peer_holders(&self, ino: Ino) -> Vec<String> {
+        if self.cluster.get().is_none() {
+            return Vec::new();
+        }
+        let mut holders: Vec<String> = match self.ns.chunks(ino) {
+            Ok(chunks) => chunks.into_iter().flat_map(|(_, r)| r.replicas).collect(),
+            Err(_) => Vec::new(),
+        };
+        holders.sort();
+        holders.dedup();
+        holders.retain(|h| h != self.node_id());
+        holders
+    }
+
+    /// Tell the live ones of `holders` to remove their copies of the purged
+    /// `ino`, in the background: nothing waits for the answers. A holder
+    /// that is down, or misses the request, removes its copy itself (its
+    /// sweep, or its recovery at the next mount).
+    fn delete_on_peers(&self, ino: Ino, holders: &[String]) {
+        let Some(cluster) = self.cluster.get() else { return };
+        if holders.is_empty() {
+            return;
+        }
+        for node in cluster.live_peers().into_iter().filter(|n| holders.contains(&n.id)) {
+            let id = node.id.clone();
+            let call = cluster.clone().delete_on(node, ino);
+            cluster.spawn(async move {
+                if let Err(e) = call.await {
+                    tracing::debug!(ino, peer = %id, error = %e, "peer delete failed; its sweep removes the copy");
+                }
+            });
         }
     }
 
@@ -169,11 +209,12 @@ impl Core {
             self.pending.doomed.lock().extend(doomed);
             return Err(e);
         }
-        for ino in doomed {
+        for (ino, holders) in doomed {
             // A metadata reopen after a disk-full error rolls back to the last
             // durable commit and may bring the inode back: then keep its data.
             if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
                 self.store.remove(ino)?;
+                self.delete_on_peers(ino, &holders);
             }
         }
         self.keep_reserve();

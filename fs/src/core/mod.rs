@@ -54,7 +54,9 @@ mod durability;
 mod open;
 mod read;
 mod reconcile;
+mod repair;
 mod replicate;
+mod sweep;
 mod versions;
 mod write;
 
@@ -75,6 +77,7 @@ use crate::tier::Tiering;
 
 pub use open::Opened;
 use open::{Claim, OpenTable};
+pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass};
 pub use replicate::Replicated;
 
 pub struct CoreConfig {
@@ -106,6 +109,9 @@ pub struct CoreStats {
     pub written_bytes: AtomicU64,
     pub seals: AtomicU64,
     pub corrupt_blocks: AtomicU64,
+    /// Copies this node made for repair and drains, and holders it dropped.
+    pub repair_copies: AtomicU64,
+    pub repair_dropped: AtomicU64,
 }
 
 pub struct Core {
@@ -124,6 +130,8 @@ pub struct Core {
     /// Backing files made ahead of time for the next inode numbers, so a
     /// create does not wait for the local filesystem to create one.
     spares: Mutex<std::collections::HashMap<Ino, File>>,
+    /// The last repair pass's findings (leaf lock).
+    last_repair: Mutex<Option<RepairPass>>,
     spares_low: parking_lot::Condvar,
     /// Set at shutdown so no spare is made after.
     spares_stopped: AtomicBool,
@@ -174,6 +182,7 @@ impl Core {
             passthrough: AtomicBool::new(false),
             pending: durability::Pending::default(),
             spares: Mutex::default(),
+            last_repair: Mutex::default(),
             spares_low: parking_lot::Condvar::new(),
             spares_stopped: AtomicBool::new(false),
             cluster: OnceLock::new(),
@@ -301,6 +310,17 @@ impl Core {
     }
 
     /// Files waiting for the replicator.
+    /// What the last repair pass of this node found (none before the first).
+    pub fn repair_report(&self) -> Option<RepairPass> {
+        self.last_repair.lock().clone()
+    }
+
+    pub(crate) fn set_repair_report(&self, pass: &RepairPass) {
+        self.stats.repair_copies.fetch_add(pass.copied, Ordering::Relaxed);
+        self.stats.repair_dropped.fetch_add(pass.dropped, Ordering::Relaxed);
+        *self.last_repair.lock() = Some(pass.clone());
+    }
+
     pub fn under_replicated_files(&self) -> usize {
         self.under_replicated.0.lock().len()
     }
@@ -340,9 +360,13 @@ impl Core {
             FileKind::Regular => held.as_ref().map(|h| h.ino()),
             _ => Some(target.ino),
         };
+        let holders = match may_purge {
+            Some(ino) if target.kind == FileKind::Regular => self.peer_holders(ino),
+            _ => Vec::new(),
+        };
         let gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge)?;
         if gone.purged {
-            self.doom(gone.ino);
+            self.doom(gone.ino, holders);
             return Ok(());
         }
         drop(held);
@@ -404,8 +428,9 @@ impl Core {
     /// Drop the records of an orphan; its backing file goes after the next
     /// durable flush. The caller holds it closed.
     fn purge(&self, ino: Ino) -> FsResult<()> {
+        let holders = self.peer_holders(ino);
         if self.ns.purge(ino)? {
-            self.doom(ino);
+            self.doom(ino, holders);
         }
         Ok(())
     }

@@ -137,17 +137,17 @@ impl Core {
         }
     }
 
-    /// Whether the layout recorded now differs from `used` (another seal).
+    /// Whether the layout recorded now differs from `used`: another seal,
+    /// or copies moved (repair, a drain) so that the holders it names are
+    /// not the ones to ask.
     fn layout_changed(&self, ino: Ino, used: &Layout) -> bool {
         match self.load_layout(ino) {
             Ok(now) => {
                 now.size != used.size
                     || now.chunks.len() != used.chunks.len()
-                    || now
-                        .chunks
-                        .iter()
-                        .zip(&used.chunks)
-                        .any(|(a, b)| a.as_ref().map(|r| r.version) != b.as_ref().map(|r| r.version))
+                    || now.chunks.iter().zip(&used.chunks).any(|(a, b)| {
+                        a.as_ref().map(|r| (r.version, &r.replicas)) != b.as_ref().map(|r| (r.version, &r.replicas))
+                    })
             }
             Err(_) => false,
         }

@@ -6,7 +6,7 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use super::{Step, Worker};
-use crate::core::{Core, Replicated};
+use crate::core::{repair_trigger, Core, Pacer, RepairConfig, Replicated};
 
 /// Makes buffered metadata durable every `period` (sooner when a purge
 /// wants its space back), after the bytes of the seals it carries.
@@ -150,6 +150,120 @@ impl Worker for Settler {
             Err(e) => {
                 tracing::warn!(error = %e, "settling chunk versions failed");
                 Step::Failed(format!("settle: {e}"), Duration::from_secs(5))
+            }
+        }
+    }
+}
+
+/// Keeps every chunk at its policy's copy count on live, active nodes:
+/// rebuilds the copies of dead nodes after the repair delay, and moves
+/// chunks off draining nodes (see `core/repair.rs`). A pass runs when the
+/// dead nodes or admin states change, soon again while work is left, and
+/// every few minutes regardless.
+pub struct Repairer {
+    pub core: Weak<Core>,
+    cfg: RepairConfig,
+    pacer: Pacer,
+    last: Option<(Instant, Trigger)>,
+    unfinished: bool,
+}
+
+type Trigger =
+    Option<(std::collections::BTreeMap<String, converged_metadata::NodeAdmin>, std::collections::BTreeSet<String>)>;
+
+/// A pass at least this often, whatever changed.
+const REPAIR_EVERY: Duration = Duration::from_secs(300);
+/// How soon a pass that left work is followed by another.
+const REPAIR_AGAIN: Duration = Duration::from_secs(2);
+
+impl Repairer {
+    pub fn new(core: Weak<Core>, cfg: RepairConfig) -> Self {
+        Repairer { core, cfg, pacer: Pacer::new(cfg.bandwidth), last: None, unfinished: false }
+    }
+}
+
+impl Worker for Repairer {
+    fn name(&self) -> String {
+        "repair".into()
+    }
+
+    fn step(&mut self) -> Step {
+        std::thread::sleep(Duration::from_secs(1));
+        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        let trigger = repair_trigger(&core);
+        let due = match &self.last {
+            None => true,
+            Some((at, seen)) => {
+                *seen != trigger
+                    || at.elapsed() >= REPAIR_EVERY
+                    || (self.unfinished && at.elapsed() >= REPAIR_AGAIN)
+                    // Dead nodes cross the repair delay with no change in the set.
+                    || (trigger.as_ref().is_some_and(|t| !t.1.is_empty()) && at.elapsed() >= REPAIR_AGAIN)
+            }
+        };
+        if !due {
+            return Step::Idle;
+        }
+        let stop = || self.core.strong_count() == 0;
+        let r = core.repair_pass(&self.cfg, &mut self.pacer, &stop);
+        self.last = Some((Instant::now(), trigger));
+        match r {
+            Ok(pass) => {
+                core.set_repair_report(&pass);
+                self.unfinished = pass.unfinished();
+                if pass.copied + pass.dropped + pass.failed > 0 {
+                    Step::Worked(pass.summary())
+                } else {
+                    Step::Idle
+                }
+            }
+            Err(e) => {
+                self.unfinished = true;
+                tracing::warn!(error = %e, "repair pass failed");
+                Step::Failed(format!("repair: {e}"), Duration::from_secs(5))
+            }
+        }
+    }
+}
+
+/// Removes the copies held here that no record names any more (see
+/// `core/sweep.rs`).
+pub struct Sweeper {
+    pub core: Weak<Core>,
+    grace: Duration,
+    seen: std::collections::HashMap<converged_metadata::types::Ino, Instant>,
+    last: Option<Instant>,
+}
+
+impl Sweeper {
+    pub fn new(core: Weak<Core>, grace: Duration) -> Self {
+        Sweeper { core, grace, seen: Default::default(), last: None }
+    }
+
+    /// How often the copies held here are looked at.
+    fn period(&self) -> Duration {
+        (self.grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
+    }
+}
+
+impl Worker for Sweeper {
+    fn name(&self) -> String {
+        "sweep".into()
+    }
+
+    fn step(&mut self) -> Step {
+        std::thread::sleep(Duration::from_secs(1));
+        if self.last.is_some_and(|t| t.elapsed() < self.period()) {
+            return Step::Idle;
+        }
+        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        self.last = Some(Instant::now());
+        match core.sweep(&mut self.seen, self.grace) {
+            Ok(0) => Step::Idle,
+            Ok(n) => Step::Worked(format!("removed the copies of {n} files no record names")),
+            Err(e) => {
+                tracing::warn!(error = %e, "sweep failed");
+                Step::Failed(format!("sweep: {e}"), Duration::from_secs(5))
             }
         }
     }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-pub use jobs::{Backfiller, Evictor, Flusher, Replicator, Settler, Spares};
+pub use jobs::{Backfiller, Evictor, Flusher, Repairer, Replicator, Settler, Spares, Sweeper};
 
 /// What one step did.
 pub enum Step {

@@ -5,6 +5,7 @@ pub mod layout;
 
 mod link;
 mod lookup;
+pub mod nodes;
 mod remove;
 mod rename;
 mod setattr;

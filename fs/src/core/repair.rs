@@ -1,0 +1,297 @@
+//! Repair: every chunk keeps the copies its policy asks for, on live nodes
+//! that take new copies.
+//!
+//! A pass reads the chunk records of the volume and sorts each holder:
+//!
+//! | holder                                   | counts as a copy | read from | dropped from the record |
+//! |------------------------------------------|------------------|-----------|-------------------------|
+//! | live, no admin state                     | yes              | yes       | no                      |
+//! | live, draining or drained                | no               | yes       | once enough others hold |
+//! | dead for less than `--repair-delay`      | no, not repaired | no        | no (it may come back)   |
+//! | dead for longer, or forgotten            | no               | no        | once enough others hold |
+//!
+//! A chunk with fewer good copies than its policy, not counting holders that
+//! are only briefly down, gets new copies now: one live node chosen by
+//! rendezvous hashing over (inode, chunk) does it, so the work spreads over
+//! the cluster and no two nodes copy the same chunk. The new holder pulls the
+//! chunk itself (`stage_chunk`): from any live holder, each block checked
+//! against the record's checksums, or from the object store when the file is
+//! backed; it records itself only once its copy is on stable storage, and
+//! only if the chunk is still at that version. Holders that no longer count
+//! are dropped from the record after that, by a transaction that checks
+//! enough good copies remain. Every step is a record change, so a pass cut
+//! short by a crash is simply done again by the next one.
+//!
+//! Repair bytes are paced by `--repair-bandwidth` per node. No lock is held
+//! across the copies.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use converged_metadata::types::*;
+use converged_metadata::{MetaError, NodeAdmin};
+
+use super::Core;
+use crate::error::FsResult;
+
+/// How repair runs on this node.
+#[derive(Debug, Clone, Copy)]
+pub struct RepairConfig {
+    /// How long a dead node's copies are waited for before they are rebuilt.
+    pub delay: Duration,
+    /// Bytes per second this node copies for repair (0: unpaced).
+    pub bandwidth: u64,
+}
+
+/// What a holder of a chunk is, for repair (see the module's head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    Good,
+    Leaving,
+    Down,
+    Gone,
+}
+
+/// What one pass found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RepairPass {
+    pub chunks: u64,
+    /// Chunks with fewer good copies than their policy.
+    pub under: u64,
+    /// Of those, chunks waiting for a briefly dead holder (inside the delay).
+    pub waiting: u64,
+    /// Chunks with no copy on a live node.
+    pub unavailable: u64,
+    /// Copies this node made (or had made) in this pass.
+    pub copied: u64,
+    /// Holders this node dropped from records in this pass.
+    pub dropped: u64,
+    /// Chunks this node should have repaired and could not.
+    pub failed: u64,
+}
+
+impl RepairPass {
+    pub fn summary(&self) -> String {
+        format!(
+            "{} chunks: {} under-replicated ({} waiting for the repair delay), {} with no live copy; made {} copies, dropped {} holders, {} failed",
+            self.chunks, self.under, self.waiting, self.unavailable, self.copied, self.dropped, self.failed
+        )
+    }
+
+    /// Whether a pass soon would have work: something is still short.
+    pub fn unfinished(&self) -> bool {
+        self.under > 0 || self.failed > 0
+    }
+}
+
+/// Paces repair copies to a byte rate.
+pub struct Pacer {
+    rate: u64,
+    next: Instant,
+}
+
+impl Pacer {
+    pub fn new(rate: u64) -> Self {
+        Pacer { rate, next: Instant::now() }
+    }
+
+    /// Wait until `bytes` more fit the rate, or `stop` says so.
+    fn take(&mut self, bytes: u64, stop: &dyn Fn() -> bool) {
+        if self.rate == 0 {
+            return;
+        }
+        let now = Instant::now();
+        self.next = self.next.max(now) + Duration::from_secs_f64(bytes as f64 / self.rate as f64);
+        // The first copy starts at once; later ones wait for their turn.
+        let start_at = self.next - Duration::from_secs_f64(bytes as f64 / self.rate as f64);
+        while Instant::now() < start_at && !stop() {
+            std::thread::sleep((start_at - Instant::now()).min(Duration::from_millis(100)));
+        }
+    }
+}
+
+/// The holders' standing at the time of a pass.
+struct View {
+    standing: HashMap<String, Holder>,
+}
+
+impl View {
+    fn of(&self, node: &str) -> Holder {
+        // A node no longer in membership was forgotten.
+        self.standing.get(node).copied().unwrap_or(Holder::Gone)
+    }
+}
+
+/// One chunk this node repairs.
+struct Job {
+    ino: Ino,
+    index: u32,
+    version: u64,
+    len: u64,
+    /// Copies to add now.
+    add: usize,
+    /// Holders to drop once enough good copies are recorded.
+    drop: Vec<String>,
+    want: usize,
+}
+
+impl Core {
+    /// How each registered node stands, for repair.
+    fn repair_view(&self, delay: Duration) -> FsResult<Option<View>> {
+        let Some(cluster) = self.cluster.get() else { return Ok(None) };
+        let members = cluster.members_now()?;
+        let admin = self.ns.node_admin_states()?;
+        let now = Timespec::now();
+        let mut standing = HashMap::new();
+        for m in members {
+            let h = match (m.alive, admin.get(&m.info.id)) {
+                (true, None) => Holder::Good,
+                (true, Some(_)) => Holder::Leaving,
+                (false, _) => {
+                    let dead_for = (now.sec - m.info.heartbeat.sec).max(0) as u64;
+                    let drained = admin.contains_key(&m.info.id);
+                    if drained || Duration::from_secs(dead_for) >= delay {
+                        Holder::Gone
+                    } else {
+                        Holder::Down
+                    }
+                }
+            };
+            standing.insert(m.info.id, h);
+        }
+        Ok(Some(View { standing }))
+    }
+
+    /// One repair pass over every chunk record of the volume (see the
+    /// module's head). `stop` ends it early (the daemon stops).
+    pub(crate) fn repair_pass(
+        &self,
+        cfg: &RepairConfig,
+        pacer: &mut Pacer,
+        stop: &dyn Fn() -> bool,
+    ) -> FsResult<RepairPass> {
+        let mut pass = RepairPass::default();
+        let Some(view) = self.repair_view(cfg.delay)? else { return Ok(pass) };
+        let cluster = self.cluster.get().expect("a view means a cluster").clone();
+        let mut policy: HashMap<Ino, usize> = HashMap::new();
+        let mut policy_err = None;
+        let mut jobs = Vec::new();
+        self.ns.for_each_chunk(|ino, index, rec| {
+            pass.chunks += 1;
+            let want = *policy.entry(ino).or_insert_with(|| match self.ns.replicas_policy(ino) {
+                Ok(p) => p.unwrap_or(cluster.default_replicas()).max(1) as usize,
+                Err(e) => {
+                    policy_err = Some(e);
+                    cluster.default_replicas().max(1) as usize
+                }
+            });
+            let count = |kind: Holder| rec.replicas.iter().filter(|r| view.of(r) == kind).count();
+            let (good, leaving, down) = (count(Holder::Good), count(Holder::Leaving), count(Holder::Down));
+            if good + leaving == 0 {
+                pass.unavailable += 1;
+            }
+            let add = want.saturating_sub(good + down);
+            if good < want {
+                pass.under += 1;
+                if add == 0 {
+                    pass.waiting += 1;
+                }
+            }
+            let drop: Vec<String> =
+                rec.replicas.iter().filter(|r| matches!(view.of(r), Holder::Leaving | Holder::Gone)).cloned().collect();
+            let work = add > 0 || (!drop.is_empty() && good >= want);
+            if work && cluster.repairs(ino, index) {
+                jobs.push(Job { ino, index, version: rec.version, len: rec.len as u64, add, drop, want });
+            }
+        })?;
+        if let Some(e) = policy_err {
+            return Err(e.into());
+        }
+        for job in jobs {
+            if stop() {
+                break;
+            }
+            match self.repair_chunk(&job, &view, pacer, stop) {
+                Ok((copied, dropped)) => {
+                    pass.copied += copied;
+                    pass.dropped += dropped;
+                    if copied < job.add as u64 {
+                        pass.failed += 1;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(ino = job.ino, chunk = job.index, error = %e, "repair of a chunk failed; the next pass tries again");
+                    pass.failed += 1;
+                }
+            }
+        }
+        Ok(pass)
+    }
+
+    /// Give one chunk its missing copies, then drop the holders that no
+    /// longer count. Returns (copies made, holders dropped).
+    fn repair_chunk(&self, job: &Job, view: &View, pacer: &mut Pacer, stop: &dyn Fn() -> bool) -> FsResult<(u64, u64)> {
+        let cluster = self.cluster.get().expect("repair runs in a cluster").clone();
+        let mut copied = 0;
+        if job.add > 0 {
+            let Some(rec) = self.ns.chunk(job.ino, job.index)? else { return Ok((0, 0)) };
+            if rec.version != job.version {
+                return Ok((0, 0)); // sealed again since the scan: the writer replicates it
+            }
+            let holders: BTreeSet<&String> = rec.replicas.iter().collect();
+            // Placement's ranking over the nodes that take copies, this one
+            // included, without the holders.
+            let targets: Vec<_> = cluster
+                .stage_targets(job.ino, job.index, job.add + holders.len() + 1)
+                .into_iter()
+                .filter(|n| !holders.contains(&n.id))
+                .take(job.add)
+                .collect();
+            for target in targets {
+                if stop() {
+                    break;
+                }
+                pacer.take(job.len, stop);
+                let r = if target.id == cluster.node() {
+                    self.stage_chunk(job.ino, job.index)
+                } else {
+                    cluster.block_on(cluster.clone().stage_on(target.clone(), job.ino, job.index))
+                };
+                match r {
+                    Ok(()) => {
+                        copied += 1;
+                        tracing::info!(ino = job.ino, chunk = job.index, node = %target.id, "repaired: new copy");
+                    }
+                    Err(e) => {
+                        tracing::warn!(ino = job.ino, chunk = job.index, node = %target.id, error = %e, "repair copy failed")
+                    }
+                }
+            }
+        }
+        let mut dropped = 0;
+        if !job.drop.is_empty() {
+            let Some(rec) = self.ns.chunk(job.ino, job.index)? else { return Ok((copied, 0)) };
+            let good = rec.replicas.iter().filter(|r| view.of(r) == Holder::Good).count();
+            if rec.version == job.version && good >= job.want {
+                match self.ns.drop_holders(job.ino, job.index, job.version, &job.drop, job.want) {
+                    Ok(true) => {
+                        dropped = job.drop.len() as u64;
+                        tracing::info!(ino = job.ino, chunk = job.index, holders = ?job.drop, "dropped holders that no longer count");
+                    }
+                    Ok(false) => {}
+                    Err(MetaError::NotFound) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok((copied, dropped))
+    }
+}
+
+/// The admin states and dead nodes a pass saw: a change means a pass now.
+pub fn repair_trigger(core: &Core) -> Option<(BTreeMap<String, NodeAdmin>, BTreeSet<String>)> {
+    let cluster = core.cluster.get()?;
+    let admin = core.ns.node_admin_states().ok()?;
+    let dead = cluster.dead_nodes().ok()?;
+    Some((admin, dead))
+}

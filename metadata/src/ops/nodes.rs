@@ -1,0 +1,124 @@
+//! What an admin says of a node, and the chunk-record changes that move
+//! copies between nodes (repair, drain).
+//!
+//! A node's admin state lives in an `A` key that outlives its membership
+//! lease; no key means the node takes new chunks as usual. The states:
+//!
+//! ```text
+//!   (active) ──drain──▶ Draining ──(no chunk record names it)──▶ Drained
+//!      ▲                   │                                        │
+//!      └──────undrain──────┴────────────────undrain─────────────────┘
+//!   dead and drained, or dead and named by no record: forget removes it
+//! ```
+//!
+//! A draining or drained node is given no new copy by placement; its
+//! copies count for nothing in a chunk's replica count, so repair gives
+//! each of its chunks a new copy elsewhere and then drops it from the
+//! record. It keeps serving reads until then.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{MetaError, MetaResult};
+use crate::kv::{Durability, KvEngine};
+use crate::namespace::{chunk_at_version, decode, encode, Namespace};
+use crate::schema;
+use crate::types::Ino;
+
+/// An admin's word on a node (see the module's head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeAdmin {
+    /// Its chunks are being copied elsewhere; it takes no new ones.
+    Draining,
+    /// No chunk record names it: it can be taken down.
+    Drained,
+}
+
+impl NodeAdmin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeAdmin::Draining => "draining",
+            NodeAdmin::Drained => "drained",
+        }
+    }
+}
+
+/// Every node's admin state (nodes without one are absent).
+pub fn admin_states(kv: &dyn KvEngine) -> MetaResult<BTreeMap<String, NodeAdmin>> {
+    let mut txn = kv.read_txn()?;
+    let (start, end) = schema::prefix_range(schema::NODE_ADMIN);
+    let mut out = BTreeMap::new();
+    for (k, v) in txn.scan(&start, &end, 100_000)? {
+        let id = String::from_utf8_lossy(&k[1..]).into_owned();
+        out.insert(id, decode::<NodeAdmin>(&k, &v)?);
+    }
+    Ok(out)
+}
+
+impl Namespace {
+    /// Every node's admin state.
+    pub fn node_admin_states(&self) -> MetaResult<BTreeMap<String, NodeAdmin>> {
+        admin_states(self.kv.as_ref())
+    }
+
+    /// Set (or, with `None`, clear) the admin state of node `id`. A drained
+    /// mark is refused while a chunk record still names the node.
+    pub fn set_node_admin(&self, id: &str, state: Option<NodeAdmin>) -> MetaResult<()> {
+        if state == Some(NodeAdmin::Drained) && self.chunks_naming(id)? > 0 {
+            return Err(MetaError::Invalid("chunk records still name this node"));
+        }
+        self.write(Durability::Durable, |txn| {
+            let key = schema::node_admin(id);
+            match state {
+                Some(s) => txn.put(&key, &encode(&s)),
+                None => txn.delete(&key),
+            }
+            Ok(())
+        })
+    }
+
+    /// How many chunk records name node `id` as a holder.
+    pub fn chunks_naming(&self, id: &str) -> MetaResult<u64> {
+        let mut n = 0;
+        self.for_each_chunk(|_, _, rec| n += rec.replicas.iter().any(|r| r == id) as u64)?;
+        Ok(n)
+    }
+
+    /// Drop node `id` from the volume: its membership record and its admin
+    /// state. Refused while it is live or while a chunk record names it
+    /// (repair or a drain moves those first).
+    pub fn forget_node(&self, id: &str) -> MetaResult<()> {
+        if self.chunks_naming(id)? > 0 {
+            return Err(MetaError::Invalid("chunk records still name this node; wait for repair or drain it first"));
+        }
+        self.write(Durability::Durable, |txn| {
+            if txn.get(&schema::live_node(id))?.is_some() {
+                return Err(MetaError::Invalid("the node is live; stop it first"));
+            }
+            if txn.get(&schema::known_node(id))?.is_none() {
+                return Err(MetaError::NotFound);
+            }
+            txn.delete(&schema::known_node(id));
+            txn.delete(&schema::node_admin(id));
+            Ok(())
+        })
+    }
+
+    /// Drop `gone` from the holders of chunk `index` of `ino`, if the chunk
+    /// is still at `version` and at least `keep` holders not in `gone`
+    /// remain (a copy is dropped only once its replacements are recorded).
+    /// Returns whether the record changed.
+    pub fn drop_holders(&self, ino: Ino, index: u32, version: u64, gone: &[String], keep: usize) -> MetaResult<bool> {
+        self.write(Durability::Durable, |txn| {
+            let Some(mut record) = chunk_at_version(txn, ino, index, version)? else { return Ok(false) };
+            let before = record.replicas.len();
+            record.replicas.retain(|r| !gone.contains(r));
+            if record.replicas.len() == before || record.replicas.len() < keep.max(1) {
+                return Ok(false);
+            }
+            txn.put(&schema::chunk(ino, index), &encode(&record));
+            Ok(true)
+        })
+    }
+}

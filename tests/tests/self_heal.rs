@@ -1,0 +1,215 @@
+//! Self-healing on real daemons: four nodes on loopback, a real 3-member
+//! etcd, QUIC between them. A node killed with `kill -9` is rebuilt around
+//! after the repair delay, so a second failure loses nothing; a backed file
+//! whose holders all died reads from the object store and is copied back
+//! onto the live nodes; a drain moves every chunk off a node while readers
+//! loop over the files without one error; a deleted file's copies leave
+//! every node, at once for live ones and at return for one that was down.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::cluster::*;
+use common::*;
+
+const MIB: usize = 1 << 20;
+
+/// The node options of these tests: a dead node is rebuilt around 4 s
+/// after its last heartbeat (3 s lease), unneeded copies go 3 s after they
+/// were found so.
+const HEAL: [&str; 4] = ["--repair-delay", "4s", "--sweep-grace", "3s"];
+
+/// (under-replicated, no live copy) from `status --meta`'s volume line.
+fn health(c: &Cluster) -> (u64, u64) {
+    let s = status(c);
+    let line = s.lines().find(|l| l.contains(" under-replicated, ")).unwrap_or_else(|| panic!("no health line: {s}"));
+    let num_before = |what: &str| -> u64 {
+        let head = &line[..line.find(what).unwrap_or_else(|| panic!("{what:?} in {line}"))];
+        head.trim_end().rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    (num_before(" under-replicated"), num_before(" with no live copy"))
+}
+
+/// The state column and chunk count of `node` in `status --meta`.
+fn node_line(c: &Cluster, node: &str) -> String {
+    let s = status(c);
+    s.lines().find(|l| l.starts_with(&format!("{node} "))).unwrap_or_else(|| panic!("{node} not in {s}")).to_string()
+}
+
+fn read_all(c: &Cluster, i: usize, files: &[(String, Vec<u8>)]) {
+    for (name, data) in files {
+        let got = fs::read(c.node(i).path(name)).unwrap_or_else(|e| panic!("read {name} on n{}: {e}", i + 1));
+        same(&got, data, &format!("{name} on n{}", i + 1));
+    }
+}
+
+/// 600 MiB at two copies; n1 dies: within the repair delay plus a bound
+/// every chunk has two live copies again; then n2 dies: every byte reads
+/// back on n3 and n4.
+#[test]
+fn a_dead_nodes_chunks_are_rebuilt_before_a_second_failure() {
+    let Some(mut c) = Cluster::start(4, &HEAL) else { return };
+    fs::create_dir(c.node(0).path("ckpt")).unwrap();
+    let files: Vec<(String, Vec<u8>)> =
+        (0..6u64).map(|i| (format!("ckpt/shard-{i}.pt"), pattern(100 * MIB, 300 + i))).collect();
+    for (name, data) in &files {
+        fs::write(c.node(0).path(name), data).unwrap();
+    }
+    assert_eq!(health(&c), (0, 0), "two copies of every chunk after the writes");
+
+    c.nodes[0].crash();
+    let killed = Instant::now();
+    eventually(30, "n1 is seen dead", || status(&c).contains("3 live, 1 dead"));
+    assert_ne!(health(&c).0, 0, "n1's chunks are under-replicated once it is dead");
+    // The lease (3 s) and the repair delay (4 s) pass first; the bound on
+    // the copying itself is generous for a loaded 2-core machine.
+    eventually(180, "no chunk under-replicated after n1 died", || health(&c) == (0, 0));
+    let took = killed.elapsed();
+    eprintln!("repaired 600 MiB of n1's copies {:.1}s after kill -9 (lease 3s + repair delay 4s)", took.as_secs_f64());
+    assert!(node_line(&c, "n1").contains(" dead("), "{}", node_line(&c, "n1"));
+    let n1 = node_line(&c, "n1");
+    assert_eq!(n1.split_whitespace().nth(7), Some("0"), "no record names n1: {n1}");
+
+    c.nodes[1].crash();
+    read_all(&c, 2, &files);
+    read_all(&c, 3, &files);
+}
+
+/// A backed file at one copy whose only holder dies: it reads back from
+/// the object store on the live nodes, and repair copies it onto one.
+#[test]
+fn a_backed_file_whose_holders_died_reads_from_the_object_store() {
+    let Some(s3) = common::s3::S3Server::start() else { return };
+    s3.client().mkbucket("vol");
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let endpoint = s3.endpoint();
+    let mut args = vec!["--object-store", "s3://vol/v", "--s3-endpoint", &endpoint, "--backfill-delay", "1s"];
+    args.extend_from_slice(&HEAL);
+    let Some(mut c) = Cluster::start(4, &args) else { return };
+    fs::create_dir(c.node(0).path("solo")).unwrap();
+    setxattr(&c.node(0).path("solo"), "user.converged.replicas", b"1");
+    let data = pattern(24 * MIB, 77);
+    fs::write(c.node(0).path("solo/a.bin"), &data).unwrap();
+    eventually(60, "solo/a.bin is backed", || {
+        xattr_value(&c.node(0).path("solo/a.bin"), "user.converged.tier").starts_with("state=backed")
+    });
+    c.nodes[0].crash();
+    // Straight away (n1 still looks live for a few seconds), and after.
+    let got = fs::read(c.node(2).path("solo/a.bin")).unwrap();
+    same(&got, &data, "a.bin on n3 with its only holder dead");
+    eventually(120, "a.bin has a copy on a live node again", || health(&c) == (0, 0));
+    let got = fs::read(c.node(3).path("solo/a.bin")).unwrap();
+    same(&got, &data, "a.bin on n4 after repair");
+}
+
+/// `node drain n3` while readers on two other nodes loop over every file:
+/// no read fails, and at the end no record names n3, n3 holds no copy,
+/// and status says it is drained.
+#[test]
+fn draining_a_node_moves_its_chunks_without_a_read_error() {
+    let Some(c) = Cluster::start(4, &HEAL) else { return };
+    fs::create_dir(c.node(0).path("data")).unwrap();
+    let files: Vec<(String, Vec<u8>)> =
+        (0..8u64).map(|i| (format!("data/part-{i}.bin"), pattern(24 * MIB + i as usize * 4097, 500 + i))).collect();
+    for (name, data) in &files {
+        fs::write(c.node(0).path(name), data).unwrap();
+    }
+    let inos: Vec<u64> = files.iter().map(|(n, _)| fs::metadata(c.node(0).path(n)).unwrap().ino()).collect();
+    let held_before = node_line(&c, "n3");
+    assert!(inos.iter().any(|ino| c.holds(2, *ino)), "n3 holds copies before the drain: {held_before}");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (loops, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let readers: Vec<_> = [1usize, 3]
+        .into_iter()
+        .map(|i| {
+            let (stop, loops, errors) = (stop.clone(), loops.clone(), errors.clone());
+            let mnt = c.node(i).mnt.clone();
+            let files = files.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    for (name, data) in &files {
+                        match fs::read(mnt.join(name)) {
+                            Ok(got) if got == *data => {}
+                            Ok(got) => {
+                                eprintln!("n{}: {name}: {} bytes, not the file's", i + 1, got.len());
+                                errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                eprintln!("n{}: {name}: {e}", i + 1);
+                                errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    loops.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+
+    let started = Instant::now();
+    let out = converged().args(["node", "drain", "n3", "--meta", &c.meta]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "drain: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("drained n3 in {:.1}s", started.elapsed().as_secs_f64());
+    eventually(60, "n3 removed its copies", || inos.iter().all(|ino| !c.holds(2, *ino)));
+    // Readers keep going a little past the last removal.
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert_eq!(errors.load(Ordering::Relaxed), 0, "reads failed during the drain");
+    assert!(loops.load(Ordering::Relaxed) >= 2, "the readers read every file during the drain");
+    let line = node_line(&c, "n3");
+    assert!(line.contains("drained"), "{line}");
+    assert_eq!(line.split_whitespace().nth(7), Some("0"), "no record names n3: {line}");
+    assert_eq!(health(&c), (0, 0), "every chunk has its copies elsewhere");
+    // Nothing new lands on a drained node.
+    fs::write(c.node(0).path("data/after.bin"), pattern(8 * MIB, 9)).unwrap();
+    let ino = fs::metadata(c.node(0).path("data/after.bin")).unwrap().ino();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!c.holds(2, ino), "a drained node took a new copy");
+    read_all(&c, 2, &files);
+}
+
+/// A deleted file's copies leave every node: live peers are told at once;
+/// a peer that was down removes its copy when it comes back.
+#[test]
+fn a_deleted_files_copies_leave_every_node() {
+    let Some(mut c) = Cluster::start(3, &HEAL) else { return };
+    fs::create_dir(c.node(0).path("d")).unwrap();
+    setxattr(&c.node(0).path("d"), "user.converged.replicas", b"3");
+    let names = ["d/a.bin", "d/b.bin"];
+    let mut inos = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        fs::write(c.node(0).path(name), pattern(12 * MIB, i as u64)).unwrap();
+        inos.push(fs::metadata(c.node(0).path(name)).unwrap().ino());
+    }
+    for i in 0..3 {
+        eventually(20, "every node holds both files", || inos.iter().all(|ino| c.holds(i, *ino)));
+    }
+    fs::remove_file(c.node(1).path(names[0])).unwrap();
+    for i in 0..3 {
+        eventually(20, &format!("n{} dropped the deleted file", i + 1), || !c.holds(i, inos[0]));
+    }
+
+    c.nodes[2].crash();
+    fs::remove_file(c.node(0).path(names[1])).unwrap();
+    for i in 0..2 {
+        eventually(20, &format!("n{} dropped the second file", i + 1), || !c.holds(i, inos[1]));
+    }
+    assert!(c.holds(2, inos[1]), "the node that was down still has its copy");
+    c.nodes[2].mount();
+    eventually(30, "n3 dropped the file deleted while it was down", || !c.holds(2, inos[1]));
+}
