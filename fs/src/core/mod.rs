@@ -18,6 +18,8 @@
 //! - `versions.rs`: chunk versions held beside the backing file, and when
 //!   they are installed into it or removed.
 //! - `reconcile.rs`: a fenced writer's local copy brought back to the layout.
+//! - `repair.rs`: copies of dead and draining holders rebuilt elsewhere.
+//! - `sweep.rs`: local copies that no chunk record names, removed.
 //!
 //! # Lock order
 //!
@@ -34,7 +36,8 @@
 //!    held; others wait on `OpenInode::changed`, holding nothing.
 //! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
 //!    `doomed`, `unseal_later`, `spares`, `under_replicated`, `flush_now`,
-//!    the tier's tables, the chunk store's version index.
+//!    `last_repair`, the tier's tables, the chunk store's version index,
+//!    the cluster's member list (read from etcd with no lock held).
 //!
 //! And across the boundaries:
 //! - **No in-memory lock is taken inside a KV transaction closure**: what a
