@@ -11,7 +11,9 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use converged_metadata::types::{BACKFILL_XATTR, IMPORT_XATTR, LAYOUT_XATTR, STAGE_XATTR, TIER_XATTR, WORKERS_XATTR};
+use converged_metadata::types::{
+    BACKFILL_XATTR, IMPORT_XATTR, LAYOUT_XATTR, SCRUB_XATTR, STAGE_XATTR, TIER_XATTR, WORKERS_XATTR,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::import::invalid_key;
@@ -217,6 +219,71 @@ pub fn stage(a: StageArgs) -> anyhow::Result<()> {
         total as f64 / (1u64 << 30) as f64,
         a.replicas
     );
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ScrubArgs {
+    /// A file or directory on a converged mount.
+    pub path: PathBuf,
+    /// Check this node's copies of every file under PATH now (progress bar), repairing bad
+    /// blocks from a replica or the object store; without it, show the background scrub.
+    #[arg(long)]
+    pub now: bool,
+}
+
+/// `converged scrub [--now] PATH`.
+pub fn scrub(a: ScrubArgs) -> anyhow::Result<()> {
+    on_converged(&a.path)?;
+    if !a.now {
+        let workers = get_xattr(&a.path, WORKERS_XATTR).unwrap_or_default();
+        match workers.lines().find(|l| l.starts_with("scrub ")) {
+            Some(line) => println!(
+                "{line}\n(every copy on this node is checked once per --scrub-period; `scrub --now` checks now)"
+            ),
+            None => println!("no scrub worker on this node"),
+        }
+        return Ok(());
+    }
+    let mut files = Vec::new();
+    walk(&a.path, &mut files)?;
+    let total: u64 = files.iter().map(|f| f.1).sum();
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}")
+            .expect("valid template"),
+    );
+    let (mut bad, mut repaired, mut checked, mut failed) = (0u64, 0u64, 0u64, Vec::new());
+    for (path, size) in &files {
+        match get_xattr(path, SCRUB_XATTR) {
+            Ok(found) => {
+                let field = |k: &str| -> u64 {
+                    found.split_whitespace().find_map(|f| f.strip_prefix(k)).and_then(|v| v.parse().ok()).unwrap_or(0)
+                };
+                checked += field("bytes=");
+                let (b, r) = (field("bad_blocks="), field("repaired_blocks="));
+                if b > 0 {
+                    bar.println(format!("{}: {b} bad blocks, {r} repaired", path.display()));
+                }
+                bad += b;
+                repaired += r;
+            }
+            Err(e) => failed.push(format!("{}: {e}", path.display())),
+        }
+        bar.inc(*size);
+    }
+    bar.finish();
+    for f in &failed {
+        eprintln!("not checked: {f}");
+    }
+    println!(
+        "{} files, {:.2} GiB of local copies checked: {bad} bad blocks, {repaired} repaired",
+        files.len(),
+        checked as f64 / (1u64 << 30) as f64
+    );
+    if !failed.is_empty() || repaired < bad {
+        bail!("{} bad blocks not repaired, {} files not checked", bad - repaired, failed.len());
+    }
     Ok(())
 }
 

@@ -59,6 +59,9 @@ pub enum Cmd {
     /// copies again, forget one that will not come back.
     #[command(subcommand)]
     Node(crate::volume::NodeCmd),
+    /// Check this node's copies of files against their block checksums and repair bad blocks
+    /// from a replica or the object store (--now), or show the background scrub's state.
+    Scrub(crate::admin::ScrubArgs),
     /// Cluster certificates: peers talk QUIC with mutual TLS from a cluster CA.
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -191,6 +194,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         Cmd::Status { .. } => Err(anyhow::anyhow!("give either a PATH on a mount or --meta URI, not both")),
         Cmd::Import(a) => crate::admin::import(a),
         Cmd::Stage(a) => crate::admin::stage(a),
+        Cmd::Scrub(a) => crate::admin::scrub(a),
         Cmd::DevCluster(args) => crate::devcluster::run(args),
     };
     match result {

@@ -100,6 +100,12 @@ pub struct MountArgs {
     #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = parse_duration)]
     pub sweep_grace: Duration,
 
+    /// Every chunk copy on this node is read back against its checksums once per this
+    /// period (`168h`, `12h`), bad blocks rewritten from a good copy; reads are paced to
+    /// spread the pass over the period (at least 1 MiB/s).
+    #[arg(long, default_value = "168h", value_name = "DURATION", value_parser = parse_duration)]
+    pub scrub_period: Duration,
+
     /// Back every file with an object store: `s3://bucket/prefix`, `gs://bucket/prefix`,
     /// `az://container/prefix` or `file:///dir`. Each closed file is uploaded as one object at
     /// `<prefix>/<path>`; backed chunks may then be evicted from the SSDs. S3 credentials come

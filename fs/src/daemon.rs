@@ -270,6 +270,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     workers.start(crate::workers::Spares { core: Arc::downgrade(&core) })?;
     workers.start(crate::workers::Replicator { core: Arc::downgrade(&core) })?;
     workers.start(crate::workers::Settler { core: Arc::downgrade(&core) })?;
+    workers.start(crate::workers::Scrubber::new(Arc::downgrade(&core), args.scrub_period))?;
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
     let spec = crate::fuse::MountSpec {
         mountpoint: &c.mountpoint,

@@ -49,6 +49,9 @@ impl Collector for DaemonCollector {
             ("corrupt_blocks", "Local blocks that failed their checksum when read", &s.corrupt_blocks),
             ("repair_copies", "Chunk copies this node made for repair and drains", &s.repair_copies),
             ("repair_dropped_holders", "Holders this node dropped from chunk records after repair", &s.repair_dropped),
+            ("scrub_bytes", "Bytes of local copies checked by scrub", &s.scrub_bytes),
+            ("scrub_bad_blocks", "Blocks scrub found failing their checksum", &s.scrub_bad_blocks),
+            ("scrub_repaired_blocks", "Bad blocks scrub rewrote from a good copy", &s.scrub_repaired_blocks),
         ];
         for (name, help, v) in counters {
             counter(&mut encoder, name, help, v)?;

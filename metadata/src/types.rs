@@ -27,6 +27,9 @@ pub const STAGE_XATTR: &[u8] = b"user.converged.stage";
 pub const LAYOUT_XATTR: &[u8] = b"user.converged.layout";
 /// Read-only, on any directory: this node's backfill backlog.
 pub const BACKFILL_XATTR: &[u8] = b"user.converged.backfill";
+/// Read-only, on a file: reading it checks this node's copies of the file's
+/// chunks against their checksums now, repairs bad blocks, and says what it found.
+pub const SCRUB_XATTR: &[u8] = b"user.converged.scrub";
 /// Read-only, on any inode: the state of this node's background workers.
 pub const WORKERS_XATTR: &[u8] = b"user.converged.workers";
 /// Most replicas a policy may ask for.

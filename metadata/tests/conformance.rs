@@ -36,6 +36,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("object_keys_belong_to_one_file_at_a_time", object_keys_belong_to_one_file_at_a_time),
     ("large_layouts_switch_whole_across_a_crash", large_layouts_switch_whole_across_a_crash),
     ("copies_leave_a_record_only_after_their_replacements", copies_leave_a_record_only_after_their_replacements),
+    ("many_files_closed_empty_lose_their_marks_together", many_files_closed_empty_lose_their_marks_together),
 ];
 
 /// The record an upload starts from, when it may start.
@@ -793,4 +794,21 @@ fn copies_leave_a_record_only_after_their_replacements(name: &str, kv: Arc<dyn K
     assert!(ns.forget_node("n1").is_err(), "{name}");
     ns.set_node_admin("n3", None).unwrap();
     assert!(ns.node_admin_states().unwrap().is_empty(), "{name}");
+}
+
+/// Thousands of files created and closed empty have their unsealed marks
+/// (their write leases) cleared in one call, whatever the engine's limit
+/// on operations per transaction (etcd: 128).
+fn many_files_closed_empty_lose_their_marks_together(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv).with_tier();
+    let mut inos = Vec::new();
+    for i in 0..300 {
+        let f = ns.mknod(ROOT, format!("empty-{i}").as_bytes(), &file(0o644)).unwrap();
+        ns.mark_unsealed(f.ino).unwrap();
+        inos.push(f.ino);
+    }
+    assert_eq!(ns.unsealed().unwrap().len(), 300, "{name}");
+    ns.clear_unsealed(&inos).unwrap();
+    assert!(ns.unsealed().unwrap().is_empty(), "{name}: every mark cleared");
+    assert!(inos.iter().all(|i| ns.tier(*i).unwrap().is_some_and(|t| t.state == TierState::Dirty)), "{name}");
 }

@@ -261,33 +261,39 @@ impl Core {
         // A file closed empty twice is queued twice; held once.
         inos.sort_unstable();
         inos.dedup();
-        // Several inodes are held at once here, so none is waited for:
-        // one that another holder has (an unlink, an eviction) comes back
-        // in the next batch.
-        let mut held = Vec::with_capacity(inos.len());
-        let mut later = Vec::new();
-        for ino in inos {
-            match self.open.try_claim_closed(ino) {
-                Some(Claim::Closed(h)) => held.push(h),
-                Some(Claim::Open(oi)) => {
-                    if matches!(oi.state.lock().write, super::write::WriteState::Sealed) {
-                        later.push(ino);
+        // A batch of inodes is held at once here (one transaction's worth,
+        // so an unlink or an open waits for one small commit at most), and
+        // none is waited for: one that another holder has (an unlink, an
+        // eviction) comes back in the next flush.
+        let batches: Vec<&[Ino]> = inos.chunks(self.ns.unsealed_batch().min(inos.len())).collect();
+        for (i, batch) in batches.iter().enumerate() {
+            let mut held = Vec::with_capacity(batch.len());
+            let mut later = Vec::new();
+            for &ino in *batch {
+                match self.open.try_claim_closed(ino) {
+                    Some(Claim::Closed(h)) => held.push(h),
+                    Some(Claim::Open(oi)) => {
+                        if matches!(oi.state.lock().write, super::write::WriteState::Sealed) {
+                            later.push(ino);
+                        }
                     }
+                    None => later.push(ino),
                 }
-                None => later.push(ino),
             }
-        }
-        self.pending.unseal_later.lock().extend(later);
-        let clear: Vec<Ino> = held.iter().map(|h| h.ino()).collect();
-        let r = self.ns.clear_unsealed(&clear);
-        drop(held);
-        if let Err(e) = r {
-            self.pending.unseal_later.lock().extend(clear);
-            return Err(e.into());
-        }
-        if let Some(t) = self.tier.get() {
-            for ino in clear {
-                t.enqueue(ino, t.cfg.backfill_delay);
+            self.pending.unseal_later.lock().extend(later);
+            let clear: Vec<Ino> = held.iter().map(|h| h.ino()).collect();
+            let r = self.ns.clear_unsealed(&clear);
+            drop(held);
+            if let Err(e) = r {
+                let mut again = self.pending.unseal_later.lock();
+                again.extend(clear);
+                again.extend(batches[i + 1..].iter().flat_map(|b| b.iter().copied()));
+                return Err(e.into());
+            }
+            if let Some(t) = self.tier.get() {
+                for ino in clear {
+                    t.enqueue(ino, t.cfg.backfill_delay);
+                }
             }
         }
         Ok(())

@@ -20,6 +20,7 @@
 //! - `reconcile.rs`: a fenced writer's local copy brought back to the layout.
 //! - `repair.rs`: copies of dead and draining holders rebuilt elsewhere.
 //! - `sweep.rs`: local copies that no chunk record names, removed.
+//! - `scrub.rs`: local copies read back against their checksums, bad blocks rewritten.
 //!
 //! # Lock order
 //!
@@ -59,6 +60,7 @@ mod read;
 mod reconcile;
 mod repair;
 mod replicate;
+mod scrub;
 mod sweep;
 mod versions;
 mod write;
@@ -82,6 +84,7 @@ pub use open::Opened;
 use open::{Claim, OpenTable};
 pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass};
 pub use replicate::Replicated;
+pub use scrub::Scrubbed;
 
 pub struct CoreConfig {
     pub data_dir: PathBuf,
@@ -115,6 +118,10 @@ pub struct CoreStats {
     /// Copies this node made for repair and drains, and holders it dropped.
     pub repair_copies: AtomicU64,
     pub repair_dropped: AtomicU64,
+    /// What scrubs read and found.
+    pub scrub_bytes: AtomicU64,
+    pub scrub_bad_blocks: AtomicU64,
+    pub scrub_repaired_blocks: AtomicU64,
 }
 
 pub struct Core {
@@ -318,6 +325,12 @@ impl Core {
         self.last_repair.lock().clone()
     }
 
+    pub(crate) fn note_scrubbed(&self, s: &Scrubbed) {
+        self.stats.scrub_bytes.fetch_add(s.bytes, Ordering::Relaxed);
+        self.stats.scrub_bad_blocks.fetch_add(s.bad_blocks, Ordering::Relaxed);
+        self.stats.scrub_repaired_blocks.fetch_add(s.repaired_blocks, Ordering::Relaxed);
+    }
+
     pub(crate) fn set_repair_report(&self, pass: &RepairPass) {
         self.stats.repair_copies.fetch_add(pass.copied, Ordering::Relaxed);
         self.stats.repair_dropped.fetch_add(pass.dropped, Ordering::Relaxed);
@@ -450,7 +463,9 @@ impl Core {
             }
             IMPORT_XATTR if caller != 0 => Err(MetaError::NotPermitted("only root may import a bucket").into()),
             IMPORT_XATTR => self.start_import(ino, value, mode),
-            TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR => Err(FsError::Invalid("read-only attribute")),
+            TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR | SCRUB_XATTR => {
+                Err(FsError::Invalid("read-only attribute"))
+            }
             _ => Ok(self.ns.setxattr(ino, name, value, mode)?),
         }
     }
@@ -459,6 +474,11 @@ impl Core {
         match name {
             TIER_XATTR => self.describe_tier(ino),
             LAYOUT_XATTR => self.describe_layout(ino),
+            SCRUB_XATTR => {
+                let found = self.scrub_file(ino)?;
+                self.note_scrubbed(&found);
+                Ok(found.describe().into_bytes())
+            }
             BACKFILL_XATTR => self.describe_backfill(),
             WORKERS_XATTR => match self.workers.get() {
                 Some(report) => Ok(report().into_bytes()),

@@ -68,6 +68,9 @@ pub struct RepairPass {
     pub dropped: u64,
     /// Chunks this node should have repaired and could not.
     pub failed: u64,
+    /// When the first briefly dead holder crosses the repair delay (a
+    /// pass is due then).
+    pub next_due: Option<Duration>,
 }
 
 impl RepairPass {
@@ -78,9 +81,9 @@ impl RepairPass {
         )
     }
 
-    /// Whether a pass soon would have work: something is still short.
-    pub fn unfinished(&self) -> bool {
-        self.under > 0 || self.failed > 0
+    /// Whether this pass changed anything (a pass soon may do more).
+    pub fn progressed(&self) -> bool {
+        self.copied + self.dropped > 0
     }
 }
 
@@ -113,6 +116,8 @@ impl Pacer {
 /// The holders' standing at the time of a pass.
 struct View {
     standing: HashMap<String, Holder>,
+    /// How long until the first `Down` node becomes `Gone`.
+    next_due: Option<Duration>,
 }
 
 impl View {
@@ -143,6 +148,7 @@ impl Core {
         let admin = self.ns.node_admin_states()?;
         let now = Timespec::now();
         let mut standing = HashMap::new();
+        let mut next_due: Option<Duration> = None;
         for m in members {
             let h = match (m.alive, admin.get(&m.info.id)) {
                 (true, None) => Holder::Good,
@@ -153,13 +159,15 @@ impl Core {
                     if drained || Duration::from_secs(dead_for) >= delay {
                         Holder::Gone
                     } else {
+                        let due = delay - Duration::from_secs(dead_for);
+                        next_due = Some(next_due.map_or(due, |d| d.min(due)));
                         Holder::Down
                     }
                 }
             };
             standing.insert(m.info.id, h);
         }
-        Ok(Some(View { standing }))
+        Ok(Some(View { standing, next_due }))
     }
 
     /// One repair pass over every chunk record of the volume (see the
@@ -172,6 +180,7 @@ impl Core {
     ) -> FsResult<RepairPass> {
         let mut pass = RepairPass::default();
         let Some(view) = self.repair_view(cfg.delay)? else { return Ok(pass) };
+        pass.next_due = view.next_due;
         let cluster = self.cluster.get().expect("a view means a cluster").clone();
         let mut policy: HashMap<Ino, usize> = HashMap::new();
         let mut policy_err = None;

@@ -158,14 +158,24 @@ impl Worker for Settler {
 /// Keeps every chunk at its policy's copy count on live, active nodes:
 /// rebuilds the copies of dead nodes after the repair delay, and moves
 /// chunks off draining nodes (see `core/repair.rs`). A pass runs when the
-/// dead nodes or admin states change, soon again while work is left, and
-/// every few minutes regardless.
+/// dead nodes or admin states change, when a dead node crosses the repair
+/// delay, soon again after a pass that moved something, after a growing
+/// pause while copies fail (no source, no room), and every few minutes
+/// regardless. A pass reads every chunk record, so passes with nothing to
+/// do are kept rare.
 pub struct Repairer {
     pub core: Weak<Core>,
     cfg: RepairConfig,
     pacer: Pacer,
-    last: Option<(Instant, Trigger)>,
-    unfinished: bool,
+    last: Option<Last>,
+}
+
+/// What the last pass saw, and when the next one is due without a change.
+struct Last {
+    trigger: Trigger,
+    next: Instant,
+    /// The pause after a pass that failed and moved nothing (doubles).
+    backoff: Duration,
 }
 
 type Trigger =
@@ -173,12 +183,12 @@ type Trigger =
 
 /// A pass at least this often, whatever changed.
 const REPAIR_EVERY: Duration = Duration::from_secs(300);
-/// How soon a pass that left work is followed by another.
+/// How soon a pass that moved something is followed by another.
 const REPAIR_AGAIN: Duration = Duration::from_secs(2);
 
 impl Repairer {
     pub fn new(core: Weak<Core>, cfg: RepairConfig) -> Self {
-        Repairer { core, cfg, pacer: Pacer::new(cfg.bandwidth), last: None, unfinished: false }
+        Repairer { core, cfg, pacer: Pacer::new(cfg.bandwidth), last: None }
     }
 }
 
@@ -191,26 +201,28 @@ impl Worker for Repairer {
         std::thread::sleep(Duration::from_secs(1));
         let Some(core) = self.core.upgrade() else { return Step::Stop };
         let trigger = repair_trigger(&core);
-        let due = match &self.last {
-            None => true,
-            Some((at, seen)) => {
-                *seen != trigger
-                    || at.elapsed() >= REPAIR_EVERY
-                    || (self.unfinished && at.elapsed() >= REPAIR_AGAIN)
-                    // Dead nodes cross the repair delay with no change in the set.
-                    || (trigger.as_ref().is_some_and(|t| !t.1.is_empty()) && at.elapsed() >= REPAIR_AGAIN)
-            }
-        };
+        let due = self.last.as_ref().is_none_or(|l| l.trigger != trigger || Instant::now() >= l.next);
         if !due {
             return Step::Idle;
         }
         let stop = || self.core.strong_count() == 0;
         let r = core.repair_pass(&self.cfg, &mut self.pacer, &stop);
-        self.last = Some((Instant::now(), trigger));
+        let backoff = self.last.as_ref().map_or(REPAIR_AGAIN, |l| l.backoff);
+        let (wait, backoff) = match &r {
+            Ok(p) if p.progressed() => (REPAIR_AGAIN, REPAIR_AGAIN),
+            Ok(p) if p.failed > 0 => (backoff, (backoff * 2).min(REPAIR_EVERY)),
+            Ok(_) => (REPAIR_EVERY, REPAIR_AGAIN),
+            Err(_) => (backoff, (backoff * 2).min(REPAIR_EVERY)),
+        };
+        // A dead node crossing the repair delay is due at once.
+        let wait = match &r {
+            Ok(p) => p.next_due.map_or(wait, |d| wait.min(d + Duration::from_millis(500))),
+            Err(_) => wait,
+        };
+        self.last = Some(Last { trigger, next: Instant::now() + wait, backoff });
         match r {
             Ok(pass) => {
                 core.set_repair_report(&pass);
-                self.unfinished = pass.unfinished();
                 if pass.copied + pass.dropped + pass.failed > 0 {
                     Step::Worked(pass.summary())
                 } else {
@@ -218,9 +230,8 @@ impl Worker for Repairer {
                 }
             }
             Err(e) => {
-                self.unfinished = true;
                 tracing::warn!(error = %e, "repair pass failed");
-                Step::Failed(format!("repair: {e}"), Duration::from_secs(5))
+                Step::Failed(format!("repair: {e}"), Duration::from_secs(1))
             }
         }
     }
@@ -265,6 +276,76 @@ impl Worker for Sweeper {
                 tracing::warn!(error = %e, "sweep failed");
                 Step::Failed(format!("sweep: {e}"), Duration::from_secs(5))
             }
+        }
+    }
+}
+
+/// Reads back every chunk copy held here against its checksums, once per
+/// `period`, one chunk a step, paced so that a pass spreads over the
+/// period (see `core/scrub.rs`).
+pub struct Scrubber {
+    pub core: Weak<Core>,
+    period: Duration,
+    queue: Vec<(converged_metadata::types::Ino, u32)>,
+    /// Bytes per second of this pass.
+    rate: f64,
+    next: Instant,
+    pass_started: Option<Instant>,
+}
+
+/// The slowest a scrub reads, however long its period: a small node
+/// finishes its pass early and waits for the next.
+const SCRUB_MIN_RATE: f64 = (1 << 20) as f64;
+
+impl Scrubber {
+    pub fn new(core: Weak<Core>, period: Duration) -> Self {
+        Scrubber { core, period, queue: Vec::new(), rate: SCRUB_MIN_RATE, next: Instant::now(), pass_started: None }
+    }
+}
+
+impl Worker for Scrubber {
+    fn name(&self) -> String {
+        "scrub".into()
+    }
+
+    fn step(&mut self) -> Step {
+        let now = Instant::now();
+        if now < self.next {
+            std::thread::sleep((self.next - now).min(Duration::from_secs(1)));
+            return Step::Idle;
+        }
+        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        if self.queue.is_empty() {
+            if self.pass_started.is_some_and(|t| t.elapsed() < self.period) {
+                self.next = self.pass_started.expect("checked") + self.period;
+                return Step::Idle;
+            }
+            match core.held_chunks() {
+                Ok(mut held) => {
+                    held.reverse(); // popped from the end: inode order
+                    let bytes = held.len() as f64 * core.namespace().chunk_size() as f64;
+                    self.rate = (bytes / self.period.as_secs_f64().max(1.0)).max(SCRUB_MIN_RATE);
+                    self.queue = held;
+                    self.pass_started = Some(Instant::now());
+                }
+                Err(e) => return Step::Failed(format!("scrub: list held chunks: {e}"), Duration::from_secs(30)),
+            }
+        }
+        let Some((ino, index)) = self.queue.pop() else { return Step::Idle };
+        match core.scrub_chunk(ino, index) {
+            Ok(found) => {
+                core.note_scrubbed(&found);
+                self.next = Instant::now() + Duration::from_secs_f64(found.bytes as f64 / self.rate);
+                if found.bad_blocks > 0 {
+                    Step::Worked(format!(
+                        "inode {ino} chunk {index}: {} bad blocks, {} repaired",
+                        found.bad_blocks, found.repaired_blocks
+                    ))
+                } else {
+                    Step::Idle
+                }
+            }
+            Err(e) => Step::Failed(format!("scrub inode {ino} chunk {index}: {e}"), Duration::from_secs(5)),
         }
     }
 }

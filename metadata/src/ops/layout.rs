@@ -439,6 +439,20 @@ impl Namespace {
     /// Drop the unsealed mark of files known to need no checksums (closed
     /// while still empty), many in one transaction.
     pub fn clear_unsealed(&self, inos: &[Ino]) -> MetaResult<()> {
+        // Up to three operations per file (the mark, a tier record, an
+        // object key), under the engine's per-transaction limit.
+        for batch in inos.chunks(self.unsealed_batch().min(inos.len().max(1))) {
+            self.clear_unsealed_batch(batch)?;
+        }
+        Ok(())
+    }
+
+    /// The most files [`Namespace::clear_unsealed`] clears in one transaction.
+    pub fn unsealed_batch(&self) -> usize {
+        self.kv.txn_limit().map_or(usize::MAX, |limit| (limit / 4).max(1))
+    }
+
+    fn clear_unsealed_batch(&self, inos: &[Ino]) -> MetaResult<()> {
         if inos.is_empty() {
             return Ok(());
         }
