@@ -59,6 +59,10 @@ pub enum Cmd {
     /// copies again, forget one that will not come back.
     #[command(subcommand)]
     Node(crate::volume::NodeCmd),
+    /// Move chunk copies toward placement's balanced holders after nodes joined or capacity
+    /// changed (weights: disk capacity), with a progress bar; never drops a copy before its
+    /// replacement is recorded. Resumable: run it again after an interruption.
+    Rebalance(crate::volume::RebalanceArgs),
     /// Check this node's copies of files against their block checksums and repair bad blocks
     /// from a replica or the object store (--now), or show the background scrub's state.
     Scrub(crate::admin::ScrubArgs),
@@ -191,6 +195,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         Cmd::Status { path: Some(p), meta: None } => crate::admin::status_path(&p),
         Cmd::Status { path: None, meta: Some(m) } => crate::volume::status(&m),
         Cmd::Node(cmd) => crate::volume::run(cmd),
+        Cmd::Rebalance(a) => crate::volume::rebalance(a),
         Cmd::Status { .. } => Err(anyhow::anyhow!("give either a PATH on a mount or --meta URI, not both")),
         Cmd::Import(a) => crate::admin::import(a),
         Cmd::Stage(a) => crate::admin::stage(a),

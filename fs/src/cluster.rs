@@ -317,6 +317,11 @@ impl Cluster {
         placement::rank(ino, 0, "", &candidates).first().is_some_and(|c| c.id == self.cfg.node)
     }
 
+    /// The label that names a node's failure domain.
+    pub fn failure_domain(&self) -> &str {
+        &self.cfg.failure_domain
+    }
+
     /// Whether this node is the one that repairs chunk `index` of `ino`:
     /// the first of the live nodes that take new copies, by rendezvous
     /// hashing with equal weights, so that every node that sees the same

@@ -61,6 +61,33 @@ pub fn rank(ino: u64, index: u32, primary_domain: &str, candidates: &[Candidate]
     spread
 }
 
+/// The nodes that should hold chunk `index` of `ino` once balanced: the
+/// first `want` of the ranking with no primary, over `candidates` weighted
+/// by capacity (not free space, which moves as chunks do). Every node that
+/// sees the same candidates computes the same set, and a node joining
+/// takes only the chunks it wins.
+pub fn ideal(ino: u64, index: u32, want: usize, candidates: &[Candidate]) -> Vec<String> {
+    rank(ino, index, "", candidates).into_iter().take(want).map(|c| c.id).collect()
+}
+
+/// Rebalance's candidates: live nodes that take copies (no admin state),
+/// weighted by the capacity of their data disks, in their failure domains
+/// (the value of the `failure_domain` label, or the node alone).
+pub fn balance_candidates(
+    live: &[converged_metadata::membership::NodeInfo],
+    admin: &std::collections::BTreeMap<String, converged_metadata::NodeAdmin>,
+    failure_domain: &str,
+) -> Vec<Candidate> {
+    live.iter()
+        .filter(|n| !admin.contains_key(&n.id) && !n.addr.is_empty())
+        .map(|n| Candidate {
+            id: n.id.clone(),
+            weight: n.capacity.max(1) as f64,
+            domain: n.labels.get(failure_domain).cloned().unwrap_or_else(|| format!("node:{}", n.id)),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,7 +29,7 @@ pub use kv_mem::MemKv;
 pub use kv_redb::RedbKv;
 pub use namespace::{Namespace, LINK_MAX};
 pub use ops::layout::{next_version, Seal, CREATE_LEASE};
-pub use ops::nodes::NodeAdmin;
+pub use ops::nodes::{NodeAdmin, Rebalance};
 pub use ops::tier::{ImportEntry, UploadEnd, UploadStart};
 pub use ops::xattr::{XATTR_NAME_MAX, XATTR_SIZE_MAX};
 pub use ops::Unlinked;

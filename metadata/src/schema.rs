@@ -35,6 +35,7 @@
 //! | `K` node-id                | [`NodeInfo`]         | a node that registered once (never expires)  |
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //! | `A` node-id                | [`NodeAdmin`]        | an admin's word on a node: draining, drained |
+//! | `B`                        | [`Rebalance`]        | a rebalance under way                        |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -50,6 +51,7 @@
 //! [`GarbageObject`]: crate::types::GarbageObject
 //! [`RenamedDir`]: crate::types::RenamedDir
 //! [`NodeAdmin`]: crate::ops::nodes::NodeAdmin
+//! [`Rebalance`]: crate::ops::nodes::Rebalance
 
 use crate::types::Ino;
 
@@ -227,6 +229,7 @@ pub fn node_admin(id: &str) -> Vec<u8> {
 }
 
 pub const NODE_ADMIN: &[u8] = b"A";
+pub const REBALANCE: &[u8] = b"B";
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 

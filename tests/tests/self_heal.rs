@@ -253,3 +253,95 @@ fn scrub_finds_and_repairs_a_flipped_copy() {
     assert!(n1.contains(": 0 bad blocks"), "{n1}");
     same(&fs::read(c.node(2).path("d/w.bin")).unwrap(), &data, "w.bin on n3");
 }
+
+/// The holders of each chunk of each file, as n`i` reads the layouts.
+fn holders(c: &Cluster, i: usize, names: &[String]) -> Vec<Vec<String>> {
+    names
+        .iter()
+        .flat_map(|n| {
+            xattr_value(&c.node(i).path(n), "user.converged.layout")
+                .lines()
+                .map(|l| l.split_whitespace().nth(3).unwrap_or("").split(',').map(str::to_string).collect())
+                .collect::<Vec<Vec<String>>>()
+        })
+        .collect()
+}
+
+/// Chunk copies per node from `status --meta`'s chunks column.
+fn copies_per_node(c: &Cluster) -> std::collections::BTreeMap<String, u64> {
+    status(c)
+        .lines()
+        .filter(|l| l.starts_with('n') && l.split_whitespace().count() >= 8)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((f[0].to_string(), f[7].parse().ok()?))
+        })
+        .collect()
+}
+
+/// A rebalance run, followed to its end (at most `secs`).
+fn rebalance(c: &Cluster, secs: u64) -> std::process::Output {
+    let mut child = converged()
+        .args(["rebalance", "--meta", &c.meta])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("rebalance did not finish within {secs}s: {:?}", child.wait_with_output().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// 600 one-chunk files at two copies on four nodes; an empty n5 joins and
+/// `rebalance` runs: killed midway with a node under it, no chunk has
+/// fewer recorded copies than before; run again, it finishes and n5 holds
+/// its share (a fifth of the copies, all disks the same size) within 15 %.
+#[test]
+fn rebalance_gives_a_new_node_its_share_and_survives_a_kill() {
+    let Some(mut c) = Cluster::start(4, &HEAL) else { return };
+    fs::create_dir(c.node(0).path("many")).unwrap();
+    let names: Vec<String> = (0..600).map(|i| format!("many/f{i:04}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        fs::write(c.node(i % 4).path(name), pattern(64 << 10, i as u64)).unwrap();
+    }
+    eventually(60, "two copies of every chunk", || health(&c) == (0, 0));
+    c.add_node(&HEAL);
+    eventually(30, "n5 is live", || status(&c).contains("5 live, 0 dead"));
+    assert_eq!(copies_per_node(&c).get("n5"), Some(&0), "n5 starts empty");
+
+    let mut first = converged()
+        .args(["rebalance", "--meta", &c.meta])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually(120, "n5 takes some copies", || copies_per_node(&c).get("n5").is_some_and(|n| *n >= 30));
+    // The admin's session and a node moving copies die midway.
+    let _ = first.kill();
+    let _ = first.wait();
+    c.nodes[1].crash();
+    let now = holders(&c, 2, &names);
+    assert_eq!(now.len(), 600, "one chunk per file");
+    assert!(now.iter().all(|h| h.len() >= 2), "a chunk lost a recorded copy: {:?}", now.iter().find(|h| h.len() < 2));
+
+    c.nodes[1].mount();
+    let out = rebalance(&c, 300);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    eprintln!("{text}");
+    eventually(60, "every chunk has its copies", || health(&c) == (0, 0));
+    let copies = copies_per_node(&c);
+    let total: u64 = copies.values().sum();
+    let n5 = copies["n5"] as f64 / total as f64;
+    eprintln!("n5 holds {:.1}% of {total} copies after the rebalance (weight: 20%)", 100.0 * n5);
+    assert!((0.17..=0.23).contains(&n5), "n5's share {n5:.3} is not within 15% of 0.2: {copies:?}");
+    for (i, name) in names.iter().enumerate().step_by(7) {
+        same(&fs::read(c.node(4).path(name)).unwrap(), &pattern(64 << 10, i as u64), name);
+    }
+}

@@ -82,7 +82,7 @@ use crate::tier::Tiering;
 
 pub use open::Opened;
 use open::{Claim, OpenTable};
-pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass};
+pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairTrigger};
 pub use replicate::Replicated;
 pub use scrub::Scrubbed;
 

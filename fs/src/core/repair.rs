@@ -66,6 +66,8 @@ pub struct RepairPass {
     pub copied: u64,
     /// Holders this node dropped from records in this pass.
     pub dropped: u64,
+    /// Chunks this node moves toward their ideal holders (a rebalance).
+    pub misplaced: u64,
     /// Chunks this node should have repaired and could not.
     pub failed: u64,
     /// When the first briefly dead holder crosses the repair delay (a
@@ -90,12 +92,23 @@ impl RepairPass {
 /// Paces repair copies to a byte rate.
 pub struct Pacer {
     rate: u64,
+    /// The node's own limit (`--repair-bandwidth`).
+    own: u64,
     next: Instant,
 }
 
 impl Pacer {
     pub fn new(rate: u64) -> Self {
-        Pacer { rate, next: Instant::now() }
+        Pacer { rate, own: rate, next: Instant::now() }
+    }
+
+    /// Pace to the lower of the node's own rate and `job`'s (0: no job limit).
+    pub fn limit(&mut self, job: u64) {
+        self.rate = match (self.own, job) {
+            (0, j) => j,
+            (o, 0) => o,
+            (o, j) => o.min(j),
+        };
     }
 
     /// Wait until `bytes` more fit the rate, or `stop` says so.
@@ -138,6 +151,9 @@ struct Job {
     /// Holders to drop once enough good copies are recorded.
     drop: Vec<String>,
     want: usize,
+    /// The nodes to copy to (a rebalance's ideal holders); placement's
+    /// choice when `None`.
+    targets: Option<Vec<String>>,
 }
 
 impl Core {
@@ -184,6 +200,19 @@ impl Core {
         let cluster = self.cluster.get().expect("a view means a cluster").clone();
         let mut policy: HashMap<Ino, usize> = HashMap::new();
         let mut policy_err = None;
+        // A rebalance under way: copies also move toward the ideal holders.
+        let balance = match converged_metadata::ops::nodes::rebalance(self.ns.engine())? {
+            Some(job) => {
+                pacer.limit(job.bandwidth);
+                let live: Vec<_> = cluster.members_now()?.into_iter().filter(|m| m.alive).map(|m| m.info).collect();
+                let admin = self.ns.node_admin_states()?;
+                Some(crate::placement::balance_candidates(&live, &admin, cluster.failure_domain()))
+            }
+            None => {
+                pacer.limit(0);
+                None
+            }
+        };
         let mut jobs = Vec::new();
         self.ns.for_each_chunk(|ino, index, rec| {
             pass.chunks += 1;
@@ -210,7 +239,27 @@ impl Core {
                 rec.replicas.iter().filter(|r| matches!(view.of(r), Holder::Leaving | Holder::Gone)).cloned().collect();
             let work = add > 0 || (!drop.is_empty() && good >= want);
             if work && cluster.repairs(ino, index) {
-                jobs.push(Job { ino, index, version: rec.version, len: rec.len as u64, add, drop, want });
+                let len = rec.len as u64;
+                jobs.push(Job { ino, index, version: rec.version, len, add, drop, want, targets: None });
+            } else if !work && good >= want {
+                if let Some(candidates) = &balance {
+                    let ideal = crate::placement::ideal(ino, index, want, candidates);
+                    let misplaced: Vec<String> = rec.replicas.iter().filter(|r| !ideal.contains(r)).cloned().collect();
+                    let missing: Vec<String> = ideal.iter().filter(|n| !rec.replicas.contains(n)).cloned().collect();
+                    if !misplaced.is_empty() && !missing.is_empty() && cluster.repairs(ino, index) {
+                        pass.misplaced += 1;
+                        jobs.push(Job {
+                            ino,
+                            index,
+                            version: rec.version,
+                            len: rec.len as u64,
+                            add: missing.len(),
+                            drop: misplaced,
+                            want,
+                            targets: Some(missing),
+                        });
+                    }
+                }
             }
         })?;
         if let Some(e) = policy_err {
@@ -249,13 +298,16 @@ impl Core {
             }
             let holders: BTreeSet<&String> = rec.replicas.iter().collect();
             // Placement's ranking over the nodes that take copies, this one
-            // included, without the holders.
-            let targets: Vec<_> = cluster
-                .stage_targets(job.ino, job.index, job.add + holders.len() + 1)
-                .into_iter()
-                .filter(|n| !holders.contains(&n.id))
-                .take(job.add)
-                .collect();
+            // included, without the holders; or the ideal holders asked for.
+            let ranked = match &job.targets {
+                None => cluster.stage_targets(job.ino, job.index, job.add + holders.len() + 1),
+                Some(ids) => cluster
+                    .stage_targets(job.ino, job.index, usize::MAX)
+                    .into_iter()
+                    .filter(|n| ids.contains(&n.id))
+                    .collect(),
+            };
+            let targets: Vec<_> = ranked.into_iter().filter(|n| !holders.contains(&n.id)).take(job.add).collect();
             for target in targets {
                 if stop() {
                     break;
@@ -297,10 +349,16 @@ impl Core {
     }
 }
 
-/// The admin states and dead nodes a pass saw: a change means a pass now.
-pub fn repair_trigger(core: &Core) -> Option<(BTreeMap<String, NodeAdmin>, BTreeSet<String>)> {
+/// What makes a repair pass due at once when it changes: the admin
+/// states, the dead nodes, and whether a rebalance is under way.
+pub type RepairTrigger = (BTreeMap<String, NodeAdmin>, BTreeSet<String>, Option<converged_metadata::Rebalance>);
+
+/// The trigger as it stands now (none without a cluster, or when the
+/// metadata does not answer).
+pub fn repair_trigger(core: &Core) -> Option<RepairTrigger> {
     let cluster = core.cluster.get()?;
     let admin = core.ns.node_admin_states().ok()?;
     let dead = cluster.dead_nodes().ok()?;
-    Some((admin, dead))
+    let rebalance = converged_metadata::ops::nodes::rebalance(core.ns.engine()).ok()?;
+    Some((admin, dead, rebalance))
 }

@@ -178,8 +178,7 @@ struct Last {
     backoff: Duration,
 }
 
-type Trigger =
-    Option<(std::collections::BTreeMap<String, converged_metadata::NodeAdmin>, std::collections::BTreeSet<String>)>;
+type Trigger = Option<crate::core::RepairTrigger>;
 
 /// A pass at least this often, whatever changed.
 const REPAIR_EVERY: Duration = Duration::from_secs(300);

@@ -44,6 +44,25 @@ impl NodeAdmin {
     }
 }
 
+/// A rebalance under way: the repair workers also move copies toward
+/// placement's ideal holders while this record exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rebalance {
+    /// Bytes per second each node copies for it (0: the node's own limit).
+    pub bandwidth: u64,
+    /// When it was asked for (seconds since the epoch).
+    pub started: i64,
+}
+
+/// The rebalance under way, if any.
+pub fn rebalance(kv: &dyn KvEngine) -> MetaResult<Option<Rebalance>> {
+    let mut txn = kv.read_txn()?;
+    match txn.get(schema::REBALANCE)? {
+        Some(v) => Ok(Some(decode(schema::REBALANCE, &v)?)),
+        None => Ok(None),
+    }
+}
+
 /// Every node's admin state (nodes without one are absent).
 pub fn admin_states(kv: &dyn KvEngine) -> MetaResult<BTreeMap<String, NodeAdmin>> {
     let mut txn = kv.read_txn()?;
@@ -73,6 +92,17 @@ impl Namespace {
             match state {
                 Some(s) => txn.put(&key, &encode(&s)),
                 None => txn.delete(&key),
+            }
+            Ok(())
+        })
+    }
+
+    /// Start (or, with `None`, end) a rebalance.
+    pub fn set_rebalance(&self, job: Option<Rebalance>) -> MetaResult<()> {
+        self.write(Durability::Durable, |txn| {
+            match job {
+                Some(j) => txn.put(schema::REBALANCE, &encode(&j)),
+                None => txn.delete(schema::REBALANCE),
             }
             Ok(())
         })

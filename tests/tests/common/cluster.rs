@@ -26,36 +26,45 @@ impl Cluster {
         let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let uri = format!("etcd://{}/vol", etcd.endpoints.join(","));
-        let mut nodes = Vec::new();
-        for i in 1..=n {
-            let id = format!("n{i}");
-            let tls = ca.join(&id);
-            if i > 1 {
-                let out = converged()
-                    .args(["cluster", "issue-cert", "--node", &id, "--ca"])
-                    .arg(&ca)
-                    .arg("--out")
-                    .arg(&tls)
-                    .output()
-                    .unwrap();
-                assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            }
-            let mut args = vec![
-                "--meta",
-                &uri,
-                "--listen",
-                "127.0.0.1:0",
-                "--tls-dir",
-                tls.to_str().unwrap(),
-                "--lease-ttl",
-                "3",
-                "--peer-timeout",
-                "2",
-            ];
-            args.extend_from_slice(extra);
-            nodes.push(Mount::with_args(&args));
+        let mut c = Cluster { _etcd: etcd, _certs: certs, nodes: Vec::new(), meta: uri };
+        for _ in 1..=n {
+            c.add_node(extra);
         }
-        Some(Cluster { _etcd: etcd, _certs: certs, nodes, meta: uri })
+        Some(c)
+    }
+
+    /// Start one more node, n<N+1>, with its own certificate; `extra` goes
+    /// to its mount.
+    pub fn add_node(&mut self, extra: &[&str]) {
+        let i = self.nodes.len() + 1;
+        let id = format!("n{i}");
+        let ca = self._certs.path().join("ca");
+        let tls = ca.join(&id);
+        if i > 1 {
+            let out = converged()
+                .args(["cluster", "issue-cert", "--node", &id, "--ca"])
+                .arg(&ca)
+                .arg("--out")
+                .arg(&tls)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        }
+        let uri = self.meta.clone();
+        let mut args = vec![
+            "--meta",
+            &uri,
+            "--listen",
+            "127.0.0.1:0",
+            "--tls-dir",
+            tls.to_str().unwrap(),
+            "--lease-ttl",
+            "3",
+            "--peer-timeout",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        self.nodes.push(Mount::with_args(&args));
     }
 
     pub fn node(&self, i: usize) -> &Mount {
