@@ -63,6 +63,9 @@ pub enum Cmd {
     /// changed (weights: disk capacity), with a progress bar; never drops a copy before its
     /// replacement is recorded. Resumable: run it again after an interruption.
     Rebalance(crate::volume::RebalanceArgs),
+    /// Check a volume's metadata: names, link counts, reachability, chunk records against the
+    /// files and the nodes; names the paths; exits non-zero when something is wrong.
+    Fsck(crate::volume::FsckArgs),
     /// Check this node's copies of files against their block checksums and repair bad blocks
     /// from a replica or the object store (--now), or show the background scrub's state.
     Scrub(crate::admin::ScrubArgs),
@@ -196,6 +199,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         Cmd::Status { path: None, meta: Some(m) } => crate::volume::status(&m),
         Cmd::Node(cmd) => crate::volume::run(cmd),
         Cmd::Rebalance(a) => crate::volume::rebalance(a),
+        Cmd::Fsck(a) => crate::volume::fsck(a),
         Cmd::Status { .. } => Err(anyhow::anyhow!("give either a PATH on a mount or --meta URI, not both")),
         Cmd::Import(a) => crate::admin::import(a),
         Cmd::Stage(a) => crate::admin::stage(a),

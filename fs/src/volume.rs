@@ -407,3 +407,91 @@ pub fn rebalance(a: RebalanceArgs) -> anyhow::Result<()> {
     println!("balanced: every chunk with its copies is on its balanced holders");
     Ok(())
 }
+
+#[derive(clap::Args, Debug)]
+pub struct FsckArgs {
+    /// Metadata URI of the volume, as given to `mount --meta`.
+    #[arg(long, value_name = "URI")]
+    pub meta: String,
+    /// Fix what the metadata alone can: names of missing inodes, link counts, unreachable
+    /// files (into /lost+found), records of missing inodes or past a file's end, holders
+    /// that are not nodes of the volume. Missing copies are left to the nodes' repair.
+    #[arg(long)]
+    pub repair: bool,
+}
+
+fn path_text(ns: &Namespace, ino: u64) -> String {
+    match ns.path_of(ino) {
+        Ok(Some(names)) => {
+            let parts: Vec<String> = names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect();
+            format!("/{}", parts.join("/"))
+        }
+        _ => format!("(inode {ino}, no path)"),
+    }
+}
+
+/// `converged fsck --meta URI`.
+pub fn fsck(a: FsckArgs) -> anyhow::Result<()> {
+    use converged_metadata::ops::fsck::{Finding, NodesView};
+    let (engine, ns) = open(&a.meta)?;
+    let members = match engine.membership() {
+        Some(m) => Some(m.members()?),
+        None => None,
+    };
+    let known: HashSet<String> = members.iter().flatten().map(|m| m.info.id.clone()).collect();
+    let live: HashSet<String> = members.iter().flatten().filter(|m| m.alive).map(|m| m.info.id.clone()).collect();
+    let view = NodesView { known: &known, live: &live, default_replicas: DEFAULT_CLUSTER_REPLICAS };
+    let nodes = members.as_ref().map(|_| &view);
+    let check = |what: &str| -> anyhow::Result<converged_metadata::ops::fsck::FsckReport> {
+        let bar = ProgressBar::new_spinner();
+        bar.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"));
+        bar.enable_steady_tick(Duration::from_millis(200));
+        let msg = what.to_string();
+        let r = ns.fsck(nodes, &|n| bar.set_message(format!("{msg}: {n} records")));
+        bar.finish_and_clear();
+        Ok(r?)
+    };
+    let report = check("checking")?;
+    let mut out = String::new();
+    for f in &report.findings {
+        let path = match f {
+            Finding::DanglingName { parent, name, .. } => {
+                format!("{}/{}", path_text(&ns, *parent).trim_end_matches('/'), String::from_utf8_lossy(name))
+            }
+            f => path_text(&ns, f.ino()),
+        };
+        out.push_str(&format!("{path}: {}\n", f.describe()));
+    }
+    out.push_str(&format!(
+        "{} inodes, {} names, {} chunk records checked: {} problems\n",
+        report.inodes,
+        report.names,
+        report.chunks,
+        report.findings.len()
+    ));
+    let _ = std::io::stdout().lock().write_all(out.as_bytes());
+    if report.findings.is_empty() {
+        return Ok(());
+    }
+    if !a.repair {
+        bail!("{} problems (run with --repair to fix what the metadata alone can)", report.findings.len());
+    }
+    let mut fixed = 0;
+    for f in &report.findings {
+        if ns.fsck_repair(f)? {
+            fixed += 1;
+        }
+    }
+    let after = check("checking again")?;
+    println!("repaired {fixed}; {} problems left", after.findings.len());
+    for f in &after.findings {
+        println!("{}: {}", path_text(&ns, f.ino()), f.describe());
+    }
+    if !after.findings.is_empty() {
+        bail!(
+            "{} problems left (missing copies are the nodes' repair work: see `converged status --meta`)",
+            after.findings.len()
+        );
+    }
+    Ok(())
+}

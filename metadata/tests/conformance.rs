@@ -37,6 +37,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("large_layouts_switch_whole_across_a_crash", large_layouts_switch_whole_across_a_crash),
     ("copies_leave_a_record_only_after_their_replacements", copies_leave_a_record_only_after_their_replacements),
     ("many_files_closed_empty_lose_their_marks_together", many_files_closed_empty_lose_their_marks_together),
+    ("fsck_finds_what_was_broken_and_repairs_what_it_can", fsck_finds_what_was_broken_and_repairs_what_it_can),
 ];
 
 /// The record an upload starts from, when it may start.
@@ -811,4 +812,64 @@ fn many_files_closed_empty_lose_their_marks_together(name: &str, kv: Arc<dyn KvE
     ns.clear_unsealed(&inos).unwrap();
     assert!(ns.unsealed().unwrap().is_empty(), "{name}: every mark cleared");
     assert!(inos.iter().all(|i| ns.tier(*i).unwrap().is_some_and(|t| t.state == TierState::Dirty)), "{name}");
+}
+
+/// Records broken behind the namespace's back (raw deletes, as a bug or a
+/// bad restore would leave them): fsck names each, `fsck_repair` fixes what
+/// the metadata alone can, and a second check is clean but for the chunk
+/// that no live node holds.
+fn fsck_finds_what_was_broken_and_repairs_what_it_can(name: &str, kv: Arc<dyn KvEngine>) {
+    use converged_metadata::ops::fsck::{Finding, NodesView};
+    use converged_metadata::schema;
+    let ns = ns(kv.clone());
+    let seal = |ino: u64, replicas: Vec<String>| {
+        let record = ChunkRecord { version: 1, len: 10, replicas, block_crcs: vec![7] };
+        let seal = converged_metadata::Seal {
+            size: 10,
+            mtime: Timespec::now(),
+            chunks: vec![(0, record)],
+            keep_unsealed: false,
+            lease: None,
+            data_durable: true,
+        };
+        ns.seal(ino, &seal, Durability::Durable).unwrap();
+    };
+    let a = ns.mknod(ROOT, b"a", &file(0o644)).unwrap();
+    seal(a.ino, vec!["n1".into()]);
+    let b = ns.mknod(ROOT, b"b", &file(0o644)).unwrap();
+    ns.link(b.ino, ROOT, b"b2").unwrap();
+    let c = ns.mknod(ROOT, b"c", &file(0o644)).unwrap();
+    let d = ns.mknod(ROOT, b"d", &file(0o644)).unwrap();
+    seal(d.ino, vec!["n1".into(), "n9".into()]);
+    let nothing = |_| {};
+    assert!(ns.fsck(None, &nothing).unwrap().findings.is_empty(), "{name}: a fresh namespace is clean");
+
+    let mut t = kv.write_txn().unwrap();
+    t.delete(&schema::inode(a.ino));
+    t.delete(&schema::dentry(ROOT, b"b2"));
+    t.delete(&schema::dentry(ROOT, b"c"));
+    t.commit(Durability::Durable).unwrap();
+    let known: std::collections::HashSet<String> = ["n1".to_string()].into();
+    let live = std::collections::HashSet::new();
+    let nodes = NodesView { known: &known, live: &live, default_replicas: 2 };
+    let found = ns.fsck(Some(&nodes), &nothing).unwrap().findings;
+    let want = vec![
+        Finding::DanglingName { parent: ROOT, name: b"a".to_vec(), ino: a.ino },
+        Finding::LinkCount { ino: b.ino, recorded: 2, names: 1 },
+        Finding::Unreachable { ino: c.ino, kind: FileKind::Regular },
+        Finding::UnknownHolder { ino: d.ino, index: 0, node: "n9".into() },
+        Finding::Lost { ino: d.ino, index: 0 },
+        Finding::ChunksOfMissingInode { ino: a.ino, chunks: 1 },
+    ];
+    assert_eq!(found, want, "{name}");
+    for f in &found {
+        let fixable = !matches!(f, Finding::Lost { .. });
+        assert_eq!(ns.fsck_repair(f).unwrap(), fixable, "{name}: {f:?}");
+    }
+    let after = ns.fsck(Some(&nodes), &nothing).unwrap().findings;
+    assert_eq!(after, vec![Finding::Lost { ino: d.ino, index: 0 }], "{name}");
+    assert_eq!(ns.getattr(b.ino).unwrap().nlink, 1, "{name}");
+    let lf = ns.lookup(ROOT, b"lost+found").unwrap();
+    assert_eq!(ns.lookup(lf.ino, format!("#{}", c.ino).as_bytes()).unwrap().ino, c.ino, "{name}");
+    assert_eq!(ns.chunks(d.ino).unwrap()[0].1.replicas, vec!["n1".to_string()], "{name}");
 }

@@ -72,12 +72,21 @@ fn a_dead_nodes_chunks_are_rebuilt_before_a_second_failure() {
     // the copying itself is generous for a loaded 2-core machine.
     eventually(180, "no chunk under-replicated after n1 died", || health(&c) == (0, 0));
     let took = killed.elapsed();
+    let (clean, report) = fsck(&c);
+    assert!(clean, "fsck after the repair: {report}");
     eprintln!("repaired 600 MiB of n1's copies {:.1}s after kill -9 (lease 3s + repair delay 4s)", took.as_secs_f64());
     assert!(node_line(&c, "n1").contains(" dead("), "{}", node_line(&c, "n1"));
     let n1 = node_line(&c, "n1");
     assert_eq!(n1.split_whitespace().nth(7), Some("0"), "no record names n1: {n1}");
 
     c.nodes[1].crash();
+    eventually(30, "n2 is seen dead", || status(&c).contains("2 live, 2 dead"));
+    let (clean, report) = fsck(&c);
+    assert!(
+        !clean && report.contains("copies on live nodes, 2 asked"),
+        "fsck names the under-replicated chunks: {report}"
+    );
+    assert!(report.contains("/ckpt/shard-"), "fsck names the paths: {report}");
     read_all(&c, 2, &files);
     read_all(&c, 3, &files);
 }
@@ -216,9 +225,16 @@ fn a_deleted_files_copies_leave_every_node() {
     eventually(30, "n3 dropped the file deleted while it was down", || !c.holds(2, inos[1]));
 }
 
+/// `converged fsck --meta`: its output, and whether it exited 0.
+fn fsck(c: &Cluster) -> (bool, String) {
+    let out = converged().args(["fsck", "--meta", &c.meta]).output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
 /// Bytes flipped in a peer's copy with `dd`: `scrub --now` on that peer
 /// reports the bad blocks and rewrites them from the other holder, and a
-/// second scrub finds the copy clean; the other node's copy is untouched.
+/// second scrub finds the copy clean; the other node's copy is untouched,
+/// and fsck finds nothing wrong.
 #[test]
 fn scrub_finds_and_repairs_a_flipped_copy() {
     let Some(c) = Cluster::start(3, &HEAL) else { return };
@@ -252,6 +268,8 @@ fn scrub_finds_and_repairs_a_flipped_copy() {
     let n1 = String::from_utf8_lossy(&scrub(0).stdout).into_owned();
     assert!(n1.contains(": 0 bad blocks"), "{n1}");
     same(&fs::read(c.node(2).path("d/w.bin")).unwrap(), &data, "w.bin on n3");
+    let (clean, report) = fsck(&c);
+    assert!(clean && report.contains(": 0 problems"), "{report}");
 }
 
 /// The holders of each chunk of each file, as n`i` reads the layouts.

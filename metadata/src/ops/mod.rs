@@ -1,6 +1,7 @@
 //! One module per namespace operation; each is a single transaction.
 
 mod create;
+pub mod fsck;
 pub mod layout;
 
 mod link;
