@@ -106,6 +106,16 @@ pub fn dentry(parent: Ino, name: &[u8]) -> Vec<u8> {
     with_ino_name(DENTRY, parent, name)
 }
 
+/// Every inode record (the prefix of all `I` keys).
+pub fn all_inodes() -> Vec<u8> {
+    vec![INODE]
+}
+
+/// Every name (the prefix of all `D` keys).
+pub fn all_dentries() -> Vec<u8> {
+    vec![DENTRY]
+}
+
 pub fn dentries_of(parent: Ino) -> Vec<u8> {
     with_ino(DENTRY, parent)
 }

@@ -113,14 +113,14 @@ impl Namespace {
         self.read(|txn| {
             let mut r = FsckReport::default();
             let mut inodes: HashMap<Ino, Inode> = HashMap::new();
-            for (k, v) in scan_all(txn, &[b'I'])? {
+            for (k, v) in scan_all(txn, &schema::all_inodes())? {
                 let inode: Inode = decode(&k, &v)?;
                 inodes.insert(inode.ino, inode);
             }
             r.inodes = inodes.len() as u64;
             progress(r.inodes);
             let mut names: HashMap<Ino, u32> = HashMap::new();
-            for (k, v) in scan_all(txn, &[b'D'])? {
+            for (k, v) in scan_all(txn, &schema::all_dentries())? {
                 let d: Dentry = decode(&k, &v)?;
                 r.names += 1;
                 if inodes.contains_key(&d.ino) {
