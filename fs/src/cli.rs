@@ -66,6 +66,9 @@ pub enum Cmd {
     /// Check a volume's metadata: names, link counts, reachability, chunk records against the
     /// files and the nodes; names the paths; exits non-zero when something is wrong.
     Fsck(crate::volume::FsckArgs),
+    /// Remove what nothing refers to: every live node removes its chunk copies that no record
+    /// names, and, with --object-store, objects under the store's prefix that no file owns.
+    Gc(crate::volume::GcArgs),
     /// Check this node's copies of files against their block checksums and repair bad blocks
     /// from a replica or the object store (--now), or show the background scrub's state.
     Scrub(crate::admin::ScrubArgs),
@@ -200,6 +203,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         Cmd::Node(cmd) => crate::volume::run(cmd),
         Cmd::Rebalance(a) => crate::volume::rebalance(a),
         Cmd::Fsck(a) => crate::volume::fsck(a),
+        Cmd::Gc(a) => crate::volume::gc(a),
         Cmd::Status { .. } => Err(anyhow::anyhow!("give either a PATH on a mount or --meta URI, not both")),
         Cmd::Import(a) => crate::admin::import(a),
         Cmd::Stage(a) => crate::admin::stage(a),

@@ -36,6 +36,8 @@
 //! | `L` node-id                | [`NodeInfo`]         | a live node: written under its lease         |
 //! | `A` node-id                | [`NodeAdmin`]        | an admin's word on a node: draining, drained |
 //! | `B`                        | [`Rebalance`]        | a rebalance under way                        |
+//! | `W`                        | u64 (BE)             | the last gc request (`converged gc`)         |
+//! | `Z` node-id                | u64 (BE)             | the last gc request the node has swept for   |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -202,6 +204,11 @@ pub fn tier(ino: Ino) -> Vec<u8> {
     with_ino(TIER, ino)
 }
 
+/// Every object key owner (the prefix of all `Y` keys).
+pub fn key_owners_all() -> Vec<u8> {
+    vec![KEY_OWNER]
+}
+
 pub fn tier_all() -> Vec<u8> {
     vec![TIER]
 }
@@ -240,6 +247,12 @@ pub fn node_admin(id: &str) -> Vec<u8> {
 
 pub const NODE_ADMIN: &[u8] = b"A";
 pub const REBALANCE: &[u8] = b"B";
+pub const GC_REQUEST: &[u8] = b"W";
+pub const GC_DONE: &[u8] = b"Z";
+
+pub fn gc_done(node: &str) -> Vec<u8> {
+    [GC_DONE, node.as_bytes()].concat()
+}
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 

@@ -117,6 +117,19 @@ fn a_backed_file_whose_holders_died_reads_from_the_object_store() {
     eventually(120, "a.bin has a copy on a live node again", || health(&c) == (0, 0));
     let got = fs::read(c.node(3).path("solo/a.bin")).unwrap();
     same(&got, &data, "a.bin on n4 after repair");
+
+    // gc: an object under the volume's prefix that no file owns goes; the
+    // file's own object stays.
+    s3.client().put("vol", "v/stray/left-behind.bin", b"nobody's");
+    let out = converged()
+        .args(["gc", "--meta", &c.meta, "--object-store", "s3://vol/v", "--s3-endpoint", &endpoint, "--min-age", "0s"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("1 belong to no file"), "{text}");
+    assert_eq!(s3.client().list("vol", "v/"), vec!["v/solo/a.bin".to_string()], "{text}");
+    same(&s3.client().get("vol", "v/solo/a.bin").unwrap(), &data, "a.bin's object after gc");
 }
 
 /// `node drain n3` while readers on two other nodes loop over every file:
@@ -201,14 +214,14 @@ fn a_deleted_files_copies_leave_every_node() {
     let Some(mut c) = Cluster::start(3, &HEAL) else { return };
     fs::create_dir(c.node(0).path("d")).unwrap();
     setxattr(&c.node(0).path("d"), "user.converged.replicas", b"3");
-    let names = ["d/a.bin", "d/b.bin"];
+    let names = ["d/a.bin", "d/b.bin", "d/c.bin"];
     let mut inos = Vec::new();
     for (i, name) in names.iter().enumerate() {
         fs::write(c.node(0).path(name), pattern(12 * MIB, i as u64)).unwrap();
         inos.push(fs::metadata(c.node(0).path(name)).unwrap().ino());
     }
     for i in 0..3 {
-        eventually(20, "every node holds both files", || inos.iter().all(|ino| c.holds(i, *ino)));
+        eventually(20, "every node holds every file", || inos.iter().all(|ino| c.holds(i, *ino)));
     }
     fs::remove_file(c.node(1).path(names[0])).unwrap();
     for i in 0..3 {
@@ -222,7 +235,18 @@ fn a_deleted_files_copies_leave_every_node() {
     }
     assert!(c.holds(2, inos[1]), "the node that was down still has its copy");
     c.nodes[2].mount();
-    eventually(30, "n3 dropped the file deleted while it was down", || !c.holds(2, inos[1]));
+    let out = converged().args(["gc", "--meta", &c.meta, "--timeout", "60s"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "gc: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for i in 0..3 {
+        assert!(!c.holds(i, inos[1]), "n{} still holds the file deleted while n3 was down", i + 1);
+    }
+    let kept = fs::metadata(c.node(2).path("d/c.bin")).unwrap().ino();
+    assert!((0..3).all(|i| c.holds(i, kept)), "gc kept the live file's copies");
 }
 
 /// `converged fsck --meta`: its output, and whether it exited 0.

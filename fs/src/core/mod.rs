@@ -274,6 +274,11 @@ impl Core {
         &self.cfg.data_dir
     }
 
+    /// This node's id in the cluster.
+    pub fn node_name(&self) -> &str {
+        &self.cfg.node_id
+    }
+
     fn node_id(&self) -> &str {
         &self.cfg.node_id
     }

@@ -237,22 +237,46 @@ impl Worker for Repairer {
 }
 
 /// Removes the copies held here that no record names any more (see
-/// `core/sweep.rs`).
+/// `core/sweep.rs`), every half grace period; and answers `converged gc`:
+/// a new request makes it sweep at once, and once nothing found is left
+/// waiting it records that it swept for that request.
 pub struct Sweeper {
     pub core: Weak<Core>,
     grace: Duration,
     seen: std::collections::HashMap<converged_metadata::types::Ino, Instant>,
     last: Option<Instant>,
+    /// The gc request being answered, and when requests were last looked for.
+    gc: (u64, Option<Instant>),
+    /// The gc request a sweep was started at once for.
+    gc_started: u64,
 }
+
+/// How often a node looks for a new `converged gc` request.
+const GC_POLL: Duration = Duration::from_secs(2);
 
 impl Sweeper {
     pub fn new(core: Weak<Core>, grace: Duration) -> Self {
-        Sweeper { core, grace, seen: Default::default(), last: None }
+        Sweeper { core, grace, seen: Default::default(), last: None, gc: (0, None), gc_started: 0 }
     }
 
     /// How often the copies held here are looked at.
     fn period(&self) -> Duration {
         (self.grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
+    }
+
+    /// A gc request not answered yet, if there is one.
+    fn pending_gc(&mut self, core: &Core) -> Option<u64> {
+        if self.gc.1.is_none_or(|t| t.elapsed() >= GC_POLL) {
+            self.gc.1 = Some(Instant::now());
+            match converged_metadata::ops::nodes::gc_state(core.namespace().engine()) {
+                Ok((asked, done)) => {
+                    let answered = done.get(core.node_name()).copied().unwrap_or(0);
+                    self.gc.0 = if asked > answered { asked } else { 0 };
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot read gc requests"),
+            }
+        }
+        (self.gc.0 > 0).then_some(self.gc.0)
     }
 }
 
@@ -263,12 +287,29 @@ impl Worker for Sweeper {
 
     fn step(&mut self) -> Step {
         std::thread::sleep(Duration::from_secs(1));
-        if self.last.is_some_and(|t| t.elapsed() < self.period()) {
+        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        if core.cluster().is_none() {
             return Step::Idle;
         }
-        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        let gc = self.pending_gc(&core);
+        let asked_now = gc.is_some_and(|id| id != self.gc_started);
+        if !asked_now && self.last.is_some_and(|t| t.elapsed() < self.period()) {
+            return Step::Idle;
+        }
+        if let Some(id) = gc {
+            self.gc_started = id;
+        }
         self.last = Some(Instant::now());
-        match core.sweep(&mut self.seen, self.grace) {
+        let r = core.sweep(&mut self.seen, self.grace);
+        if let (Ok(_), Some(id)) = (&r, gc) {
+            if self.seen.is_empty() {
+                match core.namespace().gc_done(id) {
+                    Ok(()) => self.gc.0 = 0,
+                    Err(e) => tracing::warn!(error = %e, "cannot record the gc answer"),
+                }
+            }
+        }
+        match r {
             Ok(0) => Step::Idle,
             Ok(n) => Step::Worked(format!("removed the copies of {n} files no record names")),
             Err(e) => {

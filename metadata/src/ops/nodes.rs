@@ -63,6 +63,37 @@ pub fn rebalance(kv: &dyn KvEngine) -> MetaResult<Option<Rebalance>> {
     }
 }
 
+/// The last gc request (0: none yet), and what each node has answered.
+pub fn gc_state(kv: &dyn KvEngine) -> MetaResult<(u64, BTreeMap<String, u64>)> {
+    let mut txn = kv.read_txn()?;
+    let asked = match txn.get(schema::GC_REQUEST)? {
+        Some(v) => be_u64(schema::GC_REQUEST, &v)?,
+        None => 0,
+    };
+    let (start, end) = schema::prefix_range(schema::GC_DONE);
+    let mut done = BTreeMap::new();
+    for (k, v) in txn.scan(&start, &end, 100_000)? {
+        done.insert(String::from_utf8_lossy(&k[1..]).into_owned(), be_u64(&k, &v)?);
+    }
+    Ok((asked, done))
+}
+
+fn be_u64(key: &[u8], v: &[u8]) -> MetaResult<u64> {
+    Ok(u64::from_be_bytes(v.try_into().map_err(|_| MetaError::Corrupt {
+        key: String::from_utf8_lossy(key).into_owned(),
+        msg: format!("{} bytes where 8 were expected", v.len()),
+    })?))
+}
+
+/// The last gc request's number (0: none yet).
+pub fn gc_requested(kv: &dyn KvEngine) -> MetaResult<u64> {
+    let mut txn = kv.read_txn()?;
+    match txn.get(schema::GC_REQUEST)? {
+        Some(v) => be_u64(schema::GC_REQUEST, &v),
+        None => Ok(0),
+    }
+}
+
 /// Every node's admin state (nodes without one are absent).
 pub fn admin_states(kv: &dyn KvEngine) -> MetaResult<BTreeMap<String, NodeAdmin>> {
     let mut txn = kv.read_txn()?;
@@ -104,6 +135,27 @@ impl Namespace {
                 Some(j) => txn.put(schema::REBALANCE, &encode(&j)),
                 None => txn.delete(schema::REBALANCE),
             }
+            Ok(())
+        })
+    }
+
+    /// Ask every node to sweep its copies now (`converged gc`). Returns the
+    /// request's number; each node answers with [`Namespace::gc_done`].
+    pub fn request_gc(&self) -> MetaResult<u64> {
+        self.write(Durability::Durable, |txn| {
+            let last = match txn.get(schema::GC_REQUEST)? {
+                Some(v) => be_u64(schema::GC_REQUEST, &v)?,
+                None => 0,
+            };
+            txn.put(schema::GC_REQUEST, &(last + 1).to_be_bytes());
+            Ok(last + 1)
+        })
+    }
+
+    /// This node swept every copy no record names, up to gc request `id`.
+    pub fn gc_done(&self, id: u64) -> MetaResult<()> {
+        self.write(Durability::Durable, |txn| {
+            txn.put(&schema::gc_done(&self.node), &id.to_be_bytes());
             Ok(())
         })
     }

@@ -420,6 +420,35 @@ impl Namespace {
         })
     }
 
+    /// Every object key a file refers to: keys of the mount's own store
+    /// owned in the key registry or named by a tier record (relative to the
+    /// store's prefix), and, apart, the keys imported files read from their
+    /// sources (full keys). An object under the store's prefix that matches
+    /// neither belongs to no file (`converged gc`).
+    pub fn referenced_object_keys(
+        &self,
+    ) -> MetaResult<(std::collections::HashSet<String>, std::collections::HashSet<String>)> {
+        self.read(|txn| {
+            let (mut own, mut imported) = (std::collections::HashSet::new(), std::collections::HashSet::new());
+            for (k, _) in crate::namespace::scan_all(txn, &schema::key_owners_all())? {
+                own.insert(String::from_utf8_lossy(&k[1..]).into_owned());
+            }
+            for (k, v) in crate::namespace::scan_all(txn, &schema::tier_all())? {
+                let t: TierRecord = decode(&k, &v)?;
+                match (&t.source, t.key.is_empty()) {
+                    (_, true) => {}
+                    (None, false) => {
+                        own.insert(t.key);
+                    }
+                    (Some(_), false) => {
+                        imported.insert(t.key);
+                    }
+                }
+            }
+            Ok((own, imported))
+        })
+    }
+
     /// The names from the root down to `ino`, following each inode's
     /// recorded parent and name; `None` when a step no longer holds (the
     /// name was unlinked while another hard link remains).
