@@ -43,7 +43,7 @@ pub fn block_crcs(file: &File, start: u64, len: u64) -> io::Result<Vec<u32>> {
 }
 
 /// True when `[offset, offset + len)` of `file` holds no data (a hole or past the end).
-fn is_hole(file: &File, offset: u64, len: u64) -> bool {
+pub fn is_hole(file: &File, offset: u64, len: u64) -> bool {
     // SAFETY: lseek on our fd; SEEK_DATA does not move any offset we use (all I/O is positional).
     let next = unsafe { libc::lseek(file.as_raw_fd(), offset as i64, libc::SEEK_DATA) };
     if next < 0 {

@@ -387,3 +387,27 @@ fn rebalance_gives_a_new_node_its_share_and_survives_a_kill() {
         same(&fs::read(c.node(4).path(name)).unwrap(), &pattern(64 << 10, i as u64), name);
     }
 }
+
+/// A truncate drops chunks from the layout: every node's copy of them is
+/// punched out of its backing file (the space comes back), while the bytes
+/// that remain read back everywhere.
+#[test]
+fn a_truncated_files_dropped_chunks_leave_every_node() {
+    let Some(c) = Cluster::start(3, &HEAL) else { return };
+    fs::create_dir(c.node(0).path("d")).unwrap();
+    setxattr(&c.node(0).path("d"), "user.converged.replicas", b"3");
+    let data = pattern(130 * MIB, 8);
+    fs::write(c.node(0).path("d/t.bin"), &data).unwrap();
+    let ino = fs::metadata(c.node(0).path("d/t.bin")).unwrap().ino();
+    let allocated = |i: usize| fs::metadata(c.backing(i, ino)).map(|m| m.blocks() * 512).unwrap_or(0);
+    for i in 0..3 {
+        eventually(30, &format!("n{} holds all of t.bin", i + 1), || allocated(i) >= 130 * MIB as u64);
+    }
+    let f = fs::OpenOptions::new().write(true).open(c.node(1).path("d/t.bin")).unwrap();
+    f.set_len(10 * MIB as u64).unwrap();
+    drop(f);
+    for i in 0..3 {
+        eventually(60, &format!("n{} punched out the dropped chunks", i + 1), || allocated(i) <= 70 * MIB as u64);
+        same(&fs::read(c.node(i).path("d/t.bin")).unwrap(), &data[..10 * MIB], &format!("t.bin on n{}", i + 1));
+    }
+}

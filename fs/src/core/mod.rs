@@ -85,6 +85,7 @@ use open::{Claim, OpenTable};
 pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairTrigger};
 pub use replicate::Replicated;
 pub use scrub::Scrubbed;
+pub use sweep::Seen;
 
 pub struct CoreConfig {
     pub data_dir: PathBuf,

@@ -4,6 +4,11 @@
 //! that moved a chunk elsewhere and dropped this node from its record, or
 //! by a node that was rebuilt around while it was dead and came back.
 //!
+//! A file this node still holds some chunks of may hold bytes of others
+//! that records no longer name here (truncated away, or moved by a
+//! rebalance or a drain): those ranges of the backing file are punched out
+//! under the same rules, chunk by chunk.
+//!
 //! A copy goes only when it was found unreferenced twice, at least `grace`
 //! apart (a reader elsewhere that loaded the layout before the change keeps
 //! reading it meanwhile, and a file created since the first look is seen
@@ -19,7 +24,7 @@ use converged_metadata::types::*;
 use converged_metadata::MetaError;
 
 use super::Core;
-use crate::error::FsResult;
+use crate::error::{FsError, FsResult};
 
 /// Why a local copy is not needed any more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +33,21 @@ enum Unneeded {
     Purged,
     /// No chunk record names this node, and every chunk has a live copy.
     Moved,
+}
+
+/// What a sweep found unneeded, and when first: whole files' copies, and
+/// chunks of files this node still holds some of.
+#[derive(Default)]
+pub struct Seen {
+    files: HashMap<Ino, Instant>,
+    chunks: HashMap<(Ino, u32), Instant>,
+}
+
+impl Seen {
+    /// Whether nothing found is waiting for its grace period.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty() && self.chunks.is_empty()
+    }
 }
 
 impl Core {
@@ -58,10 +78,78 @@ impl Core {
         Ok((backed || all_live).then_some(Unneeded::Moved))
     }
 
+    /// Punch out the ranges of `ino`'s backing file that hold chunks no
+    /// record names here (see the module's head). Returns how many.
+    fn trim(&self, ino: Ino, seen: &mut HashMap<(Ino, u32), Instant>, grace: Duration) -> FsResult<usize> {
+        if self.open.get(ino).is_some() || self.spares.lock().contains_key(&ino) {
+            return Ok(0);
+        }
+        let inode = match self.ns.getattr(ino) {
+            Ok(i) if i.kind == FileKind::Regular => i,
+            Ok(_) | Err(MetaError::NotFound) => return Ok(0),
+            Err(e) => return Err(e.into()),
+        };
+        if self.ns.writer(ino)?.is_some() {
+            return Ok(0);
+        }
+        let Ok(file) = std::fs::File::open(self.store.path(ino)) else { return Ok(0) };
+        let len = file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
+        let cs = inode.chunk_size.max(1) as u64;
+        let records: HashMap<u32, converged_metadata::ChunkRecord> = self.ns.chunks(ino)?.into_iter().collect();
+        let Some(cluster) = self.cluster.get() else { return Ok(0) };
+        let live: Vec<String> = cluster.live_peers().into_iter().map(|n| n.id).collect();
+        let backed = self.backed_object(ino)?.is_some();
+        // A chunk whose record names no live node but this one's old id (an
+        // id that changed) is kept: this copy may be the only one.
+        let elsewhere = |r: &converged_metadata::ChunkRecord| backed || r.replicas.iter().any(|h| live.contains(h));
+        let mut punched = 0;
+        for index in 0..len.div_ceil(cs) as u32 {
+            let (start, end) = (index as u64 * cs, ((index as u64 + 1) * cs).min(len));
+            let keep = records.get(&index).is_some_and(|r| self.is_local(r) || !elsewhere(r));
+            if keep || crate::blocks::is_hole(&file, start, end - start) {
+                seen.remove(&(ino, index));
+                continue;
+            }
+            let first = *seen.entry((ino, index)).or_insert_with(Instant::now);
+            if first.elapsed() < grace {
+                continue;
+            }
+            seen.remove(&(ino, index));
+            let done = self.while_closed(ino, || -> FsResult<bool> {
+                let still = self.ns.chunk(ino, index)?.is_none_or(|r| !self.is_local(&r) && elsewhere(&r));
+                if !still || self.ns.writer(ino)?.is_some() {
+                    return Ok(false);
+                }
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(self.store.path(ino))
+                    .map_err(|e| FsError::io("open backing file to trim", e))?;
+                // SAFETY: fallocate on a descriptor we own, within the file.
+                let rc = unsafe {
+                    libc::fallocate(
+                        std::os::fd::AsRawFd::as_raw_fd(&f),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        start as i64,
+                        (end - start) as i64,
+                    )
+                };
+                if rc != 0 {
+                    return Err(FsError::io("punch out an unneeded chunk", std::io::Error::last_os_error()));
+                }
+                Ok(true)
+            });
+            if let Some(Ok(true)) = done {
+                tracing::info!(ino, chunk = index, "removed a chunk copy no record names here");
+                punched += 1;
+            }
+        }
+        Ok(punched)
+    }
+
     /// One sweep over the copies held here. `seen`: when each unneeded copy
-    /// was first found so (kept between sweeps). Returns how many inodes'
-    /// copies were removed.
-    pub(crate) fn sweep(&self, seen: &mut HashMap<Ino, Instant>, grace: Duration) -> FsResult<usize> {
+    /// was first found so (kept between sweeps). Returns how many files'
+    /// copies and chunk ranges were removed.
+    pub(crate) fn sweep(&self, seen: &mut Seen, grace: Duration) -> FsResult<usize> {
         if self.cluster.get().is_none() {
             return Ok(0);
         }
@@ -69,17 +157,19 @@ impl Core {
         held.extend(self.store.inodes_with_versions());
         held.sort_unstable();
         held.dedup();
-        seen.retain(|ino, _| held.binary_search(ino).is_ok());
+        seen.files.retain(|ino, _| held.binary_search(ino).is_ok());
+        seen.chunks.retain(|(ino, _), _| held.binary_search(ino).is_ok());
         let mut removed = 0;
         for ino in held {
             let why = match self.unneeded(ino)? {
                 Some(why) => why,
                 None => {
-                    seen.remove(&ino);
+                    seen.files.remove(&ino);
+                    removed += self.trim(ino, &mut seen.chunks, grace)?;
                     continue;
                 }
             };
-            let first = *seen.entry(ino).or_insert_with(Instant::now);
+            let first = *seen.files.entry(ino).or_insert_with(Instant::now);
             if first.elapsed() < grace {
                 continue;
             }
@@ -96,7 +186,7 @@ impl Core {
                 tracing::info!(ino, reason = ?why, "removed a copy no record names");
                 removed += 1;
             }
-            seen.remove(&ino);
+            seen.files.remove(&ino);
         }
         Ok(removed)
     }

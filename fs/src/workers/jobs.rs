@@ -243,7 +243,7 @@ impl Worker for Repairer {
 pub struct Sweeper {
     pub core: Weak<Core>,
     grace: Duration,
-    seen: std::collections::HashMap<converged_metadata::types::Ino, Instant>,
+    seen: crate::core::Seen,
     last: Option<Instant>,
     /// The gc request being answered, and when requests were last looked for.
     gc: (u64, Option<Instant>),
@@ -311,7 +311,7 @@ impl Worker for Sweeper {
         }
         match r {
             Ok(0) => Step::Idle,
-            Ok(n) => Step::Worked(format!("removed the copies of {n} files no record names")),
+            Ok(n) => Step::Worked(format!("removed {n} file copies or chunk ranges no record names")),
             Err(e) => {
                 tracing::warn!(error = %e, "sweep failed");
                 Step::Failed(format!("sweep: {e}"), Duration::from_secs(5))
