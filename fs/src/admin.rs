@@ -176,17 +176,23 @@ fn walk(p: &Path, out: &mut Vec<(PathBuf, u64)>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A progress bar over `total` bytes of files.
+fn bytes_bar(total: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}")
+            .expect("valid template"),
+    );
+    bar
+}
+
 /// `converged stage PATH`.
 pub fn stage(a: StageArgs) -> anyhow::Result<()> {
     on_converged(&a.path)?;
     let mut files = Vec::new();
     walk(&a.path, &mut files)?;
     let total: u64 = files.iter().map(|f| f.1).sum();
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}")
-            .expect("valid template"),
-    );
+    let bar = bytes_bar(total);
     let next = AtomicUsize::new(0);
     let failed = Mutex::new(Vec::new());
     let done = AtomicU64::new(0);
@@ -248,11 +254,7 @@ pub fn scrub(a: ScrubArgs) -> anyhow::Result<()> {
     let mut files = Vec::new();
     walk(&a.path, &mut files)?;
     let total: u64 = files.iter().map(|f| f.1).sum();
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}")
-            .expect("valid template"),
-    );
+    let bar = bytes_bar(total);
     let (mut bad, mut repaired, mut checked, mut failed) = (0u64, 0u64, 0u64, Vec::new());
     for (path, size) in &files {
         match get_xattr(path, SCRUB_XATTR) {

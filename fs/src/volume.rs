@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use converged_metadata::membership::Member;
+use converged_metadata::ops::xattr::Policies;
 use converged_metadata::types::{TierState, Timespec};
 use converged_metadata::{KvEngine, MetaUri, Namespace, NodeAdmin};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -80,17 +81,11 @@ struct Health {
 fn health(ns: &Namespace, members: &[Member], admin: &BTreeMap<String, NodeAdmin>) -> anyhow::Result<Health> {
     let alive: HashSet<&str> = members.iter().filter(|m| m.alive).map(|m| m.info.id.as_str()).collect();
     let mut h = Health::default();
-    let mut policy: HashMap<u64, usize> = HashMap::new();
+    let mut policies = Policies::new(ns, DEFAULT_CLUSTER_REPLICAS);
     let mut backed: HashMap<u64, bool> = HashMap::new();
     let mut err = None;
     ns.for_each_chunk(|ino, _, rec| {
-        let want = *policy.entry(ino).or_insert_with(|| match ns.replicas_policy(ino) {
-            Ok(p) => p.unwrap_or(DEFAULT_CLUSTER_REPLICAS) as usize,
-            Err(e) => {
-                err = Some(e);
-                DEFAULT_CLUSTER_REPLICAS as usize
-            }
-        });
+        let want = policies.want(ino);
         h.chunks += 1;
         h.bytes += rec.len as u64;
         for r in &rec.replicas {
@@ -116,6 +111,7 @@ fn health(ns: &Namespace, members: &[Member], admin: &BTreeMap<String, NodeAdmin
             }
         }
     })?;
+    policies.finish()?;
     if let Some(e) = err {
         return Err(e.into());
     }
@@ -296,16 +292,9 @@ fn balance(ns: &Namespace, engine: &dyn KvEngine, meta: &str, failure_domain: &s
         b.now.insert(c.id.clone(), 0);
         b.ideal.insert(c.id.clone(), 0);
     }
-    let mut policy: HashMap<u64, usize> = HashMap::new();
-    let mut err = None;
+    let mut policies = Policies::new(ns, DEFAULT_CLUSTER_REPLICAS);
     ns.for_each_chunk(|ino, index, rec| {
-        let want = *policy.entry(ino).or_insert_with(|| match ns.replicas_policy(ino) {
-            Ok(p) => p.unwrap_or(DEFAULT_CLUSTER_REPLICAS) as usize,
-            Err(e) => {
-                err = Some(e);
-                DEFAULT_CLUSTER_REPLICAS as usize
-            }
-        });
+        let want = policies.want(ino);
         for r in &rec.replicas {
             *b.now.entry(r.clone()).or_default() += 1;
         }
@@ -328,9 +317,7 @@ fn balance(ns: &Namespace, engine: &dyn KvEngine, meta: &str, failure_domain: &s
             b.misplaced_bytes += rec.len as u64;
         }
     })?;
-    if let Some(e) = err {
-        return Err(e.into());
-    }
+    policies.finish()?;
     Ok(b)
 }
 

@@ -40,6 +40,25 @@ const SUITES: &[(&str, Suite)] = &[
     ("fsck_finds_what_was_broken_and_repairs_what_it_can", fsck_finds_what_was_broken_and_repairs_what_it_can),
 ];
 
+/// Seal `ino` as one 10-byte chunk at `version`, held by `replicas`.
+fn seal_one_chunk(ns: &Namespace, ino: u64, version: u64, replicas: &[&str]) {
+    let record = ChunkRecord {
+        version,
+        len: 10,
+        replicas: replicas.iter().map(|r| r.to_string()).collect(),
+        block_crcs: vec![7],
+    };
+    let seal = converged_metadata::Seal {
+        size: 10,
+        mtime: Timespec::now(),
+        chunks: vec![(0, record)],
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+    };
+    ns.seal(ino, &seal, Durability::Durable).unwrap();
+}
+
 /// The record an upload starts from, when it may start.
 fn go(start: UploadStart) -> converged_metadata::types::TierRecord {
     match start {
@@ -767,16 +786,7 @@ fn copies_leave_a_record_only_after_their_replacements(name: &str, kv: Arc<dyn K
     use converged_metadata::NodeAdmin;
     let ns = ns(kv);
     let f = ns.mknod(ROOT, b"f", &file(0o644)).unwrap();
-    let record = ChunkRecord { version: 3, len: 10, replicas: vec!["n1".into(), "n3".into()], block_crcs: vec![7] };
-    let seal = converged_metadata::Seal {
-        size: 10,
-        mtime: Timespec::now(),
-        chunks: vec![(0, record)],
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-    };
-    ns.seal(f.ino, &seal, Durability::Durable).unwrap();
+    seal_one_chunk(&ns, f.ino, 3, &["n1", "n3"]);
     ns.set_node_admin("n3", Some(NodeAdmin::Draining)).unwrap();
     assert_eq!(ns.node_admin_states().unwrap().get("n3"), Some(&NodeAdmin::Draining), "{name}");
     assert!(ns.set_node_admin("n3", Some(NodeAdmin::Drained)).is_err(), "{name}: a record still names n3");
@@ -822,25 +832,13 @@ fn fsck_finds_what_was_broken_and_repairs_what_it_can(name: &str, kv: Arc<dyn Kv
     use converged_metadata::ops::fsck::{Finding, NodesView};
     use converged_metadata::schema;
     let ns = ns(kv.clone());
-    let seal = |ino: u64, replicas: Vec<String>| {
-        let record = ChunkRecord { version: 1, len: 10, replicas, block_crcs: vec![7] };
-        let seal = converged_metadata::Seal {
-            size: 10,
-            mtime: Timespec::now(),
-            chunks: vec![(0, record)],
-            keep_unsealed: false,
-            lease: None,
-            data_durable: true,
-        };
-        ns.seal(ino, &seal, Durability::Durable).unwrap();
-    };
     let a = ns.mknod(ROOT, b"a", &file(0o644)).unwrap();
-    seal(a.ino, vec!["n1".into()]);
+    seal_one_chunk(&ns, a.ino, 1, &["n1"]);
     let b = ns.mknod(ROOT, b"b", &file(0o644)).unwrap();
     ns.link(b.ino, ROOT, b"b2").unwrap();
     let c = ns.mknod(ROOT, b"c", &file(0o644)).unwrap();
     let d = ns.mknod(ROOT, b"d", &file(0o644)).unwrap();
-    seal(d.ino, vec!["n1".into(), "n9".into()]);
+    seal_one_chunk(&ns, d.ino, 1, &["n1", "n9"]);
     let nothing = |_| {};
     assert!(ns.fsck(None, &nothing).unwrap().findings.is_empty(), "{name}: a fresh namespace is clean");
 

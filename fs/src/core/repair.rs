@@ -198,8 +198,7 @@ impl Core {
         let Some(view) = self.repair_view(cfg.delay)? else { return Ok(pass) };
         pass.next_due = view.next_due;
         let cluster = self.cluster.get().expect("a view means a cluster").clone();
-        let mut policy: HashMap<Ino, usize> = HashMap::new();
-        let mut policy_err = None;
+        let mut policies = converged_metadata::ops::xattr::Policies::new(&self.ns, cluster.default_replicas());
         // A rebalance under way: copies also move toward the ideal holders.
         let balance = match converged_metadata::ops::nodes::rebalance(self.ns.engine())? {
             Some(job) => {
@@ -216,13 +215,7 @@ impl Core {
         let mut jobs = Vec::new();
         self.ns.for_each_chunk(|ino, index, rec| {
             pass.chunks += 1;
-            let want = *policy.entry(ino).or_insert_with(|| match self.ns.replicas_policy(ino) {
-                Ok(p) => p.unwrap_or(cluster.default_replicas()).max(1) as usize,
-                Err(e) => {
-                    policy_err = Some(e);
-                    cluster.default_replicas().max(1) as usize
-                }
-            });
+            let want = policies.want(ino);
             let count = |kind: Holder| rec.replicas.iter().filter(|r| view.of(r) == kind).count();
             let (good, leaving, down) = (count(Holder::Good), count(Holder::Leaving), count(Holder::Down));
             if good + leaving == 0 {
@@ -262,9 +255,7 @@ impl Core {
                 }
             }
         })?;
-        if let Some(e) = policy_err {
-            return Err(e.into());
-        }
+        policies.finish()?;
         for job in jobs {
             if stop() {
                 break;

@@ -77,3 +77,42 @@ impl Namespace {
         })
     }
 }
+
+/// The copy counts files ask for, read once per file during a scan of
+/// chunk records (`status`, repair, rebalance). A policy that cannot be
+/// read counts as `default`, and the first such error is kept for the
+/// caller to report after the scan.
+pub struct Policies<'a> {
+    ns: &'a Namespace,
+    default: u32,
+    known: std::collections::HashMap<Ino, usize>,
+    pub error: Option<MetaError>,
+}
+
+impl<'a> Policies<'a> {
+    pub fn new(ns: &'a Namespace, default: u32) -> Self {
+        Policies { ns, default, known: Default::default(), error: None }
+    }
+
+    /// Copies asked for the chunks of `ino` (at least 1).
+    pub fn want(&mut self, ino: Ino) -> usize {
+        if let Some(w) = self.known.get(&ino) {
+            return *w;
+        }
+        let w = match self.ns.replicas_policy(ino) {
+            Ok(p) => p.unwrap_or(self.default),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                self.default
+            }
+        }
+        .max(1) as usize;
+        self.known.insert(ino, w);
+        w
+    }
+
+    /// The first error met, if any.
+    pub fn finish(self) -> MetaResult<()> {
+        self.error.map_or(Ok(()), Err)
+    }
+}
