@@ -177,6 +177,25 @@ fn draining_a_node_moves_its_chunks_without_a_read_error() {
         })
         .collect();
 
+    // Writers on the draining node and on another one, a few files each.
+    let write_errors = Arc::new(AtomicU64::new(0));
+    let writers: Vec<_> = [0usize, 2]
+        .into_iter()
+        .map(|i| {
+            let mnt = c.node(i).mnt.clone();
+            let errors = write_errors.clone();
+            std::thread::spawn(move || {
+                for k in 0..6u64 {
+                    let name = format!("data/new-n{}-{k}.bin", i + 1);
+                    if let Err(e) = fs::write(mnt.join(&name), pattern(8 * MIB, 900 + 10 * i as u64 + k)) {
+                        eprintln!("{name}: {e}");
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            })
+        })
+        .collect();
     let started = Instant::now();
     let out = converged().args(["node", "drain", "n3", "--meta", &c.meta]).output().unwrap();
     assert!(
@@ -186,6 +205,17 @@ fn draining_a_node_moves_its_chunks_without_a_read_error() {
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!("drained n3 in {:.1}s", started.elapsed().as_secs_f64());
+    for w in writers {
+        w.join().unwrap();
+    }
+    // What n3 wrote after the drain was marked done is moved off too.
+    let mut inos = inos;
+    for i in [0u64, 2] {
+        for k in 0..6u64 {
+            inos.push(fs::metadata(c.node(0).path(&format!("data/new-n{}-{k}.bin", i + 1))).unwrap().ino());
+        }
+    }
+    eventually(90, "no record names n3", || node_line(&c, "n3").split_whitespace().nth(7) == Some("0"));
     eventually(60, "n3 removed its copies", || inos.iter().all(|ino| !c.holds(2, *ino)));
     // Readers keep going a little past the last removal.
     std::thread::sleep(Duration::from_secs(2));
@@ -194,6 +224,7 @@ fn draining_a_node_moves_its_chunks_without_a_read_error() {
         r.join().unwrap();
     }
     assert_eq!(errors.load(Ordering::Relaxed), 0, "reads failed during the drain");
+    assert_eq!(write_errors.load(Ordering::Relaxed), 0, "writes failed during the drain");
     assert!(loops.load(Ordering::Relaxed) >= 2, "the readers read every file during the drain");
     let line = node_line(&c, "n3");
     assert!(line.contains("drained"), "{line}");
@@ -205,6 +236,12 @@ fn draining_a_node_moves_its_chunks_without_a_read_error() {
     std::thread::sleep(Duration::from_secs(1));
     assert!(!c.holds(2, ino), "a drained node took a new copy");
     read_all(&c, 2, &files);
+    for i in [0u64, 2] {
+        for k in 0..6u64 {
+            let name = format!("data/new-n{}-{k}.bin", i + 1);
+            same(&fs::read(c.node(3).path(&name)).unwrap(), &pattern(8 * MIB, 900 + 10 * i + k), &name);
+        }
+    }
 }
 
 /// A deleted file's copies leave every node: live peers are told at once;

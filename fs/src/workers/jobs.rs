@@ -182,6 +182,8 @@ type Trigger = Option<crate::core::RepairTrigger>;
 
 /// A pass at least this often, whatever changed.
 const REPAIR_EVERY: Duration = Duration::from_secs(300);
+/// How often passes run while a live node is draining or drained.
+const DRAINING_EVERY: Duration = Duration::from_secs(5);
 /// How soon a pass that moved something is followed by another.
 const REPAIR_AGAIN: Duration = Duration::from_secs(2);
 
@@ -213,6 +215,10 @@ impl Worker for Repairer {
             Ok(_) => (REPAIR_EVERY, REPAIR_AGAIN),
             Err(_) => (backoff, (backoff * 2).min(REPAIR_EVERY)),
         };
+        // While a live node drains (or is drained), its own writers keep
+        // landing chunks on it: passes come often enough to move them off.
+        let draining = trigger.as_ref().is_some_and(|(admin, dead, _)| admin.keys().any(|n| !dead.contains(n)));
+        let wait = if draining { wait.min(DRAINING_EVERY) } else { wait };
         // A dead node crossing the repair delay is due at once.
         let wait = match &r {
             Ok(p) => p.next_due.map_or(wait, |d| wait.min(d + Duration::from_millis(500))),
