@@ -145,8 +145,28 @@ impl Core {
                 tracing::warn!(error = %e, "deleting objects of removed files failed; retrying later");
             }
             self.adopt_if_nodes_died(&t);
+            self.rescan_if_asked(&t);
         }
         Some(did)
+    }
+
+    /// Queue this node's files to upload again when asked (`fsck --repair`
+    /// marked files whose object is gone or wrong).
+    fn rescan_if_asked(&self, t: &Tiering) {
+        use std::sync::atomic::Ordering;
+        let asked = match converged_metadata::ops::nodes::backfill_rescan_requested(self.namespace().engine()) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read backfill rescan requests");
+                return;
+            }
+        };
+        if asked > t.rescanned.load(Ordering::Relaxed) {
+            t.rescanned.store(asked, Ordering::Relaxed);
+            if let Err(e) = self.resume_backfill() {
+                tracing::warn!(error = %e, "backfill rescan failed");
+            }
+        }
     }
 
     /// A node that dies leaves its dirty files un-uploaded (it sealed them)

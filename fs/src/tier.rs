@@ -126,6 +126,9 @@ pub struct Tiering {
     pub(crate) checked: dashmap::DashMap<Ino, i64>,
     /// Taking over dead nodes' backfill (see `adopt_if_nodes_died`).
     pub(crate) adopted: Mutex<Adoption>,
+    /// The last backfill rescan request this node acted on (`fsck --repair`
+    /// marks files to upload again and asks for one).
+    pub(crate) rescanned: std::sync::atomic::AtomicU64,
 }
 
 /// A one-line view of the backlog.
@@ -148,6 +151,7 @@ impl Tiering {
             access: Default::default(),
             checked: Default::default(),
             adopted: Mutex::default(),
+            rescanned: Default::default(),
         }
     }
 

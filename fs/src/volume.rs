@@ -402,9 +402,64 @@ pub struct FsckArgs {
     pub meta: String,
     /// Fix what the metadata alone can: names of missing inodes, link counts, unreachable
     /// files (into /lost+found), records of missing inodes or past a file's end, holders
-    /// that are not nodes of the volume. Missing copies are left to the nodes' repair.
+    /// that are not nodes of the volume; backed files whose object is missing or wrong are
+    /// uploaded again (while a node holds their chunks). Missing copies are left to the nodes'
+    /// repair.
     #[arg(long)]
     pub repair: bool,
+    /// The volume's object store, as given to `mount --object-store`: every backed file's
+    /// object is checked (it exists, with the file's size and recorded ETag).
+    #[arg(long, value_name = "URI")]
+    pub object_store: Option<String>,
+    /// S3-compatible endpoint for an s3:// store, as for `mount --s3-endpoint`.
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
+}
+
+/// A backed file whose object is not what its record says.
+struct BadObject {
+    ino: u64,
+    key: String,
+    what: String,
+    /// Its own store's object (an import's source is not converged's to rewrite).
+    own: bool,
+}
+
+/// Check every backed file's object: it exists, with the file's size and the ETag recorded.
+fn check_objects(ns: &Namespace, store: &str, endpoint: Option<String>) -> anyhow::Result<(u64, Vec<BadObject>)> {
+    use crate::objects::{ObjectTier, StoreOptions};
+    let tier = ObjectTier::open(store, StoreOptions { s3_endpoint: endpoint })?;
+    let backed = ns.backed_files()?;
+    let bar = ProgressBar::new(backed.len() as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} objects checked {msg}").expect("valid template"));
+    let mut bad = Vec::new();
+    for (ino, t) in &backed {
+        bar.inc(1);
+        let key = match &t.source {
+            Some(_) => t.key.clone(),
+            None => tier.home().key(&t.key),
+        };
+        let size = match ns.getattr(*ino) {
+            Ok(i) => i.size,
+            Err(_) => continue, // fsck's own checks report a missing inode
+        };
+        let what = match tier.head(t.source.as_deref(), &key) {
+            Err(crate::objects::ObjectError::NotFound { .. }) => Some("is missing".to_string()),
+            Err(e) => Some(format!("cannot be read: {e}")),
+            Ok((len, _, _)) if len != size => Some(format!("holds {len} bytes, the file {size}")),
+            Ok((_, _, etag)) if t.etag.is_some() && etag.is_some() && etag != t.etag => Some(format!(
+                "changed (ETag {} where {} was recorded)",
+                etag.unwrap_or_default(),
+                t.etag.clone().unwrap_or_default()
+            )),
+            Ok(_) => None,
+        };
+        if let Some(what) = what {
+            bad.push(BadObject { ino: *ino, key, what, own: t.source.is_none() });
+        }
+    }
+    bar.finish_and_clear();
+    Ok((backed.len() as u64, bad))
 }
 
 fn path_text(ns: &Namespace, ino: u64) -> String {
@@ -439,7 +494,14 @@ pub fn fsck(a: FsckArgs) -> anyhow::Result<()> {
         Ok(r?)
     };
     let report = check("checking")?;
+    let (objects, bad_objects) = match &a.object_store {
+        Some(store) => check_objects(&ns, store, a.s3_endpoint.clone())?,
+        None => (0, Vec::new()),
+    };
     let mut out = String::new();
+    for b in &bad_objects {
+        out.push_str(&format!("{}: object {} {}\n", path_text(&ns, b.ino), b.key, b.what));
+    }
     for f in &report.findings {
         let path = match f {
             Finding::DanglingName { parent, name, .. } => {
@@ -449,25 +511,40 @@ pub fn fsck(a: FsckArgs) -> anyhow::Result<()> {
         };
         out.push_str(&format!("{path}: {}\n", f.describe()));
     }
+    let problems = report.findings.len() + bad_objects.len();
     out.push_str(&format!(
-        "{} inodes, {} names, {} chunk records checked: {} problems\n",
+        "{} inodes, {} names, {} chunk records{} checked: {problems} problems\n",
         report.inodes,
         report.names,
         report.chunks,
-        report.findings.len()
+        if a.object_store.is_some() { format!(", {objects} objects") } else { String::new() },
     ));
     let _ = std::io::stdout().lock().write_all(out.as_bytes());
-    if report.findings.is_empty() {
+    if problems == 0 {
         return Ok(());
     }
     if !a.repair {
-        bail!("{} problems (run with --repair to fix what the metadata alone can)", report.findings.len());
+        bail!("{problems} problems (run with --repair to fix what the metadata alone can)");
     }
     let mut fixed = 0;
     for f in &report.findings {
         if ns.fsck_repair(f)? {
             fixed += 1;
         }
+    }
+    for b in bad_objects.iter().filter(|b| b.own) {
+        // Uploaded again by a live node holding its chunks.
+        let holder =
+            ns.chunks(b.ino)?.into_iter().flat_map(|(_, r)| r.replicas).find(|h| live.contains(h) || members.is_none());
+        match holder {
+            Some(node) if ns.reupload(b.ino, &node)? => fixed += 1,
+            _ => {
+                println!("{}: no live node holds its chunks; its object cannot be written again", path_text(&ns, b.ino))
+            }
+        }
+    }
+    if bad_objects.iter().any(|b| b.own) {
+        ns.request_backfill_rescan()?;
     }
     let after = check("checking again")?;
     println!("repaired {fixed}; {} problems left", after.findings.len());

@@ -38,6 +38,8 @@
 //! | `B`                        | [`Rebalance`]        | a rebalance under way                        |
 //! | `W`                        | u64 (BE)             | the last gc request (`converged gc`)         |
 //! | `Z` node-id                | u64 (BE)             | the last gc request the node has swept for   |
+//! | `H`                        | u64 (BE)             | the last request to queue files for upload   |
+//! |                            |                      | again (`fsck --repair`)                      |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -249,6 +251,7 @@ pub const NODE_ADMIN: &[u8] = b"A";
 pub const REBALANCE: &[u8] = b"B";
 pub const GC_REQUEST: &[u8] = b"W";
 pub const GC_DONE: &[u8] = b"Z";
+pub const BACKFILL_RESCAN: &[u8] = b"H";
 
 pub fn gc_done(node: &str) -> Vec<u8> {
     [GC_DONE, node.as_bytes()].concat()

@@ -130,6 +130,28 @@ fn a_backed_file_whose_holders_died_reads_from_the_object_store() {
     assert!(text.contains("1 belong to no file"), "{text}");
     assert_eq!(s3.client().list("vol", "v/"), vec!["v/solo/a.bin".to_string()], "{text}");
     same(&s3.client().get("vol", "v/solo/a.bin").unwrap(), &data, "a.bin's object after gc");
+
+    // fsck with the store: an object overwritten behind converged's back is
+    // named; --repair has a live holder upload the file again.
+    s3.client().put("vol", "v/solo/a.bin", b"clobbered");
+    let fsck = |repair: bool| {
+        let mut cmd = converged();
+        cmd.args(["fsck", "--meta", &c.meta, "--object-store", "s3://vol/v", "--s3-endpoint", &endpoint]);
+        if repair {
+            cmd.arg("--repair");
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+    let (clean, report) = fsck(false);
+    assert!(!clean && report.contains("/solo/a.bin: object v/solo/a.bin holds 9 bytes"), "{report}");
+    let (_, report) = fsck(true);
+    assert!(report.contains("repaired 1"), "{report}");
+    eventually(60, "a.bin is uploaded again", || s3.client().get("vol", "v/solo/a.bin").is_some_and(|o| o == data));
+    eventually(30, "fsck is clean again", || fsck(false).0);
 }
 
 /// `node drain n3` while readers on two other nodes loop over every file:
@@ -331,6 +353,16 @@ fn scrub_finds_and_repairs_a_flipped_copy() {
     same(&fs::read(c.node(2).path("d/w.bin")).unwrap(), &data, "w.bin on n3");
     let (clean, report) = fsck(&c);
     assert!(clean && report.contains(": 0 problems"), "{report}");
+
+    // n3's copy deleted outright: its scrub reports it, drops n3 from the
+    // record, and repair copies the chunk back.
+    let gone = c.backing(2, ino);
+    fs::remove_file(&gone).unwrap();
+    let out = scrub(2);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success() && text.contains("320 bad blocks, 0 repaired"), "{text}");
+    eventually(60, "n3 holds w.bin again", || fs::read(&gone).is_ok_and(|d| d == data));
+    eventually(30, "every chunk has its copies", || health(&c) == (0, 0));
 }
 
 /// The holders of each chunk of each file, as n`i` reads the layouts.

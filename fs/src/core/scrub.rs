@@ -2,7 +2,9 @@
 //! their records' block checksums, so that a bit that rotted on the SSD is
 //! found while other copies are still good, not when a reader needs it.
 //!
-//! A bad block is rewritten from another holder (its bytes checked against
+//! A copy the record names here but that is missing altogether (a data
+//! dir lost or replaced) drops this node from the record and is fetched
+//! again from a holder. A bad block is rewritten from another holder (its bytes checked against
 //! the same checksums) or, when none answers and the file is backed, from
 //! the object store. One that nothing can repair is reported (logs,
 //! metrics, `scrub --now`) and stays: reads of it go to the other holders
@@ -90,6 +92,7 @@ impl Core {
             Some(f) => (f, 0),
             None => match File::open(self.store.path(ino)) {
                 Ok(f) => (f, start),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.copy_missing(ino, index, &rec),
                 Err(e) => return Err(FsError::io("open backing file to scrub", e)),
             },
         };
@@ -133,6 +136,31 @@ impl Core {
             }
         }
         Ok(s)
+    }
+
+    /// The record names this node, but its copy is gone (a data dir lost or
+    /// replaced): this node is dropped from the record, then copies the
+    /// chunk back from a holder (or repair copies it elsewhere). Reported
+    /// as all its blocks bad.
+    fn copy_missing(&self, ino: Ino, index: u32, rec: &ChunkRecord) -> FsResult<Scrubbed> {
+        let blocks = (rec.len as u64).div_ceil(BLOCK_SIZE as u64);
+        let elsewhere = rec.replicas.iter().any(|r| r != self.node_id()) || self.backed_object(ino)?.is_some();
+        if elsewhere {
+            tracing::error!(
+                ino,
+                chunk = index,
+                "scrub: the copy the record names here is missing; dropping this node from the record and copying it again"
+            );
+            self.ns.drop_holder(ino, index, rec.version)?;
+            // Copied back here at once from a holder or the object; failing
+            // that, repair finds the chunk short.
+            if let Err(e) = self.stage_chunk(ino, index) {
+                tracing::warn!(ino, chunk = index, error = %e, "could not copy a missing chunk back; repair will");
+            }
+        } else {
+            tracing::error!(ino, chunk = index, "scrub: the only copy of this chunk, recorded here, is missing");
+        }
+        Ok(Scrubbed { chunks: 1, bytes: 0, bad_blocks: blocks, repaired_blocks: 0 })
     }
 
     /// Good bytes of one block: from another holder, else from the object.

@@ -85,6 +85,15 @@ fn be_u64(key: &[u8], v: &[u8]) -> MetaResult<u64> {
     })?))
 }
 
+/// The last backfill rescan request's number (0: none yet).
+pub fn backfill_rescan_requested(kv: &dyn KvEngine) -> MetaResult<u64> {
+    let mut txn = kv.read_txn()?;
+    match txn.get(schema::BACKFILL_RESCAN)? {
+        Some(v) => be_u64(schema::BACKFILL_RESCAN, &v),
+        None => Ok(0),
+    }
+}
+
 /// The last gc request's number (0: none yet).
 pub fn gc_requested(kv: &dyn KvEngine) -> MetaResult<u64> {
     let mut txn = kv.read_txn()?;
@@ -148,6 +157,19 @@ impl Namespace {
                 None => 0,
             };
             txn.put(schema::GC_REQUEST, &(last + 1).to_be_bytes());
+            Ok(last + 1)
+        })
+    }
+
+    /// Ask every node to queue its files that are not backed for upload
+    /// again (after `fsck --repair` marked some).
+    pub fn request_backfill_rescan(&self) -> MetaResult<u64> {
+        self.write(Durability::Durable, |txn| {
+            let last = match txn.get(schema::BACKFILL_RESCAN)? {
+                Some(v) => be_u64(schema::BACKFILL_RESCAN, &v)?,
+                None => 0,
+            };
+            txn.put(schema::BACKFILL_RESCAN, &(last + 1).to_be_bytes());
             Ok(last + 1)
         })
     }

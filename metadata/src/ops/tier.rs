@@ -420,6 +420,34 @@ impl Namespace {
         })
     }
 
+    /// Every file the object store is said to hold: backed or being
+    /// re-keyed, with its tier record.
+    pub fn backed_files(&self) -> MetaResult<Vec<(Ino, TierRecord)>> {
+        self.read(|txn| {
+            let mut out = Vec::new();
+            for (k, v) in crate::namespace::scan_all(txn, &schema::tier_all())? {
+                let t: TierRecord = decode(&k, &v)?;
+                if matches!(t.state, TierState::Backed | TierState::ReKeying) {
+                    out.push((schema::key_ino(&k), t));
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// A backed file of the mount's own store whose object is gone or
+    /// wrong: uploaded again from its chunks by `node` (fsck's repair).
+    /// Returns whether it was marked.
+    pub fn reupload(&self, ino: Ino, node: &str) -> MetaResult<bool> {
+        self.write(Durability::Durable, |txn| match get_tier(txn, ino)? {
+            Some(t) if t.source.is_none() && matches!(t.state, TierState::Backed | TierState::ReKeying) => {
+                mark_dirty(txn, ino, node)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        })
+    }
+
     /// Every object key a file refers to: keys of the mount's own store
     /// owned in the key registry or named by a tier record (relative to the
     /// store's prefix), and, apart, the keys imported files read from their
