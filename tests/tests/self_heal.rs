@@ -252,7 +252,13 @@ fn draining_a_node_moves_its_chunks_without_a_read_error() {
     assert!(line.contains("drained"), "{line}");
     assert_eq!(line.split_whitespace().nth(7), Some("0"), "no record names n3: {line}");
     assert_eq!(health(&c), (0, 0), "every chunk has its copies elsewhere");
-    // Nothing new lands on a drained node.
+    // Nothing new lands on a drained node, not even what it writes itself.
+    let own = pattern(70 * MIB, 10);
+    fs::write(c.node(2).path("data/own.bin"), &own).unwrap();
+    let layout = xattr_value(&c.node(2).path("data/own.bin"), "user.converged.layout");
+    assert!(!layout.contains("n3") && layout.lines().count() == 2, "a drained writer keeps no copy: {layout}");
+    same(&fs::read(c.node(2).path("data/own.bin")).unwrap(), &own, "own.bin on n3");
+    same(&fs::read(c.node(3).path("data/own.bin")).unwrap(), &own, "own.bin on n4");
     fs::write(c.node(0).path("data/after.bin"), pattern(8 * MIB, 9)).unwrap();
     let ino = fs::metadata(c.node(0).path("data/after.bin")).unwrap().ino();
     std::thread::sleep(Duration::from_secs(1));

@@ -613,7 +613,8 @@ impl Core {
 
     /// Compute checksums for the dirty chunks of `inode` from `file` and
     /// record them with the size and mtime the backing file has. This node
-    /// is the primary of every chunk it seals; in a cluster the other
+    /// is the primary of every chunk it seals (unless it is draining: see
+    /// `leaving` below); in a cluster the other
     /// replicas are written before the record (durability=replicated) or
     /// after it, in the background (durability=local). A chunk whose bytes
     /// did not change keeps its record, version and replicas.
@@ -636,7 +637,13 @@ impl Core {
             }
             _ => 1,
         };
-        let replicate_now = cluster.filter(|c| want > 1 && c.durability() == DurabilityMode::Replicated);
+        // A draining (or drained) node keeps no copy of what it seals: each
+        // chunk goes to `want` other nodes, and the backing file here only
+        // serves this node's writers (the sweep removes it once closed). A
+        // chunk no peer took stays recorded here, as anywhere else.
+        let leaving = cluster.is_some_and(|c| c.durability() == DurabilityMode::Replicated && !c.placeable(c.node()));
+        let replicate_now = cluster.filter(|c| (want > 1 || leaving) && c.durability() == DurabilityMode::Replicated);
+        let to_peers = if leaving { want } else { want - 1 };
         // A publish while writers go on (close or fsync in a cluster): the
         // backing file keeps changing in place and holds no published
         // version. A chunk version no peer took a copy of is kept here in a
@@ -659,11 +666,14 @@ impl Core {
             let c = replicate_now.expect("only replicating chunks are in flight");
             let copies = c.block_on(task).unwrap_or_default();
             let (index, record) = &mut chunks[at];
-            if copies.len() + 1 < want {
+            if leaving && copies.is_empty() {
+                record.replicas.push(self.node_id().to_string());
+            }
+            if copies.len() + record.replicas.len() < want {
                 tracing::warn!(
                     ino = inode.ino,
                     chunk = *index,
-                    copies = copies.len() + 1,
+                    copies = copies.len() + record.replicas.len(),
                     want,
                     "chunk under-replicated: too few peers answered"
                 );
@@ -692,7 +702,8 @@ impl Core {
             };
             let previous = old.get(&index);
             if let Some(o) = previous {
-                if o.len as u64 == len && o.block_crcs == block_crcs && o.replicas.iter().any(|r| r == self.node_id()) {
+                let kept = o.replicas.iter().any(|r| r == self.node_id()) || (leaving && !o.replicas.is_empty());
+                if o.len as u64 == len && o.block_crcs == block_crcs && kept {
                     short |= o.replicas.len() < want;
                     continue;
                 }
@@ -700,7 +711,7 @@ impl Core {
             let record = ChunkRecord {
                 version: converged_metadata::next_version(previous.map(|o| o.version), epoch),
                 len: len as u32,
-                replicas: vec![self.node_id().to_string()],
+                replicas: if leaving { Vec::new() } else { vec![self.node_id().to_string()] },
                 block_crcs,
             };
             let chunk = ChunkRef { ino: inode.ino, index, version: record.version, start };
@@ -708,7 +719,7 @@ impl Core {
                 (Some(c), Some(data)) => {
                     let ranked = c.plan(inode.ino, index, &record.replicas);
                     let data = Arc::new(data);
-                    let push = c.clone().push(chunk, data.clone(), want - 1, ranked);
+                    let push = c.clone().push(chunk, data.clone(), to_peers, ranked);
                     inflight.push_back((chunks.len(), chunk, data, c.spawn(push)));
                 }
                 (None, Some(data)) => keep_version(&chunk, &data),
