@@ -123,12 +123,28 @@ impl Core {
             let at = (i * bs) as u64;
             let len = (rec.len as u64 - at).min(bs as u64) as u32;
             match self.good_block(ino, index, cs, &rec, at, len) {
-                Ok(good) => match rewrite(self, ino, index, rec.version, start, at, &good) {
-                    Ok(()) => {
+                // Written only while the file is held closed here and still
+                // at the scrubbed version: a writer that opened meanwhile
+                // owns the backing file, and its bytes are not overwritten.
+                Ok(good) => match self.while_closed(ino, || {
+                    match self.ns.chunk(ino, index)?.is_some_and(|now| now.version == rec.version) {
+                        true => rewrite(self, ino, index, rec.version, start, at, &good)
+                            .map(|()| true)
+                            .map_err(|e| FsError::io("rewrite a bad block", e)),
+                        false => Ok(false),
+                    }
+                }) {
+                    Some(Ok(true)) => {
                         s.repaired_blocks += 1;
                         tracing::warn!(ino, chunk = index, offset = start + at, "scrub repaired a block");
                     }
-                    Err(e) => tracing::error!(ino, chunk = index, error = %e, "scrub could not rewrite a block"),
+                    Some(Ok(false)) => {}
+                    Some(Err(e)) => tracing::error!(ino, chunk = index, error = %e, "scrub could not rewrite a block"),
+                    None => tracing::info!(
+                        ino,
+                        chunk = index,
+                        "file opened during the scrub; the block is repaired next time"
+                    ),
                 },
                 Err(e) => {
                     tracing::error!(ino, chunk = index, offset = start + at, error = %e, "no good copy of a bad block")
