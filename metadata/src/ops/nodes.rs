@@ -66,10 +66,7 @@ pub fn rebalance(kv: &dyn KvEngine) -> MetaResult<Option<Rebalance>> {
 /// The last gc request (0: none yet), and what each node has answered.
 pub fn gc_state(kv: &dyn KvEngine) -> MetaResult<(u64, BTreeMap<String, u64>)> {
     let mut txn = kv.read_txn()?;
-    let asked = match txn.get(schema::GC_REQUEST)? {
-        Some(v) => be_u64(schema::GC_REQUEST, &v)?,
-        None => 0,
-    };
+    let asked = counter(&mut *txn, schema::GC_REQUEST)?;
     let (start, end) = schema::prefix_range(schema::GC_DONE);
     let mut done = BTreeMap::new();
     for (k, v) in txn.scan(&start, &end, 100_000)? {
@@ -87,18 +84,13 @@ fn be_u64(key: &[u8], v: &[u8]) -> MetaResult<u64> {
 
 /// The last backfill rescan request's number (0: none yet).
 pub fn backfill_rescan_requested(kv: &dyn KvEngine) -> MetaResult<u64> {
-    let mut txn = kv.read_txn()?;
-    match txn.get(schema::BACKFILL_RESCAN)? {
-        Some(v) => be_u64(schema::BACKFILL_RESCAN, &v),
-        None => Ok(0),
-    }
+    counter(&mut *kv.read_txn()?, schema::BACKFILL_RESCAN)
 }
 
-/// The last gc request's number (0: none yet).
-pub fn gc_requested(kv: &dyn KvEngine) -> MetaResult<u64> {
-    let mut txn = kv.read_txn()?;
-    match txn.get(schema::GC_REQUEST)? {
-        Some(v) => be_u64(schema::GC_REQUEST, &v),
+/// A request counter (`W`, `H`): 0 before the first request.
+fn counter(txn: &mut (impl crate::kv::KvRead + ?Sized), key: &[u8]) -> MetaResult<u64> {
+    match txn.get(key)? {
+        Some(v) => be_u64(key, &v),
         None => Ok(0),
     }
 }
@@ -151,26 +143,21 @@ impl Namespace {
     /// Ask every node to sweep its copies now (`converged gc`). Returns the
     /// request's number; each node answers with [`Namespace::gc_done`].
     pub fn request_gc(&self) -> MetaResult<u64> {
-        self.write(Durability::Durable, |txn| {
-            let last = match txn.get(schema::GC_REQUEST)? {
-                Some(v) => be_u64(schema::GC_REQUEST, &v)?,
-                None => 0,
-            };
-            txn.put(schema::GC_REQUEST, &(last + 1).to_be_bytes());
-            Ok(last + 1)
-        })
+        self.bump(schema::GC_REQUEST)
     }
 
     /// Ask every node to queue its files that are not backed for upload
     /// again (after `fsck --repair` marked some).
     pub fn request_backfill_rescan(&self) -> MetaResult<u64> {
+        self.bump(schema::BACKFILL_RESCAN)
+    }
+
+    /// Add one to a request counter; returns the new request's number.
+    fn bump(&self, key: &[u8]) -> MetaResult<u64> {
         self.write(Durability::Durable, |txn| {
-            let last = match txn.get(schema::BACKFILL_RESCAN)? {
-                Some(v) => be_u64(schema::BACKFILL_RESCAN, &v)?,
-                None => 0,
-            };
-            txn.put(schema::BACKFILL_RESCAN, &(last + 1).to_be_bytes());
-            Ok(last + 1)
+            let next = counter(txn, key)? + 1;
+            txn.put(key, &next.to_be_bytes());
+            Ok(next)
         })
     }
 
