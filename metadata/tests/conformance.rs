@@ -239,24 +239,15 @@ fn namespace_setattr_xattr_and_seal(name: &str, kv: Arc<dyn KvEngine>) {
 /// it; a purged file's object is deleted only if no other file owns its key.
 fn object_keys_belong_to_one_file_at_a_time(name: &str, kv: Arc<dyn KvEngine>) {
     let ns = ns(kv).with_tier();
-    let record = ChunkRecord { version: 1, len: 10, replicas: vec!["n1".into()], block_crcs: vec![7] };
-    let seal = converged_metadata::Seal {
-        size: 10,
-        mtime: Timespec::now(),
-        chunks: vec![(0, record)],
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-    };
     let old = ns.mknod(ROOT, b"latest", &file(0o644)).unwrap();
-    ns.seal(old.ino, &seal, Durability::Durable).unwrap();
+    seal_one_chunk(&ns, old.ino, 1, &["n1"]);
     let up = go(ns.begin_upload(old.ino, "latest").unwrap());
     ns.end_upload(old.ino, up.generation, "latest", Some("\"v1\"".into())).unwrap();
 
     ns.rename(ROOT, b"latest", ROOT, b"prev", RenameMode::Replace).unwrap();
     assert_eq!(ns.tier(old.ino).unwrap().unwrap().state, TierState::ReKeying, "{name}");
     let new = ns.mknod(ROOT, b"latest", &file(0o644)).unwrap();
-    ns.seal(new.ino, &seal, Durability::Durable).unwrap();
+    seal_one_chunk(&ns, new.ino, 1, &["n1"]);
     assert_eq!(
         ns.begin_upload(new.ino, "latest").unwrap(),
         UploadStart::KeyBusy { owner: old.ino },
@@ -270,7 +261,7 @@ fn object_keys_belong_to_one_file_at_a_time(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(ns.end_upload(new.ino, up.generation, "latest", None).unwrap(), UploadEnd::Backed { stale: None });
     // Another backed file, renamed, cannot claim `prev`'s key while prev owns it...
     let other = ns.mknod(ROOT, b"other", &file(0o644)).unwrap();
-    ns.seal(other.ino, &seal, Durability::Durable).unwrap();
+    seal_one_chunk(&ns, other.ino, 1, &["n1"]);
     let up = go(ns.begin_upload(other.ino, "other").unwrap());
     ns.end_upload(other.ino, up.generation, "other", None).unwrap();
     ns.rename(ROOT, b"other", ROOT, b"moved", RenameMode::Replace).unwrap();
