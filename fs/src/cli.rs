@@ -190,6 +190,19 @@ fn umount(mountpoint: &Path) -> anyhow::Result<()> {
 pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsString]) -> ExitCode {
     let argv: Vec<OsString> = args.into_iter().collect();
     let cli = Cli::parse_from(&argv);
+    // A command whose output goes to a pipe that closed (`| head`, `| grep -q`)
+    // ends quietly, as Unix tools do, instead of failing on the write. The
+    // daemon and dev-cluster keep Rust's default (a write fails with EPIPE):
+    // they clean up before they exit.
+    let serving = match &cli.command {
+        Cmd::Mount(args) => args.foreground || args.daemonized,
+        Cmd::DevCluster(_) => true,
+        _ => false,
+    };
+    if !serving {
+        // SAFETY: restores the default disposition of one signal, before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Cmd::Mount(args) => match check(&args) {
             Err(e) => Err(e),

@@ -114,3 +114,20 @@ fn help_explains_every_option() {
         assert!(help.contains(opt), "--help lacks {opt}");
     }
 }
+
+/// Output to a pipe whose reader is gone (`converged status --meta URI |
+/// grep -q dead` once grep has matched) ends quietly: no panic, no
+/// backtrace.
+#[test]
+fn output_to_a_closed_pipe_ends_quietly() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = converged()
+        .args(["status", "--meta", "memory:"])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked") && !err.contains("Broken pipe"), "{err}");
+}
