@@ -17,7 +17,7 @@
 //! whose id changed finds records naming its old id, and must not delete
 //! what may be the only copy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use converged_metadata::types::*;
@@ -26,13 +26,19 @@ use converged_metadata::MetaError;
 use super::Core;
 use crate::error::{FsError, FsResult};
 
-/// Why a local copy is not needed any more.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Unneeded {
-    /// The inode is gone.
+/// What this node's copy of a file is, from one look at its records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Look {
+    /// Needed, or not ours to judge now (open, being written, a spare).
+    Keep,
+    /// The inode is gone: every copy of it goes.
     Purged,
-    /// No chunk record names this node, and every chunk has a live copy.
+    /// No chunk record names this node, and every chunk has a live copy
+    /// elsewhere (or the file is backed).
     Moved,
+    /// This node holds some chunks of the file; these others, held in its
+    /// backing file, are named here by no record and live elsewhere.
+    Partly { chunk_size: u64, others: Vec<u32> },
 }
 
 /// What a sweep found unneeded, and when first: whole files' copies, and
@@ -51,62 +57,110 @@ impl Seen {
 }
 
 impl Core {
-    /// Whether this node's copy of `ino` is unneeded, and why.
-    fn unneeded(&self, ino: Ino) -> FsResult<Option<Unneeded>> {
-        let Some(cluster) = self.cluster.get() else { return Ok(None) };
-        if self.open.get(ino).is_some() || self.spares.lock().contains_key(&ino) {
-            return Ok(None);
+    /// One look at this node's copy of `ino`: its inode and chunk records
+    /// in one read, its write lease and its tier record. `live`: the live
+    /// nodes other than this one.
+    fn look(&self, ino: Ino, live: &HashSet<String>) -> FsResult<Look> {
+        if self.open.get(ino).is_some()
+            || self.spares.lock().contains_key(&ino)
+            || self.ns.upcoming_inos(u64::MAX).contains(&ino)
+        {
+            return Ok(Look::Keep);
         }
-        if self.ns.upcoming_inos(u64::MAX).contains(&ino) {
-            return Ok(None);
-        }
-        let inode = match self.ns.getattr(ino) {
-            Ok(i) => i,
-            Err(MetaError::NotFound) => return Ok(Some(Unneeded::Purged)),
+        let (inode, chunks) = match self.ns.layout(ino) {
+            Ok(l) => l,
+            Err(MetaError::NotFound) => return Ok(Look::Purged),
             Err(e) => return Err(e.into()),
         };
-        if inode.kind != FileKind::Regular || self.ns.writer(ino)?.is_some() {
-            return Ok(None);
+        if inode.kind != FileKind::Regular || chunks.is_empty() || self.ns.writer(ino)?.is_some() {
+            return Ok(Look::Keep);
         }
-        let chunks = self.ns.chunks(ino)?;
-        if chunks.is_empty() || chunks.iter().any(|(_, r)| self.is_local(r)) {
-            return Ok(None);
-        }
-        let backed = self.backed_object(ino)?.is_some();
-        let live: Vec<String> = cluster.live_peers().into_iter().map(|n| n.id).collect();
-        let all_live = chunks.iter().all(|(_, r)| r.replicas.iter().any(|h| live.contains(h)));
-        Ok((backed || all_live).then_some(Unneeded::Moved))
-    }
-
-    /// Punch out the ranges of `ino`'s backing file that hold chunks no
-    /// record names here (see the module's head). Returns how many.
-    fn trim(&self, ino: Ino, seen: &mut HashMap<(Ino, u32), Instant>, grace: Duration) -> FsResult<usize> {
-        if self.open.get(ino).is_some() || self.spares.lock().contains_key(&ino) {
-            return Ok(0);
-        }
-        let inode = match self.ns.getattr(ino) {
-            Ok(i) if i.kind == FileKind::Regular => i,
-            Ok(_) | Err(MetaError::NotFound) => return Ok(0),
-            Err(e) => return Err(e.into()),
-        };
-        if self.ns.writer(ino)?.is_some() {
-            return Ok(0);
-        }
-        let Ok(file) = std::fs::File::open(self.store.path(ino)) else { return Ok(0) };
-        let len = file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
-        let cs = inode.chunk_size.max(1) as u64;
-        let records: HashMap<u32, converged_metadata::ChunkRecord> = self.ns.chunks(ino)?.into_iter().collect();
-        let Some(cluster) = self.cluster.get() else { return Ok(0) };
-        let live: Vec<String> = cluster.live_peers().into_iter().map(|n| n.id).collect();
         let backed = self.backed_object(ino)?.is_some();
         // A chunk whose record names no live node but this one's old id (an
         // id that changed) is kept: this copy may be the only one.
         let elsewhere = |r: &converged_metadata::ChunkRecord| backed || r.replicas.iter().any(|h| live.contains(h));
+        if !chunks.iter().any(|(_, r)| self.is_local(r)) {
+            return Ok(match chunks.iter().all(|(_, r)| elsewhere(r)) {
+                true => Look::Moved,
+                false => Look::Keep,
+            });
+        }
+        let chunk_size = inode.chunk_size.max(1) as u64;
+        let len = std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len());
+        let records: HashMap<u32, &converged_metadata::ChunkRecord> = chunks.iter().map(|(i, r)| (*i, r)).collect();
+        let others = (0..len.div_ceil(chunk_size) as u32)
+            .filter(|i| records.get(i).is_none_or(|r| !self.is_local(r) && elsewhere(r)))
+            .collect();
+        Ok(Look::Partly { chunk_size, others })
+    }
+
+    /// One sweep over the copies held here. `seen`: when each unneeded copy
+    /// was first found so (kept between sweeps). Returns how many files'
+    /// copies and chunk ranges were removed.
+    pub(crate) fn sweep(&self, seen: &mut Seen, grace: Duration) -> FsResult<usize> {
+        let Some(cluster) = self.cluster.get() else { return Ok(0) };
+        let live: HashSet<String> = cluster.live_peers().into_iter().map(|n| n.id).collect();
+        let mut held = self.store.list()?;
+        held.extend(self.store.inodes_with_versions());
+        held.sort_unstable();
+        held.dedup();
+        seen.files.retain(|ino, _| held.binary_search(ino).is_ok());
+        seen.chunks.retain(|(ino, _), _| held.binary_search(ino).is_ok());
+        let mut removed = 0;
+        for ino in held {
+            let look = self.look(ino, &live)?;
+            if !matches!(look, Look::Purged | Look::Moved) {
+                seen.files.remove(&ino);
+            }
+            match look {
+                Look::Keep => seen.chunks.retain(|(i, _), _| *i != ino),
+                Look::Purged | Look::Moved => {
+                    let first = *seen.files.entry(ino).or_insert_with(Instant::now);
+                    if first.elapsed() < grace {
+                        continue;
+                    }
+                    seen.files.remove(&ino);
+                    // Held closed (opens wait) while the copy goes, and
+                    // looked at again under that hold.
+                    let gone = self.while_closed(ino, || -> FsResult<bool> {
+                        if self.look(ino, &live)? != look {
+                            return Ok(false);
+                        }
+                        self.store.remove(ino)?;
+                        Ok(true)
+                    });
+                    if let Some(Ok(true)) = gone {
+                        tracing::info!(ino, reason = ?look, "removed a copy no record names");
+                        removed += 1;
+                    }
+                }
+                Look::Partly { chunk_size, others } => {
+                    removed += self.trim(ino, chunk_size, &others, &live, &mut seen.chunks, grace)?;
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Punch `others` (chunks of `ino` no record names here, from
+    /// [`Core::look`]) out of the backing file, each once it was found so
+    /// twice `grace` apart. Returns how many.
+    fn trim(
+        &self,
+        ino: Ino,
+        chunk_size: u64,
+        others: &[u32],
+        live: &HashSet<String>,
+        seen: &mut HashMap<(Ino, u32), Instant>,
+        grace: Duration,
+    ) -> FsResult<usize> {
+        let Ok(file) = std::fs::File::open(self.store.path(ino)) else { return Ok(0) };
+        let len = file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
+        seen.retain(|(i, index), _| *i != ino || others.contains(index));
         let mut punched = 0;
-        for index in 0..len.div_ceil(cs) as u32 {
-            let (start, end) = (index as u64 * cs, ((index as u64 + 1) * cs).min(len));
-            let keep = records.get(&index).is_some_and(|r| self.is_local(r) || !elsewhere(r));
-            if keep || crate::blocks::is_hole(&file, start, end - start) {
+        for &index in others {
+            let (start, end) = (index as u64 * chunk_size, ((index as u64 + 1) * chunk_size).min(len));
+            if start >= end || crate::blocks::is_hole(&file, start, end - start) {
                 seen.remove(&(ino, index));
                 continue;
             }
@@ -116,9 +170,9 @@ impl Core {
             }
             seen.remove(&(ino, index));
             let done = self.while_closed(ino, || -> FsResult<bool> {
-                let still = self.ns.chunk(ino, index)?.is_none_or(|r| !self.is_local(&r) && elsewhere(&r));
-                if !still || self.ns.writer(ino)?.is_some() {
-                    return Ok(false);
+                match self.look(ino, live)? {
+                    Look::Partly { others, .. } if others.contains(&index) => {}
+                    _ => return Ok(false),
                 }
                 let f = std::fs::OpenOptions::new()
                     .write(true)
@@ -144,50 +198,5 @@ impl Core {
             }
         }
         Ok(punched)
-    }
-
-    /// One sweep over the copies held here. `seen`: when each unneeded copy
-    /// was first found so (kept between sweeps). Returns how many files'
-    /// copies and chunk ranges were removed.
-    pub(crate) fn sweep(&self, seen: &mut Seen, grace: Duration) -> FsResult<usize> {
-        if self.cluster.get().is_none() {
-            return Ok(0);
-        }
-        let mut held = self.store.list()?;
-        held.extend(self.store.inodes_with_versions());
-        held.sort_unstable();
-        held.dedup();
-        seen.files.retain(|ino, _| held.binary_search(ino).is_ok());
-        seen.chunks.retain(|(ino, _), _| held.binary_search(ino).is_ok());
-        let mut removed = 0;
-        for ino in held {
-            let why = match self.unneeded(ino)? {
-                Some(why) => why,
-                None => {
-                    seen.files.remove(&ino);
-                    removed += self.trim(ino, &mut seen.chunks, grace)?;
-                    continue;
-                }
-            };
-            let first = *seen.files.entry(ino).or_insert_with(Instant::now);
-            if first.elapsed() < grace {
-                continue;
-            }
-            // Held closed (opens wait) while the copy goes, and looked at
-            // again under that hold.
-            let gone = self.while_closed(ino, || -> FsResult<bool> {
-                if self.unneeded(ino)? != Some(why) {
-                    return Ok(false);
-                }
-                self.store.remove(ino)?;
-                Ok(true)
-            });
-            if let Some(Ok(true)) = gone {
-                tracing::info!(ino, reason = ?why, "removed a copy no record names");
-                removed += 1;
-            }
-            seen.files.remove(&ino);
-        }
-        Ok(removed)
     }
 }
