@@ -312,9 +312,15 @@ impl Cluster {
     pub fn takes_over(&self, ino: u64) -> bool {
         let mut ids: Vec<String> = self.live_peers().into_iter().map(|n| n.id).collect();
         ids.push(self.cfg.node.clone());
+        self.is_first(ino, 0, &ids)
+    }
+
+    /// Whether this node comes first among `ids` for chunk `index` of
+    /// `ino`, by rendezvous hashing with equal weights.
+    pub fn is_first(&self, ino: u64, index: u32, ids: &[String]) -> bool {
         let candidates: Vec<Candidate> =
             ids.iter().map(|id| Candidate { id: id.clone(), weight: 1.0, domain: format!("node:{id}") }).collect();
-        placement::rank(ino, 0, "", &candidates).first().is_some_and(|c| c.id == self.cfg.node)
+        placement::rank(ino, index, "", &candidates).first().is_some_and(|c| c.id == self.cfg.node)
     }
 
     /// The label that names a node's failure domain.
@@ -322,20 +328,17 @@ impl Cluster {
         &self.cfg.failure_domain
     }
 
-    /// Whether this node is the one that repairs chunk `index` of `ino`:
-    /// the first of the live nodes that take new copies, by rendezvous
-    /// hashing with equal weights, so that every node that sees the same
-    /// live set picks the same one, and the work spreads over all of them.
-    pub fn repairs(&self, ino: u64, index: u32) -> bool {
+    /// The nodes among which each chunk's repair falls to one ([`Cluster::is_first`]):
+    /// the live nodes that take new copies, this one included; none when
+    /// this node takes none (it drains), so that it repairs nothing.
+    pub fn repairers(&self) -> Vec<String> {
         if !self.placeable(&self.cfg.node) {
-            return false;
+            return Vec::new();
         }
         let mut ids: Vec<String> =
             self.live_peers().into_iter().filter(|n| self.placeable(&n.id)).map(|n| n.id).collect();
         ids.push(self.cfg.node.clone());
-        let candidates: Vec<Candidate> =
-            ids.iter().map(|id| Candidate { id: id.clone(), weight: 1.0, domain: format!("node:{id}") }).collect();
-        placement::rank(ino, index, "", &candidates).first().is_some_and(|c| c.id == self.cfg.node)
+        ids
     }
 
     /// Every node that registered on the volume, live or dead, read now.

@@ -212,6 +212,9 @@ impl Core {
                 None
             }
         };
+        // One live node per chunk does its work (the same one on every node
+        // that sees the same live set).
+        let repairers = cluster.repairers();
         let mut jobs = Vec::new();
         self.ns.for_each_chunk(|ino, index, rec| {
             pass.chunks += 1;
@@ -231,7 +234,7 @@ impl Core {
             let drop: Vec<String> =
                 rec.replicas.iter().filter(|r| matches!(view.of(r), Holder::Leaving | Holder::Gone)).cloned().collect();
             let work = add > 0 || (!drop.is_empty() && good >= want);
-            if work && cluster.repairs(ino, index) {
+            if work && cluster.is_first(ino, index, &repairers) {
                 let len = rec.len as u64;
                 jobs.push(Job { ino, index, version: rec.version, len, add, drop, want, targets: None });
             } else if !work && good >= want {
@@ -239,7 +242,7 @@ impl Core {
                     let ideal = crate::placement::ideal(ino, index, want, candidates);
                     let misplaced: Vec<String> = rec.replicas.iter().filter(|r| !ideal.contains(r)).cloned().collect();
                     let missing: Vec<String> = ideal.iter().filter(|n| !rec.replicas.contains(n)).cloned().collect();
-                    if !misplaced.is_empty() && !missing.is_empty() && cluster.repairs(ino, index) {
+                    if !misplaced.is_empty() && !missing.is_empty() && cluster.is_first(ino, index, &repairers) {
                         pass.misplaced += 1;
                         jobs.push(Job {
                             ino,
