@@ -736,16 +736,7 @@ fn etcd_a_dead_nodes_backfill_is_taken_over() {
     let (b, _bkv) = node("b");
     let d = a.mknod(ROOT, b"run", &dir()).unwrap();
     let f = a.mknod(d.ino, b"x.pt", &file(0o644)).unwrap();
-    let record = ChunkRecord { version: 1, len: 10, replicas: vec!["a".into(), "b".into()], block_crcs: vec![7] };
-    let seal = converged_metadata::Seal {
-        size: 10,
-        mtime: Timespec::now(),
-        chunks: vec![(0, record)],
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-    };
-    a.seal(f.ino, &seal, Durability::Durable).unwrap();
+    seal_one_chunk(&a, f.ino, 1, &["a", "b"]);
     // Opened for writing again when a dies: its write lease is left behind.
     a.mark_unsealed(f.ino).unwrap();
     a.rename(ROOT, b"run", ROOT, b"run2", RenameMode::Replace).unwrap();

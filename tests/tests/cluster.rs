@@ -184,14 +184,10 @@ fn a_stopped_node_costs_only_its_own_chunks_promptly() {
 /// reads the bytes back.
 #[test]
 fn stage_spreads_an_imported_dataset_over_the_cluster() {
-    let Some(s3) = common::s3::S3Server::start() else { return };
-    s3.client().mkbucket("datasets");
-    s3.client().mkbucket("vol");
+    let Some(s3) = common::s3::S3Server::with_buckets(&["datasets", "vol"]) else { return };
     // Five 64 MiB chunks, so rendezvous hashing has something to spread.
     let data = pattern(300 << 20, 77);
     s3.client().put("datasets", "web/shard.bin", &data);
-    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
     let endpoint = s3.endpoint();
     let Some(c) = Cluster::start(3, &["--object-store", "s3://vol/v", "--s3-endpoint", &endpoint]) else { return };
     let out = converged()
@@ -240,10 +236,7 @@ fn stage_spreads_an_imported_dataset_over_the_cluster() {
 /// from the replicas, byte for byte.
 #[test]
 fn a_dead_nodes_dirty_files_are_backfilled_by_the_live_nodes() {
-    let Some(s3) = common::s3::S3Server::start() else { return };
-    s3.client().mkbucket("vol");
-    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let Some(s3) = common::s3::S3Server::with_buckets(&["vol"]) else { return };
     let endpoint = s3.endpoint();
     let args = ["--object-store", "s3://vol/v", "--s3-endpoint", &endpoint, "--backfill-delay", "4s"];
     let Some(mut c) = Cluster::start(3, &args) else { return };

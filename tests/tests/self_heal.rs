@@ -24,6 +24,20 @@ const MIB: usize = 1 << 20;
 /// were found so.
 const HEAL: [&str; 4] = ["--repair-delay", "4s", "--sweep-grace", "3s"];
 
+/// Three nodes with a directory `d` whose files get a copy on each.
+fn three_copies() -> Option<Cluster> {
+    let c = Cluster::start(3, &HEAL)?;
+    fs::create_dir(c.node(0).path("d")).unwrap();
+    setxattr(&c.node(0).path("d"), "user.converged.replicas", b"3");
+    Some(c)
+}
+
+/// Write `data` to `name` on n1; its inode number.
+fn write_on_n1(c: &Cluster, name: &str, data: &[u8]) -> u64 {
+    fs::write(c.node(0).path(name), data).unwrap();
+    fs::metadata(c.node(0).path(name)).unwrap().ino()
+}
+
 /// (under-replicated, no live copy) from `status --meta`'s volume line.
 fn health(c: &Cluster) -> (u64, u64) {
     let s = status(c);
@@ -95,10 +109,7 @@ fn a_dead_nodes_chunks_are_rebuilt_before_a_second_failure() {
 /// the object store on the live nodes, and repair copies it onto one.
 #[test]
 fn a_backed_file_whose_holders_died_reads_from_the_object_store() {
-    let Some(s3) = common::s3::S3Server::start() else { return };
-    s3.client().mkbucket("vol");
-    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let Some(s3) = common::s3::S3Server::with_buckets(&["vol"]) else { return };
     let endpoint = s3.endpoint();
     let mut args = vec!["--object-store", "s3://vol/v", "--s3-endpoint", &endpoint, "--backfill-delay", "1s"];
     args.extend_from_slice(&HEAL);
@@ -276,15 +287,10 @@ fn draining_a_node_moves_its_chunks_without_a_read_error() {
 /// a peer that was down removes its copy when it comes back.
 #[test]
 fn a_deleted_files_copies_leave_every_node() {
-    let Some(mut c) = Cluster::start(3, &HEAL) else { return };
-    fs::create_dir(c.node(0).path("d")).unwrap();
-    setxattr(&c.node(0).path("d"), "user.converged.replicas", b"3");
+    let Some(mut c) = three_copies() else { return };
     let names = ["d/a.bin", "d/b.bin", "d/c.bin"];
-    let mut inos = Vec::new();
-    for (i, name) in names.iter().enumerate() {
-        fs::write(c.node(0).path(name), pattern(12 * MIB, i as u64)).unwrap();
-        inos.push(fs::metadata(c.node(0).path(name)).unwrap().ino());
-    }
+    let inos: Vec<u64> =
+        names.iter().enumerate().map(|(i, name)| write_on_n1(&c, name, &pattern(12 * MIB, i as u64))).collect();
     for i in 0..3 {
         eventually(20, "every node holds every file", || inos.iter().all(|ino| c.holds(i, *ino)));
     }
@@ -326,12 +332,9 @@ fn fsck(c: &Cluster) -> (bool, String) {
 /// and fsck finds nothing wrong.
 #[test]
 fn scrub_finds_and_repairs_a_flipped_copy() {
-    let Some(c) = Cluster::start(3, &HEAL) else { return };
-    fs::create_dir(c.node(0).path("d")).unwrap();
-    setxattr(&c.node(0).path("d"), "user.converged.replicas", b"3");
+    let Some(c) = three_copies() else { return };
     let data = pattern(20 * MIB, 41);
-    fs::write(c.node(0).path("d/w.bin"), &data).unwrap();
-    let ino = fs::metadata(c.node(0).path("d/w.bin")).unwrap().ino();
+    let ino = write_on_n1(&c, "d/w.bin", &data);
     // n2's copy, as settled into its backing file.
     assert!(c.backing_becomes(1, ino, &data), "n2 holds the file");
     let backing = c.backing(1, ino);
@@ -468,12 +471,9 @@ fn rebalance_gives_a_new_node_its_share_and_survives_a_kill() {
 /// that remain read back everywhere.
 #[test]
 fn a_truncated_files_dropped_chunks_leave_every_node() {
-    let Some(c) = Cluster::start(3, &HEAL) else { return };
-    fs::create_dir(c.node(0).path("d")).unwrap();
-    setxattr(&c.node(0).path("d"), "user.converged.replicas", b"3");
+    let Some(c) = three_copies() else { return };
     let data = pattern(130 * MIB, 8);
-    fs::write(c.node(0).path("d/t.bin"), &data).unwrap();
-    let ino = fs::metadata(c.node(0).path("d/t.bin")).unwrap().ino();
+    let ino = write_on_n1(&c, "d/t.bin", &data);
     let allocated = |i: usize| fs::metadata(c.backing(i, ino)).map(|m| m.blocks() * 512).unwrap_or(0);
     for i in 0..3 {
         eventually(30, &format!("n{} holds all of t.bin", i + 1), || allocated(i) >= 130 * MIB as u64);

@@ -34,6 +34,18 @@ impl S3Server {
         Some(s)
     }
 
+    /// A server with `buckets` made, and the S3 credentials a daemon reads
+    /// from its environment set (moto accepts any).
+    pub fn with_buckets(buckets: &[&str]) -> Option<Self> {
+        let s = Self::start()?;
+        for b in buckets {
+            s.client().mkbucket(b);
+        }
+        std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+        Some(s)
+    }
+
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
