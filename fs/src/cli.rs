@@ -3,7 +3,6 @@
 
 use std::ffi::OsString;
 use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
@@ -137,15 +136,11 @@ fn spawn_daemon(argv: &[OsString], exe_prefix: &[OsString]) -> anyhow::Result<()
     let (mut reader, writer) = std::io::pipe().context("pipe")?;
     let mut cmd = Command::new(exe);
     cmd.args(exe_prefix).args(argv).arg("--daemonized");
+    // The daemon stays in our process group until its mount exists, and
+    // only then leaves our session (see `daemon::run`): under an automount
+    // (x-systemd.automount) the kernel lets only the automounter's process
+    // group through the mount point while the mount is pending.
     cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
-    // SAFETY: setsid is async-signal-safe; the daemon leaves our session so a
-    // closing terminal does not take it down.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
     let mut child = cmd.spawn().context("start daemon")?;
     drop(cmd);
     let mut out = String::new();

@@ -26,9 +26,47 @@ pub struct MountArgs {
     #[arg(long, value_name = "URI")]
     pub meta: Option<String>,
 
-    /// Stay in the foreground and log to stderr instead of starting a background daemon.
+    /// Stay in the foreground and log to stderr instead of starting a background daemon
+    /// (under systemd, `Type=notify`: readiness is reported on $NOTIFY_SOCKET).
     #[arg(long)]
     pub foreground: bool,
+
+    /// How long to keep trying the metadata service (etcd not reachable yet at boot) before
+    /// giving up, with backoff; each wait is logged with its reason (`0`: fail at once, `2m`).
+    #[arg(long, default_value = "0s", value_name = "DURATION", value_parser = parse_duration)]
+    pub meta_wait: Duration,
+
+    /// Mount read-only: writes fail with EROFS, no write lease is taken, nothing runs in the
+    /// background that writes (no recovery, flushing, repair, sweep, scrub, backfill or
+    /// eviction), and a cluster node does not register (it serves no copies to peers).
+    #[arg(long)]
+    pub read_only: bool,
+
+    /// Honour set-user-ID and set-group-ID bits of files on the mount (off: `nosuid`). Anyone
+    /// who can write the metadata service can then make a root-owned setuid file.
+    #[arg(long)]
+    pub suid: bool,
+
+    /// Honour device files on the mount (off: `nodev`).
+    #[arg(long)]
+    pub dev: bool,
+
+    /// Do not allow programs on the mount to be executed (`noexec`).
+    #[arg(long)]
+    pub noexec: bool,
+
+    /// This data dir is new: give it its identity even when the volume already knows this node
+    /// id (a replaced disk: the records of the node's old copies are dropped and repair copies
+    /// them back) or the volume already exists. Without it an empty data dir is refused for a
+    /// node the volume knows, since it would claim chunks it does not have.
+    #[arg(long)]
+    pub new_node: bool,
+
+    /// Refuse a data dir that has no identity yet instead of creating one (what
+    /// `mount.converged` does unless given `new_node`: at boot, a data dir whose disk is not
+    /// mounted is an empty directory, and must not become a new volume).
+    #[arg(long)]
+    pub require_identity: bool,
 
     /// Serve every read through the daemon so every block is checked against its crc32c.
     /// Turns kernel passthrough off (reads become slower).
@@ -143,7 +181,8 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 80.0, value_name = "PERCENT")]
     pub evict_low: f64,
 
-    /// Serve Prometheus metrics at http://ADDR/metrics.
+    /// Serve Prometheus metrics at http://ADDR/metrics (and the `converged stats` feed). The
+    /// endpoint has no authentication: bind it to loopback or a management network.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<std::net::SocketAddr>,
 
@@ -185,7 +224,9 @@ pub fn check(args: &MountArgs) -> anyhow::Result<Checked> {
     }
     let mountpoint = mp.canonicalize().with_context(|| format!("mount point {}", mp.display()))?;
     if let Some(src) = mount_source(&mountpoint) {
-        bail!("mount point {} is already mounted (by {src})", mountpoint.display());
+        if !(src.starts_with("fuse.converged ") && detach_dead_mount(&mountpoint)) {
+            bail!("mount point {} is already mounted (by {src})", mountpoint.display());
+        }
     }
     if data_dir.starts_with(&mountpoint) {
         bail!("data dir {} lies inside the mount point {}", data_dir.display(), mountpoint.display());
@@ -294,7 +335,29 @@ pub fn unescape_mountinfo(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The source of the mount at exactly `path`, if one is there.
+/// A converged mount whose daemon is gone (killed, crashed) answers
+/// ENOTCONN: detach it so the mount point can be mounted again (a
+/// restarting service unit). Returns whether it was one and is gone.
+fn detach_dead_mount(mountpoint: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: stat(2) into a zeroed struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::stat(c.as_ptr(), &mut st) } == 0
+        || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOTCONN)
+    {
+        return false;
+    }
+    // SAFETY: umount2(2) with a valid path.
+    let gone = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0;
+    if gone {
+        eprintln!("converged: detached the dead converged mount at {} (its daemon had exited)", mountpoint.display());
+    }
+    gone && mount_source(mountpoint).is_none()
+}
+
+/// The source of the mount at exactly `path`, if one is there. An autofs
+/// mount does not count: it is the trigger an automount (`x-systemd.automount`)
+/// puts there, and the real mount goes on top of it.
 pub fn mount_source(path: &Path) -> Option<String> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     let mut found = None;
@@ -304,7 +367,7 @@ pub fn mount_source(path: &Path) -> Option<String> {
         if fields.len() < sep + 3 || fields.len() < 5 {
             continue;
         }
-        if Path::new(&unescape_mountinfo(fields[4])) == path {
+        if Path::new(&unescape_mountinfo(fields[4])) == path && fields[sep + 1] != "autofs" {
             // The last matching line is the mount on top.
             found = Some(format!("{} {}", fields[sep + 1], unescape_mountinfo(fields[sep + 2])));
         }

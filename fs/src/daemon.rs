@@ -116,7 +116,7 @@ pub(crate) fn lock_data_dir(data_dir: &Path, wait: Duration) -> anyhow::Result<F
         .write(true)
         .create(true)
         .truncate(false)
-        .mode(0o644)
+        .mode(0o600)
         .open(&path)
         .with_context(|| format!("open {}", path.display()))?;
     let deadline = Instant::now() + wait;
@@ -146,6 +146,7 @@ fn init_tracing(log_file: Option<&Path>) -> anyhow::Result<()> {
             let file = OpenOptions::new()
                 .create(true)
                 .append(true)
+                .mode(0o600)
                 .open(path)
                 .with_context(|| format!("open log file {}", path.display()))?;
             builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).init();
@@ -161,8 +162,57 @@ fn init_tracing(log_file: Option<&Path>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Open the metadata engine, retrying for up to `wait` while the service
+/// does not answer (etcd still starting at boot), with backoff; each wait
+/// is logged with its reason.
+fn open_engine_waiting(c: &Checked, wait: Duration) -> anyhow::Result<Arc<dyn converged_metadata::KvEngine>> {
+    let deadline = Instant::now() + wait;
+    let mut pause = Duration::from_millis(250);
+    loop {
+        match converged_metadata::open_engine(&c.meta) {
+            Ok(engine) => return Ok(engine),
+            Err(e) if e.is_retryable() && Instant::now() + pause < deadline => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                tracing::warn!(error = %e, retry_in = ?pause, gives_up_in = ?left, "metadata service not reachable; waiting (--meta-wait)");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            Err(e) if e.is_retryable() && !wait.is_zero() => {
+                return Err(e)
+                    .with_context(|| format!("open metadata {} (gave up after --meta-wait {wait:?})", c.meta_str))
+            }
+            Err(e) => return Err(e).with_context(|| format!("open metadata {}", c.meta_str)),
+        }
+    }
+}
+
+/// Tell systemd (a `Type=notify` unit) how the daemon stands, when it
+/// started us with a notify socket; a no-op otherwise.
+fn notify_systemd(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let sock = match std::os::unix::net::UnixDatagram::unbound() {
+        Ok(s) => s,
+        Err(_) => return,
+    };
+    let bytes = path.as_encoded_bytes();
+    let sent = if let Some(abstract_name) = bytes.strip_prefix(b"@") {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(abstract_name)
+            .and_then(|a| sock.send_to_addr(state.as_bytes(), &a))
+    } else {
+        sock.send_to(state.as_bytes(), &path)
+    };
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, "could not notify systemd");
+    }
+}
+
 /// Run the daemon in this process until the filesystem is unmounted.
 pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
+    // Everything the daemon creates in the data dir (metadata, chunks, the
+    // lock, the log) is its own: 0600 files, 0700 directories.
+    // SAFETY: umask(2) cannot fail.
+    unsafe { libc::umask(0o077) };
     let log_file = if args.daemonized {
         Some(args.log_file.clone().unwrap_or_else(|| c.data_dir.join("converged.log")))
     } else {
@@ -170,7 +220,15 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     };
     init_tracing(log_file.as_deref())?;
     let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
-    let engine = converged_metadata::open_engine(&c.meta).with_context(|| format!("open metadata {}", c.meta_str))?;
+    let found = crate::identity::inspect(&c.data_dir)?;
+    if matches!(found, crate::identity::Found::Empty) && args.require_identity && !args.new_node {
+        bail!(
+            "data dir {} has no converged identity: it was never mounted, or its disk is not mounted. \
+             For a new data dir, mount it once with the new_node option (--new-node)",
+            c.data_dir.display()
+        );
+    }
+    let engine = open_engine_waiting(&c, args.meta_wait)?;
     // Shared metadata: a node-local cache of inodes and names, kept honest
     // by the engine's change feed.
     let engine = if engine.membership().is_some() {
@@ -204,6 +262,14 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         None => None,
     };
     let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node_id(args));
+    let ask = crate::identity::Ask {
+        node: &node_id(args),
+        new_node: args.new_node,
+        read_only: args.read_only,
+        clustered: engine.membership().is_some(),
+        meta: &c.meta_str,
+    };
+    crate::identity::settle(&c.data_dir, found, &ns, &ask)?;
     if tier.is_some() {
         ns = ns.with_tier();
     }
@@ -213,6 +279,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             data_dir: c.data_dir.clone(),
             node_id: node_id(args),
             verify_reads: args.verify_reads,
+            read_only: args.read_only,
             meta_file: match &c.meta {
                 MetaUri::Redb(path) => Some(path.clone()),
                 MetaUri::Memory | MetaUri::Etcd { .. } => None,
@@ -245,12 +312,18 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         addr = cluster.local_addr().to_string();
         tracing::info!(%addr, %node, replicas = cluster.default_replicas(), durability = ?args.durability, "serving chunks to peers");
         core.attach_cluster(cluster);
-        let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
-        workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
-        workers.start(crate::workers::Sweeper::new(Arc::downgrade(&core), args.sweep_grace))?;
+        if !args.read_only {
+            let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
+            workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
+            workers.start(crate::workers::Sweeper::new(Arc::downgrade(&core), args.sweep_grace))?;
+        }
     }
-    join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?;
-    if let Some(t) = &tier {
+    // A read-only node is a reader: it does not register, so placement sends
+    // it no copies and no membership lease is taken.
+    if !args.read_only {
+        join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?;
+    }
+    if let Some(t) = tier.as_ref().filter(|_| !args.read_only) {
         core.attach_tier(t.clone());
         core.resume_backfill()?;
         for i in 0..t.cfg.workers {
@@ -264,13 +337,15 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         tracing::info!(%bound, "serving Prometheus metrics at /metrics");
     }
 
-    // Buffered namespace commits become durable within a second (as a local
-    // filesystem's journal commit); fsync makes them durable at once.
-    workers.start(crate::workers::Flusher { core: Arc::downgrade(&core), period: Duration::from_secs(1) })?;
-    workers.start(crate::workers::Spares { core: Arc::downgrade(&core) })?;
-    workers.start(crate::workers::Replicator { core: Arc::downgrade(&core) })?;
-    workers.start(crate::workers::Settler { core: Arc::downgrade(&core) })?;
-    workers.start(crate::workers::Scrubber::new(Arc::downgrade(&core), args.scrub_period))?;
+    if !args.read_only {
+        // Buffered namespace commits become durable within a second (as a local
+        // filesystem's journal commit); fsync makes them durable at once.
+        workers.start(crate::workers::Flusher { core: Arc::downgrade(&core), period: Duration::from_secs(1) })?;
+        workers.start(crate::workers::Spares { core: Arc::downgrade(&core) })?;
+        workers.start(crate::workers::Replicator { core: Arc::downgrade(&core) })?;
+        workers.start(crate::workers::Settler { core: Arc::downgrade(&core) })?;
+        workers.start(crate::workers::Scrubber::new(Arc::downgrade(&core), args.scrub_period))?;
+    }
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
     let spec = crate::fuse::MountSpec {
         mountpoint: &c.mountpoint,
@@ -278,18 +353,28 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         attr_timeout: Duration::from_secs_f64(args.attr_timeout),
         want_passthrough: !args.verify_reads,
         threads: args.threads as usize,
+        read_only: args.read_only,
+        suid: args.suid,
+        dev: args.dev,
+        noexec: args.noexec,
     };
     crate::fuse::serve(core, spec, |feed| {
         // Changes other nodes make evict what this kernel caches of them.
         engine.watch(feed)?;
         tracing::info!(mountpoint = %c.mountpoint.display(), data_dir = %c.data_dir.display(), meta = %c.meta_str, "mounted");
         if args.daemonized {
+            // Leave the mount command's session now that the mount exists, so
+            // a closing terminal does not take the daemon down.
+            // SAFETY: setsid(2); the daemon is not a process group leader.
+            unsafe { libc::setsid() };
             println!("{READY}");
             std::io::stdout().flush()?;
             detach_stdio();
         }
+        notify_systemd("READY=1");
         Ok(())
     })?;
+    notify_systemd("STOPPING=1");
     if let Some(m) = engine.membership() {
         if let Err(e) = m.leave() {
             tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");

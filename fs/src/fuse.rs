@@ -707,6 +707,12 @@ pub struct MountSpec<'a> {
     /// Ask the kernel for passthrough (off with --verify-reads).
     pub want_passthrough: bool,
     pub threads: usize,
+    /// `ro`: the kernel refuses every change with EROFS.
+    pub read_only: bool,
+    /// Honour setuid/setgid bits and device files (`suid`, `dev`); off by default.
+    pub suid: bool,
+    pub dev: bool,
+    pub noexec: bool,
 }
 
 /// Mount `core` and serve FUSE requests until the filesystem is unmounted
@@ -727,9 +733,10 @@ pub fn serve(
         // Passed to the kernel so mounts show as type fuse.converged.
         fuser::MountOption::CUSTOM("subtype=converged".into()),
         fuser::MountOption::DefaultPermissions,
-        fuser::MountOption::RW,
-        fuser::MountOption::Dev,
-        fuser::MountOption::Suid,
+        if spec.read_only { fuser::MountOption::RO } else { fuser::MountOption::RW },
+        if spec.dev { fuser::MountOption::Dev } else { fuser::MountOption::NoDev },
+        if spec.suid { fuser::MountOption::Suid } else { fuser::MountOption::NoSuid },
+        if spec.noexec { fuser::MountOption::NoExec } else { fuser::MountOption::Exec },
     ];
     config.acl = fuser::SessionACL::All;
     config.n_threads = Some(spec.threads);

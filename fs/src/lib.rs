@@ -14,6 +14,7 @@ pub mod devcluster;
 pub mod error;
 pub mod evict;
 mod fuse;
+mod identity;
 pub mod import;
 pub mod metrics;
 pub mod object_faults;

@@ -77,8 +77,13 @@ fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32, obj
     if objects.is_some() {
         ns = ns.with_tier();
     }
-    let cfg =
-        CoreConfig { data_dir: dir.path().to_path_buf(), node_id: id.into(), verify_reads: true, meta_file: None };
+    let cfg = CoreConfig {
+        data_dir: dir.path().to_path_buf(),
+        node_id: id.into(),
+        verify_reads: true,
+        read_only: false,
+        meta_file: None,
+    };
     let core = Arc::new(Core::start(ns, cfg).expect("start the core"));
     let cfg = ClusterConfig {
         node: id.into(),

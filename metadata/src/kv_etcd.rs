@@ -48,22 +48,100 @@ struct Lease {
     answers: etcd_client::LeaseKeepAliveStream,
 }
 
+/// TLS and user options for the client, reading the files `access` names.
+fn connect_options(access: &crate::EtcdAccess, timeout: Duration) -> KvResult<ConnectOptions> {
+    let read = |what: &str, p: &std::path::Path| {
+        std::fs::read(p)
+            .map_err(|e| KvError::Backend { msg: format!("etcd {what} {}: {e}", p.display()), retryable: false })
+    };
+    let mut opts = ConnectOptions::new().with_connect_timeout(timeout).with_timeout(timeout);
+    if access.tls {
+        let mut tls = etcd_client::TlsOptions::new();
+        if let Some(ca) = &access.ca {
+            tls = tls.ca_certificate(etcd_client::Certificate::from_pem(read("CA file", ca)?));
+        }
+        if let (Some(cert), Some(key)) = (&access.cert, &access.key) {
+            tls = tls.identity(etcd_client::Identity::from_pem(read("certificate", cert)?, read("key", key)?));
+        }
+        opts = opts.with_tls(tls);
+    }
+    if let (Some(user), Some(file)) = (&access.user, &access.password_file) {
+        let password =
+            String::from_utf8_lossy(&read("password file", file)?).trim_end_matches(['\n', '\r']).to_string();
+        opts = opts.with_user(user, password);
+    }
+    Ok(opts)
+}
+
+/// Whether a failed connect may succeed later by itself: etcd not up yet,
+/// or not reachable. Refused credentials and bad arguments will not.
+fn unreachable(e: &etcd_client::Error) -> bool {
+    use etcd_client::Error as E;
+    match e {
+        E::IoError(_) => true,
+        E::TransportError(_) => !explain(e).contains("certificate"),
+        E::GRpcStatus(s) => {
+            matches!(s.code(), tonic_code::Unavailable | tonic_code::DeadlineExceeded | tonic_code::Unknown)
+                && !s.message().contains("certificate")
+                && !s.message().contains("handshake")
+        }
+        _ => false,
+    }
+}
+
+use tonic::Code as tonic_code;
+
+/// The error with its causes: tonic's transport errors put the reason (a
+/// refused certificate, a closed port) in their source chain.
+fn explain(e: &etcd_client::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        let part = s.to_string();
+        if !msg.contains(&part) {
+            msg.push_str(": ");
+            msg.push_str(&part);
+        }
+        src = s.source();
+    }
+    if let etcd_client::Error::GRpcStatus(s) = e {
+        if s.code() == tonic_code::Unauthenticated || s.code() == tonic_code::PermissionDenied {
+            msg.push_str(" (check the etcd user and password_file)");
+        }
+    }
+    msg
+}
+
 fn transient(e: impl std::fmt::Display) -> KvError {
     KvError::Backend { msg: format!("etcd: {e}"), retryable: true }
 }
 
 impl EtcdKv {
-    /// Connect to `endpoints` (`host:port`) and use the keys under `<volume>/`.
+    /// Connect to `endpoints` (`host:port`) over plain TCP and use the keys under `<volume>/`.
     pub fn connect(endpoints: &[String], volume: &str, timeout: Duration) -> KvResult<Self> {
+        Self::connect_with(endpoints, volume, &crate::EtcdAccess::default(), timeout)
+    }
+
+    /// Connect as `access` says (TLS, client certificate, user) and use the
+    /// keys under `<volume>/`. A service that does not answer yet is a
+    /// retryable error; a refused certificate or password, or an unreadable
+    /// file, is not.
+    pub fn connect_with(
+        endpoints: &[String],
+        volume: &str,
+        access: &crate::EtcdAccess,
+        timeout: Duration,
+    ) -> KvResult<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("etcd")
             .enable_all()
             .build()
             .map_err(KvError::backend)?;
+        let scheme = if access.tls { "https" } else { "http" };
         let urls: Vec<String> =
-            endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("http://{e}") }).collect();
-        let opts = ConnectOptions::new().with_connect_timeout(timeout).with_timeout(timeout);
+            endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("{scheme}://{e}") }).collect();
+        let opts = connect_options(access, timeout)?;
         let client = rt
             .block_on(async {
                 let mut client = Client::connect(&urls, Some(opts)).await?;
@@ -71,7 +149,10 @@ impl EtcdKv {
                 client.get("\0", None).await?;
                 Ok::<_, etcd_client::Error>(client)
             })
-            .map_err(|e| KvError::Backend { msg: format!("etcd at {}: {e}", urls.join(",")), retryable: false })?;
+            .map_err(|e| KvError::Backend {
+                msg: format!("etcd at {}: {}", urls.join(","), explain(&e)),
+                retryable: unreachable(&e),
+            })?;
         Ok(Self {
             rt,
             client,

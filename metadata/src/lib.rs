@@ -42,20 +42,80 @@ pub enum MetaUri {
     Redb(PathBuf),
     /// `memory:` — nothing persists; for tests.
     Memory,
-    /// `etcd://host1:2379,host2:2379/volume` — a shared etcd cluster.
-    Etcd { endpoints: Vec<String>, volume: String },
+    /// `etcd://host1:2379,host2:2379/volume` — a shared etcd cluster;
+    /// `etcds://…/volume?ca=…&cert=…&key=…&user=…&password_file=…` over TLS
+    /// with a client certificate and an etcd user.
+    Etcd { endpoints: Vec<String>, volume: String, access: EtcdAccess },
+}
+
+/// How a client reaches etcd beyond its addresses: TLS (`etcds://`), the CA
+/// that signed etcd's certificate, this client's certificate and key, and
+/// an etcd user whose password is read from a file (never from the URI:
+/// URIs show in `ps`, mount tables and logs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdAccess {
+    pub tls: bool,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub user: Option<String>,
+    pub password_file: Option<PathBuf>,
+}
+
+impl EtcdAccess {
+    fn parse(uri: &str, tls: bool, query: Option<&str>) -> Result<Self, UriError> {
+        let mut a = EtcdAccess { tls, ..Default::default() };
+        let bad = |what: String| UriError::EtcdAccess { uri: uri.into(), what };
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let Some((k, v)) = pair.split_once('=').filter(|(_, v)| !v.is_empty()) else {
+                return Err(bad(format!("{pair:?} is not key=value")));
+            };
+            let file = || -> Result<Option<PathBuf>, UriError> {
+                if v.starts_with('/') {
+                    Ok(Some(PathBuf::from(v)))
+                } else {
+                    Err(bad(format!("{k} must be an absolute path, got {v:?}")))
+                }
+            };
+            match k {
+                "ca" => a.ca = file()?,
+                "cert" => a.cert = file()?,
+                "key" => a.key = file()?,
+                "password_file" => a.password_file = file()?,
+                "user" => a.user = Some(v.to_string()),
+                "password" => {
+                    return Err(bad(
+                        "a password in the URI would show in ps and the mount table; use password_file=/path".into(),
+                    ))
+                }
+                _ => return Err(bad(format!("unknown option {k:?} (known: ca, cert, key, user, password_file)"))),
+            }
+        }
+        if !tls && (a.ca.is_some() || a.cert.is_some() || a.key.is_some()) {
+            return Err(bad("ca, cert and key are TLS options: use etcds://".into()));
+        }
+        if a.cert.is_some() != a.key.is_some() {
+            return Err(bad("cert and key go together".into()));
+        }
+        if a.user.is_some() != a.password_file.is_some() {
+            return Err(bad("user and password_file go together".into()));
+        }
+        Ok(a)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum UriError {
     #[error("metadata URI {0:?} has no scheme; expected redb:///path or memory:")]
     NoScheme(String),
-    #[error("metadata URI {uri:?}: unknown scheme {scheme:?}; supported: redb, etcd, memory")]
+    #[error("metadata URI {uri:?}: unknown scheme {scheme:?}; supported: redb, etcd, etcds, memory")]
     UnknownScheme { uri: String, scheme: String },
     #[error("metadata URI {0:?}: redb needs an absolute path, as in redb:///nvme/converged/meta.redb")]
     RedbPath(String),
     #[error("metadata URI {0:?}: etcd needs endpoints and a volume name, as in etcd://m1:2379,m2:2379/vol1")]
     EtcdForm(String),
+    #[error("metadata URI {uri:?}: {what}")]
+    EtcdAccess { uri: String, what: String },
 }
 
 impl std::str::FromStr for MetaUri {
@@ -73,9 +133,14 @@ impl std::str::FromStr for MetaUri {
                 Ok(MetaUri::Redb(PathBuf::from(path)))
             }
             "memory" if rest.is_empty() || rest == "//" => Ok(MetaUri::Memory),
-            "etcd" => {
+            "etcd" | "etcds" => {
                 let bad = || UriError::EtcdForm(uri.into());
                 let rest = rest.strip_prefix("//").ok_or_else(bad)?;
+                let (rest, query) = match rest.split_once('?') {
+                    Some((r, q)) => (r, Some(q)),
+                    None => (rest, None),
+                };
+                let access = EtcdAccess::parse(uri, scheme == "etcds", query)?;
                 let (hosts, volume) = rest.split_once('/').ok_or_else(bad)?;
                 let endpoints: Vec<String> = hosts.split(',').map(str::to_string).collect();
                 let host_ok = |h: &String| {
@@ -84,7 +149,7 @@ impl std::str::FromStr for MetaUri {
                 let volume_ok = !volume.is_empty()
                     && volume.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
                 if endpoints.iter().all(host_ok) && volume_ok {
-                    Ok(MetaUri::Etcd { endpoints, volume: volume.into() })
+                    Ok(MetaUri::Etcd { endpoints, volume: volume.into(), access })
                 } else {
                     Err(bad())
                 }
@@ -99,6 +164,8 @@ pub fn open_engine(uri: &MetaUri) -> Result<Arc<dyn KvEngine>, KvError> {
     Ok(match uri {
         MetaUri::Redb(path) => Arc::new(RedbKv::open(path, Duration::from_secs(10))?),
         MetaUri::Memory => Arc::new(MemKv::new()),
-        MetaUri::Etcd { endpoints, volume } => Arc::new(EtcdKv::connect(endpoints, volume, Duration::from_secs(5))?),
+        MetaUri::Etcd { endpoints, volume, access } => {
+            Arc::new(EtcdKv::connect_with(endpoints, volume, access, Duration::from_secs(5))?)
+        }
     })
 }

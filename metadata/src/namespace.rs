@@ -43,6 +43,9 @@ pub struct Namespace {
     pub(crate) clustered: bool,
     /// Files are backfilled to an object store: seals mark them dirty.
     pub(crate) tiered: bool,
+    /// The volume's id (key `F`), and whether this open created the volume.
+    volume_id: String,
+    created: bool,
     /// Tokens of sync-pending marks: a clear after a sync drops only the
     /// mark of the seal it synced for.
     pub(crate) sync_tokens: std::sync::atomic::AtomicU64,
@@ -150,10 +153,21 @@ impl Namespace {
             node: String::new(),
             clustered,
             tiered: false,
+            volume_id: String::new(),
+            created: false,
         };
-        let volume = ns.write(Durability::Durable, |txn| {
+        let fresh_id = random_id();
+        let (volume, volume_id, created) = ns.write(Durability::Durable, |txn| {
+            // Volumes made before ids existed get one at their next open.
+            let id = match txn.get(schema::VOLUME_ID)? {
+                Some(id) => String::from_utf8_lossy(&id).into_owned(),
+                None => {
+                    txn.put(schema::VOLUME_ID, fresh_id.as_bytes());
+                    fresh_id.clone()
+                }
+            };
             if let Some(v) = txn.get(schema::VOLUME)? {
-                return decode::<VolumeRecord>(schema::VOLUME, &v);
+                return Ok((decode::<VolumeRecord>(schema::VOLUME, &v)?, id, false));
             }
             let now = Timespec::now();
             let volume = VolumeRecord { format_version: FORMAT_VERSION, chunk_size: DEFAULT_CHUNK_SIZE, created: now };
@@ -177,7 +191,7 @@ impl Namespace {
                 target: None,
             };
             put_inode(txn, &root);
-            Ok(volume)
+            Ok((volume, id, true))
         })?;
         if volume.format_version != FORMAT_VERSION {
             return Err(MetaError::Corrupt {
@@ -186,7 +200,26 @@ impl Namespace {
             });
         }
         ns.chunk_size = volume.chunk_size;
+        ns.volume_id = volume_id;
+        ns.created = created;
         Ok(ns)
+    }
+
+    /// The volume's id: random, made with the volume, never changed.
+    pub fn volume_id(&self) -> &str {
+        &self.volume_id
+    }
+
+    /// Whether this open created the volume (the metadata held none).
+    pub fn created_volume(&self) -> bool {
+        self.created
+    }
+
+    /// Whether the volume has known node `id`: it registered once, or a
+    /// chunk record names it as a holder.
+    pub fn knows_node(&self, id: &str) -> MetaResult<bool> {
+        let registered = self.read(|txn| Ok(txn.get(&schema::known_node(id))?.is_some()))?;
+        Ok(registered || self.chunks_naming(id)? > 0)
     }
 
     /// Name the node this namespace acts for (see [`Namespace::node`]).
@@ -347,4 +380,19 @@ pub(crate) fn chunk_at_version(
     let Some(v) = txn.get(&key)? else { return Ok(None) };
     let record: ChunkRecord = decode(&key, &v)?;
     Ok((record.version == version).then_some(record))
+}
+
+/// 128 random bits as hex, from the kernel's generator.
+fn random_id() -> String {
+    let mut b = [0u8; 16];
+    // SAFETY: getrandom(2) into a buffer of its length.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        // Not expected on Linux ≥ 3.17; time and pid still tell volumes apart.
+        let t = Timespec::now();
+        b[..8].copy_from_slice(&(t.sec as u64).to_be_bytes());
+        b[8..12].copy_from_slice(&t.nsec.to_be_bytes());
+        b[12..].copy_from_slice(&std::process::id().to_be_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }

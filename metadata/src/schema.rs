@@ -6,6 +6,8 @@
 //! | key                        | value                | meaning                                      |
 //! |----------------------------|----------------------|----------------------------------------------|
 //! | `V`                        | [`VolumeRecord`]     | format version and volume-wide settings      |
+//! | `F`                        | text                 | the volume's id, random, made with the volume; |
+//! |                            |                      | a data dir's identity file names it          |
 //! | `N`                        | u64 (BE)             | next unallocated inode number                |
 //! | `I` ino                    | [`Inode`]            | attributes of one inode                      |
 //! | `D` parent name            | [`Dentry`]           | a name in a directory                        |
@@ -61,6 +63,7 @@ use crate::types::Ino;
 
 pub const VOLUME: &[u8] = b"V";
 pub const NEXT_INO: &[u8] = b"N";
+pub const VOLUME_ID: &[u8] = b"F";
 const INODE: u8 = b'I';
 const DENTRY: u8 = b'D';
 const XATTR: u8 = b'X';

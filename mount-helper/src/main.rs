@@ -23,10 +23,7 @@ fn ignored(opt: &str) -> bool {
             | "_netdev"
             | "nofail"
             | "exec"
-            | "noexec"
-            | "suid"
             | "nosuid"
-            | "dev"
             | "nodev"
             | "atime"
             | "noatime"
@@ -39,12 +36,19 @@ fn ignored(opt: &str) -> bool {
         || opt.starts_with("comment=")
 }
 
-const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,verify_reads][,threads=N][,attr_timeout=S][,log_file=F][,node_id=ID]
+const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,new_node][,ro][,meta_wait=2m][,verify_reads][,threads=N]
+                                                 [,attr_timeout=S][,log_file=F][,node_id=ID][,suid][,dev][,noexec]
                                                  [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local][,repair_delay=5m]
+                                                 [,etcd_ca=F,etcd_cert=F,etcd_key=F][,etcd_user=U,etcd_password_file=F]
                                                  [,object_store=URI,s3_endpoint=URL,backfill_delay=5s,evict_high=90,evict_low=80]
                                                  [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S]]
 SOURCE is `local` (embedded metadata in the data dir) or a metadata URI such as redb:///nvme/converged/meta.redb
-or etcd://m1:2379,m2:2379,m3:2379/vol1 (a cluster volume; options as for `converged mount`)";
+or etcd://m1:2379,m2:2379,m3:2379/vol1 (etcds:// for TLS; a cluster volume; options as for `converged mount`).
+A data dir is mounted only once it has an identity: give new_node at its first mount (not in a line kept for boot).
+Mounts are nosuid,nodev unless suid or dev is given; _netdev waits up to 60s for the metadata service (meta_wait=).";
+
+/// How long a `_netdev` mount waits for its metadata service unless `meta_wait=` says.
+const NETDEV_META_WAIT: &str = "60s";
 
 fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
     let mut positional = Vec::new();
@@ -69,6 +73,9 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
     let mut out: Vec<OsString> = vec!["converged".into(), "mount".into(), mountpoint.into()];
     let mut data_dir = None;
     let mut meta = None;
+    let mut meta_wait = None;
+    let mut new_node = false;
+    let mut etcd_access: Vec<String> = Vec::new();
     match source.as_str() {
         "local" | "converged" => {}
         s if s.contains("://") || s.starts_with("memory:") => meta = Some(s.to_string()),
@@ -86,25 +93,48 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "data_dir" => data_dir = Some(need(value)?.to_string()),
             "meta" => meta = Some(need(value)?.to_string()),
             "verify_reads" => out.push("--verify-reads".into()),
+            "ro" => out.push("--read-only".into()),
+            "suid" => out.push("--suid".into()),
+            "dev" => out.push("--dev".into()),
+            "noexec" => out.push("--noexec".into()),
+            "new_node" => new_node = true,
+            "meta_wait" => meta_wait = Some(need(value)?.to_string()),
+            "etcd_ca" | "etcd_cert" | "etcd_key" | "etcd_user" | "etcd_password_file" => {
+                etcd_access.push(format!("{}={}", &key["etcd_".len()..], need(value)?));
+            }
             "threads" => out.extend(["--threads".into(), need(value)?.into()]),
             "attr_timeout" => out.extend(["--attr-timeout".into(), need(value)?.into()]),
             "log_file" => out.extend(["--log-file".into(), need(value)?.into()]),
             "node_id" | "listen" | "tls_dir" | "lease_ttl" | "replicas" | "durability" | "failure_domain"
             | "peer_timeout" | "object_store" | "s3_endpoint" | "backfill_delay" | "backfill_workers"
             | "evict_high" | "evict_low" | "metrics" | "object_copy_limit" | "repair_delay" | "repair_bandwidth"
-            | "sweep_grace" => out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()]),
+            | "sweep_grace" | "scrub_period" => {
+                out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()])
+            }
             "keep_deleted_objects" => out.push("--keep-deleted-objects".into()),
             // Commas separate mount options, so labels are joined with `+` here.
             "labels" => out.extend(["--labels".into(), need(value)?.replace('+', ",").into()]),
-            "ro" => return Err("read-only mounts are not supported yet".into()),
             _ if ignored(opt) => {}
             _ => return Err(format!("unknown mount option {opt:?}")),
         }
     }
     let data_dir = data_dir.ok_or("missing the data_dir=DIR mount option")?;
     out.extend(["--data-dir".into(), data_dir.into()]);
+    if !etcd_access.is_empty() {
+        let m = meta
+            .as_mut()
+            .filter(|m| m.starts_with("etcd"))
+            .ok_or("etcd_* options need an etcd:// or etcds:// source")?;
+        m.push(if m.contains('?') { '&' } else { '?' });
+        m.push_str(&etcd_access.join("&"));
+    }
     if let Some(m) = meta {
         out.extend(["--meta".into(), m.into()]);
+    }
+    // At boot, an empty data dir is a disk that did not mount: never make a volume of it.
+    out.push(if new_node { "--new-node" } else { "--require-identity" }.into());
+    if let Some(w) = meta_wait.or(options.contains(&"_netdev").then(|| NETDEV_META_WAIT.to_string())) {
+        out.extend(["--meta-wait".into(), w.into()]);
     }
     out.extend(["--source".into(), format!("converged:{source}").into()]);
     Ok(out)
@@ -156,6 +186,9 @@ mod tests {
                 "--verify-reads",
                 "--data-dir",
                 "/nvme/c",
+                "--require-identity",
+                "--meta-wait",
+                "60s",
                 "--source",
                 "converged:local"
             ])
@@ -194,6 +227,25 @@ mod tests {
         ] {
             assert!(joined.contains(want), "{want} missing from {joined}");
         }
+    }
+
+    #[test]
+    fn boot_and_security_options_translate() {
+        let opts = "data_dir=/nvme/c,ro,suid,nodev,new_node,meta_wait=5m,etcd_ca=/e/ca.pem,etcd_cert=/e/c.pem,etcd_key=/e/c.key,etcd_user=conv,etcd_password_file=/e/pw";
+        let out = translate(&s(&["etcds://m1:2379/vol1", "/mnt/data", "-o", opts])).unwrap();
+        let joined = out.into_iter().map(|o| o.into_string().unwrap()).collect::<Vec<_>>().join(" ");
+        for want in [
+            "--read-only",
+            "--suid",
+            "--new-node",
+            "--meta-wait 5m",
+            "--meta etcds://m1:2379/vol1?ca=/e/ca.pem&cert=/e/c.pem&key=/e/c.key&user=conv&password_file=/e/pw",
+        ] {
+            assert!(joined.contains(want), "{want} missing from {joined}");
+        }
+        assert!(!joined.contains("--dev") && !joined.contains("--require-identity"), "{joined}");
+        let e = translate(&s(&["local", "/mnt", "-o", "data_dir=/x,etcd_user=a"])).unwrap_err();
+        assert!(e.contains("etcd"), "{e}");
     }
 
     #[test]

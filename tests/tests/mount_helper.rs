@@ -49,7 +49,19 @@ fn mount_t_converged_fuse_converged_and_fstab() {
     fs::create_dir(&mnt).unwrap();
     let dd = format!("data_dir={}", data.display());
 
-    let st = Command::new("mount").args(["-t", "converged", "local"]).arg(&mnt).args(["-o", &dd]).status().unwrap();
+    // The boot path never makes a volume of an empty data dir (a disk that did not mount)...
+    let out = Command::new("mount").args(["-t", "converged", "local"]).arg(&mnt).args(["-o", &dd]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no converged identity") && err.contains("new_node"), "{err}");
+    assert!(fstype(&mnt).is_none());
+    // ...unless told it is new.
+    let st = Command::new("mount")
+        .args(["-t", "converged", "local"])
+        .arg(&mnt)
+        .args(["-o", &format!("{dd},new_node")])
+        .status()
+        .unwrap();
     assert!(st.success());
     assert_eq!(fstype(&mnt).as_deref(), Some("fuse.converged"));
     fs::write(mnt.join("hello"), b"from mount -t converged").unwrap();

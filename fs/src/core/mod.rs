@@ -93,6 +93,9 @@ pub struct CoreConfig {
     pub node_id: String,
     /// Serve every read through the daemon so every byte is checksum-verified.
     pub verify_reads: bool,
+    /// A read-only mount: no recovery and no reserve at start (both write);
+    /// the kernel refuses every change before it reaches the core.
+    pub read_only: bool,
     /// The embedded metadata file when it lives on the data disk; kept
     /// preallocated so a disk full of chunks cannot starve it.
     pub meta_file: Option<PathBuf>,
@@ -204,8 +207,12 @@ impl Core {
             workers: OnceLock::new(),
             stats: CoreStats::default(),
         };
-        core.recover()?;
-        core.keep_reserve();
+        if core.cfg.read_only {
+            tracing::info!("read-only: recovery of files left open by a crash waits for a read-write mount");
+        } else {
+            core.recover()?;
+            core.keep_reserve();
+        }
         Ok(core)
     }
 

@@ -99,6 +99,7 @@ impl TestCore {
                 data_dir: dir.path().to_path_buf(),
                 node_id: NODE.into(),
                 verify_reads: true,
+                read_only: false,
                 meta_file: None,
             },
         )
@@ -115,7 +116,13 @@ pub fn start(engine: &Arc<dyn KvEngine>, data_dir: &Path) -> FsResult<Core> {
     let ns = Namespace::open(engine.clone(), 0, 0)?.with_node(NODE);
     Core::start(
         ns,
-        CoreConfig { data_dir: data_dir.to_path_buf(), node_id: NODE.into(), verify_reads: true, meta_file: None },
+        CoreConfig {
+            data_dir: data_dir.to_path_buf(),
+            node_id: NODE.into(),
+            verify_reads: true,
+            read_only: false,
+            meta_file: None,
+        },
     )
 }
 

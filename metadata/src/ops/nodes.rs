@@ -176,6 +176,25 @@ impl Namespace {
         Ok(n)
     }
 
+    /// Drop node `id` from the holders of every chunk that has another
+    /// holder: the node lost its copies (its disk was replaced). Returns
+    /// the records changed and those left naming it alone (their bytes were
+    /// only on that disk; a backed file's come back from the object store).
+    pub fn forget_copies_of(&self, id: &str) -> MetaResult<(u64, u64)> {
+        let mut named = Vec::new();
+        self.for_each_chunk(|ino, index, rec| {
+            if rec.replicas.iter().any(|r| r == id) {
+                named.push((ino, index, rec.version));
+            }
+        })?;
+        let gone = [id.to_string()];
+        let mut dropped = 0;
+        for &(ino, index, version) in &named {
+            dropped += self.drop_holders(ino, index, version, &gone, 1)? as u64;
+        }
+        Ok((dropped, named.len() as u64 - dropped))
+    }
+
     /// Drop node `id` from the volume: its membership record and its admin
     /// state. Refused while it is live or while a chunk record names it
     /// (repair or a drain moves those first).

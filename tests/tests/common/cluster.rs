@@ -41,14 +41,7 @@ impl Cluster {
         let ca = self._certs.path().join("ca");
         let tls = ca.join(&id);
         if i > 1 {
-            let out = converged()
-                .args(["cluster", "issue-cert", "--node", &id, "--ca"])
-                .arg(&ca)
-                .arg("--out")
-                .arg(&tls)
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            self.issue_cert(&id);
         }
         let uri = self.meta.clone();
         let mut args = vec![
@@ -65,6 +58,24 @@ impl Cluster {
         ];
         args.extend_from_slice(extra);
         self.nodes.push(Mount::with_args(&args));
+    }
+
+    /// The directory of node `id`'s certificate (its --tls-dir).
+    pub fn tls_dir(&self, id: &str) -> PathBuf {
+        self._certs.path().join("ca").join(id)
+    }
+
+    /// Issue a certificate for node `id` from the cluster CA (into `tls_dir(id)`).
+    pub fn issue_cert(&self, id: &str) {
+        let ca = self._certs.path().join("ca");
+        let out = converged()
+            .args(["cluster", "issue-cert", "--node", id, "--ca"])
+            .arg(&ca)
+            .arg("--out")
+            .arg(self.tls_dir(id))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
     pub fn node(&self, i: usize) -> &Mount {

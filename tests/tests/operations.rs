@@ -1,0 +1,380 @@
+//! Running converged as an operator would: at boot (the metadata service not
+//! up yet, a data dir whose disk did not mount, an automount, systemd), read
+//! only, and with its defaults locked down (nosuid, nodev, private files).
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::cluster::{eventually, same, status, Cluster};
+use common::*;
+
+/// One etcd member on a port chosen before it starts (a mount may be
+/// waiting for it), killed on drop.
+struct Etcd {
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Etcd {
+    fn start(client: u16, extra: &[String], scheme: &str) -> Etcd {
+        let dir = tempfile::tempdir().unwrap();
+        let peer = free_port();
+        let log = fs::File::create(dir.path().join("etcd.log")).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", "m0", "--data-dir"])
+            .arg(dir.path().join("m0"))
+            .arg("--listen-client-urls")
+            .arg(format!("{scheme}://127.0.0.1:{client}"))
+            .arg("--advertise-client-urls")
+            .arg(format!("{scheme}://127.0.0.1:{client}"))
+            .arg("--listen-peer-urls")
+            .arg(format!("http://127.0.0.1:{peer}"))
+            .arg("--initial-advertise-peer-urls")
+            .arg(format!("http://127.0.0.1:{peer}"))
+            .arg("--initial-cluster")
+            .arg(format!("m0=http://127.0.0.1:{peer}"))
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start etcd (apt-get install etcd-server)");
+        Etcd { child, _dir: dir }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let t = tempfile::Builder::new().prefix("converged-ops").tempdir().unwrap();
+    let (data, mnt) = (t.path().join("data"), t.path().join("mnt"));
+    fs::create_dir(&data).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    (t, data, mnt)
+}
+
+fn is_mounted(mnt: &Path) -> bool {
+    mount_type(mnt).is_some()
+}
+
+fn mount_type(mnt: &Path) -> Option<String> {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
+    mounts.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        (Path::new(f[1]) == mnt && f[2] != "autofs").then(|| format!("{} {}", f[2], f[3]))
+    })
+}
+
+fn stop_mount(mnt: &Path) {
+    let out = converged().arg("umount").arg(mnt).output().unwrap();
+    assert!(out.status.success(), "umount: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn a_mount_started_before_etcd_comes_up_once_etcd_starts() {
+    let (_t, data, mnt) = dirs();
+    let port = free_port();
+    let meta = format!("etcd://127.0.0.1:{port}/boot");
+    // Without a wait, an unreachable etcd fails the mount at once, saying where.
+    let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).args(["--meta", &meta]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+
+    let started = Instant::now();
+    let mut mount = converged()
+        .arg("mount")
+        .arg(&mnt)
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--meta", &meta, "--meta-wait", "2m"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(mount.try_wait().unwrap().is_none(), "the mount gave up while waiting for etcd");
+    assert!(!is_mounted(&mnt));
+    let log = fs::read_to_string(data.join("converged.log")).unwrap_or_default();
+    assert!(log.contains("metadata service not reachable; waiting"), "the wait is not logged: {log}");
+
+    let _etcd = Etcd::start(port, &[], "http");
+    let out = mount.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    eprintln!("mount came up {:?} after it started (etcd started after 4 s)", started.elapsed());
+    fs::write(mnt.join("after-boot"), b"etcd came up").unwrap();
+    assert_eq!(fs::read(mnt.join("after-boot")).unwrap(), b"etcd came up");
+    stop_mount(&mnt);
+}
+
+/// Mount node `id` of `c`'s volume on `data`; its output on failure.
+fn mount_node(c: &Cluster, id: &str, data: &Path, mnt: &Path, extra: &[&str]) -> std::process::Output {
+    let tls = c.tls_dir(id);
+    converged()
+        .arg("mount")
+        .arg(mnt)
+        .arg("--data-dir")
+        .arg(data)
+        .args(["--meta", &c.meta, "--listen", "127.0.0.1:0", "--tls-dir"])
+        .arg(&tls)
+        .args(["--lease-ttl", "3", "--peer-timeout", "2"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_data_dir_that_is_empty_or_foreign_is_refused_for_a_known_node() {
+    let Some(mut c) = Cluster::start(2, &["--replicas", "2"]) else { return };
+    let want = pattern(3 << 20, 7);
+    fs::write(c.node(0).path("ckpt"), &want).unwrap();
+    let n1_data = c.node(0).data.clone();
+    let n1_mnt = c.node(0).mnt.clone();
+    c.nodes[0].umount();
+
+    // n1's disk "did not mount": an empty directory where its data dir was.
+    let t = tempfile::tempdir().unwrap();
+    let empty = t.path().join("data");
+    fs::create_dir(&empty).unwrap();
+    let out = mount_node(&c, "n1", &empty, &n1_mnt, &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("node n1") && err.contains("is its disk mounted") && err.contains("--new-node"), "{err}");
+    assert!(!is_mounted(&n1_mnt));
+
+    // Another volume's metadata over n1's data dir.
+    let other = c.meta.replace("/vol", "/other");
+    let out = converged()
+        .arg("mount")
+        .arg(&n1_mnt)
+        .arg("--data-dir")
+        .arg(&n1_data)
+        .args(["--meta", &other, "--listen", "127.0.0.1:0", "--tls-dir"])
+        .arg(c.tls_dir("n1"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("belongs to volume"), "{err}");
+
+    // A replaced disk, said so: n1 joins with the empty dir, its old copies
+    // are forgotten, and the file still reads whole from n2.
+    let out = mount_node(&c, "n1", &empty, &n1_mnt, &["--new-node"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    same(&fs::read(n1_mnt.join("ckpt")).unwrap(), &want, "read on n1 after its disk was replaced");
+    let status = status(&c);
+    assert!(status.contains("n1"), "{status}");
+    stop_mount(&n1_mnt);
+    // The old data dir says it is n1's: another node may not take it.
+    c.issue_cert("n3");
+    let out = mount_node(&c, "n3", &n1_data, &n1_mnt, &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("belongs to node n1, not n3"), "{err}");
+    assert!(!is_mounted(&n1_mnt));
+}
+
+#[test]
+fn an_empty_data_dir_for_an_existing_single_node_volume_is_refused() {
+    let (t, data, mnt) = dirs();
+    let meta = format!("redb://{}", t.path().join("meta.redb").display());
+    let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).args(["--meta", &meta]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    fs::write(mnt.join("f"), b"on the first disk").unwrap();
+    stop_mount(&mnt);
+    let empty = t.path().join("empty");
+    fs::create_dir(&empty).unwrap();
+    let out =
+        converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&empty).args(["--meta", &meta]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("exists, but data dir") && err.contains("is its disk mounted"), "{err}");
+    assert!(!is_mounted(&mnt));
+}
+
+#[test]
+fn a_read_only_mount_refuses_writes_with_erofs_and_takes_no_lease() {
+    let Some(c) = Cluster::start(1, &["--replicas", "1"]) else { return };
+    let want = pattern(5 << 20, 11);
+    fs::write(c.node(0).path("model.pt"), &want).unwrap();
+    fs::create_dir(c.node(0).path("dir")).unwrap();
+
+    // A reader node: its own data dir, its own certificate, read-only.
+    c.issue_cert("r1");
+    let (_t, data, mnt) = dirs();
+    let out = mount_node(&c, "r1", &data, &mnt, &["--read-only"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let how = mount_type(&mnt).unwrap();
+    assert!(how.contains(" ro,") || how.contains(" ro"), "{how}");
+
+    same(&fs::read(mnt.join("model.pt")).unwrap(), &want, "read on the read-only node");
+    let erofs = |r: std::io::Result<()>, what: &str| {
+        let e = r.expect_err(what);
+        assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{what}: {e}");
+    };
+    erofs(fs::OpenOptions::new().write(true).open(mnt.join("model.pt")).map(drop), "open for writing");
+    erofs(fs::write(mnt.join("new"), b"x"), "create");
+    erofs(fs::create_dir(mnt.join("d2")), "mkdir");
+    erofs(fs::remove_file(mnt.join("model.pt")), "unlink");
+    erofs(fs::rename(mnt.join("dir"), mnt.join("dir2")), "rename");
+    erofs(fs::set_permissions(mnt.join("model.pt"), fs::Permissions::from_mode(0o600)), "chmod");
+
+    // No membership lease: the volume does not list it, and nothing of it
+    // is in the data dir but its lock and log.
+    let st = status(&c);
+    assert!(!st.contains("r1"), "a read-only node registered:\n{st}");
+    let left: Vec<String> =
+        fs::read_dir(&data).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    assert!(!left.iter().any(|n| n == "identity" || n == "converged.reserve"), "{left:?}");
+    // The writer is not held up by a reader: it rewrites the file at once.
+    let v2 = pattern(1 << 20, 12);
+    fs::write(c.node(0).path("model.pt"), &v2).unwrap();
+    eventually(20, "the reader sees the new version", || fs::read(mnt.join("model.pt")).is_ok_and(|b| b == v2));
+    stop_mount(&mnt);
+}
+
+#[test]
+fn mounts_are_nosuid_and_nodev_unless_asked_and_data_dir_files_are_private() {
+    // nobody must be able to reach the mount point.
+    let t = tempfile::Builder::new().prefix("converged-suid").tempdir().unwrap();
+    fs::set_permissions(t.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let (data, mnt) = (t.path().join("data"), t.path().join("mnt"));
+    fs::create_dir(&data).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    let euid_via_setuid_copy = |extra: &[&str]| -> String {
+        let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).args(extra).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let id = mnt.join("id");
+        if !id.exists() {
+            fs::copy("/usr/bin/id", &id).unwrap();
+            fs::set_permissions(&id, fs::Permissions::from_mode(0o4755)).unwrap();
+        }
+        assert_eq!(fs::metadata(&id).unwrap().mode() & 0o4000, 0o4000, "the setuid bit is stored");
+        let out = Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(&id)
+            .arg("-u")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let how = mount_type(&mnt).unwrap();
+        stop_mount(&mnt);
+        format!("{} {how}", String::from_utf8_lossy(&out.stdout).trim())
+    };
+    let default = euid_via_setuid_copy(&[]);
+    assert!(default.starts_with("65534 "), "a setuid-root binary ran as root on a default mount: {default}");
+    assert!(default.contains("nosuid") && default.contains("nodev"), "{default}");
+    let asked = euid_via_setuid_copy(&["--suid"]);
+    assert!(asked.starts_with("0 "), "--suid should honour the setuid bit: {asked}");
+
+    for name in ["meta.redb", "converged.lock", "converged.log", "identity", "chunks"] {
+        let mode = fs::metadata(data.join(name)).unwrap().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "{name} is {mode:o}: readable by others");
+    }
+}
+
+/// mount(8) looks for helpers in /sbin. Point them at this build unless an
+/// installed helper (outside a cargo target dir) is already there.
+fn install_helpers() {
+    let helper = bin("mount-converged");
+    for name in ["/sbin/mount.converged", "/sbin/mount.fuse.converged"] {
+        let current = fs::read_link(name).ok();
+        if current.as_deref() == Some(helper.as_path()) {
+            continue;
+        }
+        if Path::new(name).exists() && !current.is_some_and(|c| c.to_string_lossy().contains("/target/")) {
+            continue;
+        }
+        let _ = fs::remove_file(name);
+        std::os::unix::fs::symlink(&helper, name).unwrap();
+    }
+}
+
+#[test]
+fn an_x_systemd_automount_line_mounts_on_first_access() {
+    install_helpers();
+    let (t, data, mnt) = dirs();
+    // The data dir's first mount, by hand.
+    let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    fs::write(mnt.join("hello"), b"behind an automount").unwrap();
+    stop_mount(&mnt);
+
+    let fstab = t.path().join("fstab");
+    let line =
+        format!("local {} converged data_dir={},_netdev,x-systemd.automount 0 0\n", mnt.display(), data.display());
+    fs::write(&fstab, line).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/automount.py");
+    let mut automounter = Command::new("python3")
+        .arg(&script)
+        .arg(&fstab)
+        .arg(&mnt)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut armed = String::new();
+    let mut out = std::io::BufReader::new(automounter.stdout.take().unwrap());
+    std::io::BufRead::read_line(&mut out, &mut armed).unwrap();
+    assert_eq!(armed.trim(), "armed");
+    assert!(!is_mounted(&mnt), "nothing is mounted before the first access");
+
+    // The first access waits for the mount, then sees the volume. Should the
+    // mount hang, stopping the automounter releases the waiting access.
+    let pid = automounter.id() as i32;
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if done_rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            eprintln!("the first access did not return within 60 s; stopping the automounter");
+            // SAFETY: kill(2) of our child.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    });
+    let got = fs::read(mnt.join("hello"));
+    let _ = done_tx.send(());
+    watchdog.join().unwrap();
+    let how = mount_type(&mnt);
+    if is_mounted(&mnt) {
+        stop_mount(&mnt);
+    }
+    // SAFETY: kill(2) of our child.
+    unsafe { libc::kill(automounter.id() as i32, libc::SIGTERM) };
+    let _ = automounter.wait();
+    assert_eq!(got.unwrap(), b"behind an automount");
+    assert!(how.as_deref().is_some_and(|h| h.starts_with("fuse.converged")), "{how:?}");
+}
+
+#[test]
+fn the_systemd_unit_verifies() {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/systemd/converged@.service");
+    let text = fs::read_to_string(&unit).unwrap();
+    // The unit names the installed binary; verify it against this build's.
+    let t = tempfile::tempdir().unwrap();
+    let body = text.replace("/usr/local/bin/converged", bin("converged").to_str().unwrap());
+    fs::write(t.path().join("converged@.service"), body).unwrap();
+    std::os::unix::fs::symlink("converged@.service", t.path().join("converged@data.service")).unwrap();
+    let out = Command::new("systemd-analyze").arg("verify").arg(t.path().join("converged@data.service")).output();
+    let Ok(out) = out else {
+        assert!(std::env::var_os("CI").is_none(), "systemd-analyze must be installed in CI (apt-get install systemd)");
+        eprintln!("systemd-analyze not installed; unit not verified");
+        return;
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.trim().is_empty(), "systemd-analyze verify: {err}");
+    for want in ["After=network-online.target", "Restart=on-failure", "Type=notify", "--foreground"] {
+        assert!(text.contains(want), "the unit lacks {want}");
+    }
+}
