@@ -91,6 +91,27 @@ fn unreachable(e: &etcd_client::Error) -> bool {
 
 use tonic::Code as tonic_code;
 
+/// What to check when a TLS connection fails without saying why (etcd with
+/// `--client-cert-auth` closes the stream on a client with no certificate).
+fn hint(access: &crate::EtcdAccess, e: &etcd_client::Error) -> &'static str {
+    let transport = match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(s) => matches!(
+            s.code(),
+            tonic_code::Unknown | tonic_code::Unavailable | tonic_code::Cancelled | tonic_code::DeadlineExceeded
+        ),
+        _ => false,
+    };
+    match (transport, access.tls, access.cert.is_some()) {
+        (true, true, false) => {
+            " (no client certificate was given: an etcd started with --client-cert-auth refuses the TLS \
+             connection; add cert=/path&key=/path to the URI)"
+        }
+        (true, false, _) => " (if this etcd serves TLS, use etcds:// with ca=, cert= and key=)",
+        _ => "",
+    }
+}
+
 /// The error with its causes: tonic's transport errors put the reason (a
 /// refused certificate, a closed port) in their source chain.
 fn explain(e: &etcd_client::Error) -> String {
@@ -145,12 +166,14 @@ impl EtcdKv {
         let client = rt
             .block_on(async {
                 let mut client = Client::connect(&urls, Some(opts)).await?;
-                // Connecting is lazy; ask once so a wrong address fails here.
-                client.get("\0", None).await?;
+                // Connecting is lazy; ask once so a wrong address or a refused
+                // credential fails here. The key is the volume's own: a user
+                // may be allowed no other.
+                client.get(format!("{volume}/"), None).await?;
                 Ok::<_, etcd_client::Error>(client)
             })
             .map_err(|e| KvError::Backend {
-                msg: format!("etcd at {}: {}", urls.join(","), explain(&e)),
+                msg: format!("etcd at {}: {}{}", urls.join(","), explain(&e), hint(access, &e)),
                 retryable: unreachable(&e),
             })?;
         Ok(Self {

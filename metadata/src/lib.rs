@@ -169,3 +169,39 @@ pub fn open_engine(uri: &MetaUri) -> Result<Arc<dyn KvEngine>, KvError> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn etcd_uris_carry_tls_and_user_options() {
+        let u: MetaUri =
+            "etcds://m1:2379,m2:2379/vol1?ca=/e/ca.pem&cert=/e/n1.pem&key=/e/n1.key&user=conv&password_file=/e/pw"
+                .parse()
+                .unwrap();
+        let MetaUri::Etcd { endpoints, volume, access } = u else { panic!("not etcd") };
+        assert_eq!(endpoints, ["m1:2379", "m2:2379"]);
+        assert_eq!(volume, "vol1");
+        assert!(access.tls);
+        assert_eq!(access.cert.as_deref(), Some(std::path::Path::new("/e/n1.pem")));
+        assert_eq!(access.user.as_deref(), Some("conv"));
+        let plain: MetaUri = "etcd://m1:2379/v".parse().unwrap();
+        assert!(matches!(plain, MetaUri::Etcd { access, .. } if access == EtcdAccess::default()));
+    }
+
+    #[test]
+    fn bad_etcd_access_options_say_what_is_wrong() {
+        for (uri, says) in [
+            ("etcd://m1:2379/v?ca=/e/ca.pem", "etcds://"),
+            ("etcds://m1:2379/v?cert=/e/c.pem", "go together"),
+            ("etcds://m1:2379/v?user=a", "go together"),
+            ("etcds://m1:2379/v?user=a&password=hunter2", "password_file"),
+            ("etcds://m1:2379/v?ca=relative.pem", "absolute"),
+            ("etcds://m1:2379/v?colour=blue", "unknown option"),
+        ] {
+            let e = uri.parse::<MetaUri>().unwrap_err().to_string();
+            assert!(e.contains(says), "{uri}: {e}");
+        }
+    }
+}

@@ -378,3 +378,147 @@ fn the_systemd_unit_verifies() {
         assert!(text.contains(want), "the unit lacks {want}");
     }
 }
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl").current_dir(dir).args(args).output().expect("openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl.
+fn make_certs(dir: &Path) {
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let mut ca = vec!["req", "-x509", "-days", "2", "-subj", "/CN=etcd test CA", "-keyout", "ca.key", "-out", "ca.pem"];
+    ca.extend(ec);
+    openssl(dir, &ca);
+    for (name, ext) in [
+        ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ] {
+        fs::write(dir.join(format!("{name}.ext")), ext).unwrap();
+        let (key, csr, pem, cn) =
+            (format!("{name}.key"), format!("{name}.csr"), format!("{name}.pem"), format!("/CN={name}"));
+        let mut req = vec!["req", "-subj", &cn, "-keyout", &key, "-out", &csr];
+        req.extend(ec);
+        openssl(dir, &req);
+        let ext = format!("{name}.ext");
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-days",
+                "2",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-extfile",
+                &ext,
+            ],
+        );
+    }
+}
+
+#[test]
+fn etcd_over_tls_with_a_client_certificate_and_a_user() {
+    let certs = tempfile::tempdir().unwrap();
+    let c = certs.path();
+    make_certs(c);
+    let p = |f: &str| c.join(f).to_str().unwrap().to_string();
+    let port = free_port();
+    let _etcd = Etcd::start(
+        port,
+        &[
+            "--client-cert-auth".into(),
+            "--trusted-ca-file".into(),
+            p("ca.pem"),
+            "--cert-file".into(),
+            p("server.pem"),
+            "--key-file".into(),
+            p("server.key"),
+        ],
+        "https",
+    );
+    // A user allowed the volume's keys and nothing else, then auth on.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let tls = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(fs::read(c.join("ca.pem")).unwrap()))
+            .identity(etcd_client::Identity::from_pem(
+                fs::read(c.join("client.pem")).unwrap(),
+                fs::read(c.join("client.key")).unwrap(),
+            ));
+        let opts = etcd_client::ConnectOptions::new().with_tls(tls).with_connect_timeout(Duration::from_secs(2));
+        let url = format!("https://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut admin = loop {
+            if let Ok(mut cl) = etcd_client::Client::connect([url.as_str()], Some(opts.clone())).await {
+                if cl.status().await.is_ok() {
+                    break cl;
+                }
+            }
+            assert!(Instant::now() < deadline, "etcd with TLS did not come up");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        admin.user_add("root", "root-secret", None).await.unwrap();
+        admin.user_grant_role("root", "root").await.unwrap();
+        admin.user_add("trainer", "s3cret pass", None).await.unwrap();
+        admin.role_add("vol-sec").await.unwrap();
+        admin
+            .role_grant_permission("vol-sec", etcd_client::Permission::read_write("sec/").with_prefix())
+            .await
+            .unwrap();
+        admin.user_grant_role("trainer", "vol-sec").await.unwrap();
+        admin.auth_enable().await.unwrap();
+    });
+    fs::write(c.join("password"), "s3cret pass\n").unwrap();
+    fs::write(c.join("wrong-password"), "guess\n").unwrap();
+
+    let (_t, data, mnt) = dirs();
+    let base = format!("etcds://127.0.0.1:{port}/sec");
+    let mount = |uri: &str| {
+        converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).args(["--meta", uri]).output().unwrap()
+    };
+    let full = format!(
+        "{base}?ca={}&cert={}&key={}&user=trainer&password_file={}",
+        p("ca.pem"),
+        p("client.pem"),
+        p("client.key"),
+        p("password")
+    );
+    let refused = |uri: String, why: &[&str]| {
+        let out = mount(&uri);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "mounted with {uri}");
+        assert!(!is_mounted(&mnt));
+        assert!(err.contains(&format!("127.0.0.1:{port}")), "the error does not say where: {err}");
+        assert!(why.iter().any(|w| err.to_lowercase().contains(w)), "unclear refusal for {uri}: {err}");
+        eprintln!("refused as it should be: {}", err.trim());
+    };
+    // No client certificate: the TLS handshake is refused.
+    refused(
+        format!("{base}?ca={}&user=trainer&password_file={}", p("ca.pem"), p("password")),
+        &["certificate", "handshake", "tls"],
+    );
+    // Plain TCP to a TLS port.
+    refused(format!("etcd://127.0.0.1:{port}/sec"), &["transport", "connection", "h2", "protocol"]);
+    // The right certificate, the wrong password.
+    refused(full.replace(&p("password"), &p("wrong-password")), &["authentication failed", "password"]);
+
+    let out = mount(&full);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    fs::write(mnt.join("secured"), b"over TLS, as trainer").unwrap();
+    stop_mount(&mnt);
+    let out = mount(&full);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(fs::read(mnt.join("secured")).unwrap(), b"over TLS, as trainer");
+    // The admin commands take the same URI.
+    let st = converged().args(["status", "--meta", &full]).output().unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    stop_mount(&mnt);
+}
