@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use converged_metadata::types::Ino;
-use converged_transport::ChunkRef;
+use converged_transport::{Caller, ChunkRef};
 
 pub use crate::blocks::{block_crcs, read_exact_at};
 use crate::error::{FsError, FsResult};
@@ -340,6 +340,11 @@ fn copy_range(src: &File, from: u64, dst: &File, to: u64, len: u64) -> io::Resul
 }
 
 /// What the peer server asks of the filesystem core (set once it is up).
+/// A hook's yes (Ok) or no (the error the peer gets).
+pub type Answer = Result<(), converged_transport::ServiceError>;
+/// Whether a caller may store a chunk version here.
+pub type WriteCheck = Box<dyn Fn(&Caller, &ChunkRef) -> Answer + Send + Sync>;
+
 pub struct LocalHooks {
     /// Fetch chunk `index` of `ino` onto this node and record the copy (a
     /// peer's share of a distributed stage).
@@ -347,13 +352,22 @@ pub struct LocalHooks {
     /// Whether a writer here changes the inode's backing file in place: its
     /// bytes are then no published version, and peers are told so.
     pub being_written: Box<dyn Fn(u64) -> bool + Send + Sync>,
+    /// Whether a peer may store a chunk version here / drop a file here,
+    /// by the metadata (see `Core::peer_may_write`).
+    pub may_write: WriteCheck,
+    pub may_delete: Box<dyn Fn(u64) -> Answer + Send + Sync>,
 }
 
 /// Serves this node's chunks to peers over the transport. It answers for
-/// bytes only; which chunks a peer may ask for is the namespace's business.
+/// bytes; whether a peer may write or delete here is asked of the
+/// namespace through the hooks (none yet: the node is starting, refused).
 pub struct PeerChunks {
     pub store: Arc<ChunkStore>,
     pub hooks: Arc<std::sync::OnceLock<LocalHooks>>,
+}
+
+fn starting() -> converged_transport::ServiceError {
+    converged_transport::ServiceError { errno: libc::EAGAIN, msg: "node is starting".into() }
 }
 
 fn service_err(e: std::io::Error) -> converged_transport::ServiceError {
@@ -391,6 +405,18 @@ impl converged_transport::ChunkService for PeerChunks {
     fn write(&self, c: &ChunkRef, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
         self.store.write_version(c, data).map_err(service_err)
     }
+    fn may_write(&self, caller: &Caller, c: &ChunkRef) -> Result<(), converged_transport::ServiceError> {
+        match self.hooks.get() {
+            Some(h) => (h.may_write)(caller, c),
+            None => Err(starting()),
+        }
+    }
+    fn may_delete(&self, _caller: &Caller, ino: u64) -> Result<(), converged_transport::ServiceError> {
+        match self.hooks.get() {
+            Some(h) => (h.may_delete)(ino),
+            None => Err(starting()),
+        }
+    }
     fn delete(&self, ino: u64) -> Result<(), converged_transport::ServiceError> {
         self.store.remove(ino).map_err(|e| service_err(std::io::Error::other(e.to_string())))
     }
@@ -401,7 +427,7 @@ impl converged_transport::ChunkService for PeerChunks {
     fn stage(&self, ino: u64, chunk: u32) -> Result<(), converged_transport::ServiceError> {
         match self.hooks.get() {
             Some(h) => (h.stage)(ino, chunk),
-            None => Err(converged_transport::ServiceError { errno: libc::EAGAIN, msg: "node is starting".into() }),
+            None => Err(starting()),
         }
     }
 }

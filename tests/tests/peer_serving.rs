@@ -103,3 +103,62 @@ fn crc32c_of(data: &[u8]) -> u32 {
     }
     !crc
 }
+
+#[test]
+fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes_file() {
+    let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
+    let t = tempfile::tempdir().unwrap();
+    let ca_dir = t.path().join("ca");
+    let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca_dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let uri = format!("etcd://{}/authz", cluster.endpoints.join(","));
+    let tls_dir = ca_dir.join("n1");
+    let m = Mount::with_args(&["--meta", &uri, "--listen", "127.0.0.1:0", "--tls-dir", tls_dir.to_str().unwrap()]);
+    let data = pattern(2 << 20, 5);
+    std::fs::write(m.path("ckpt.pt"), &data).unwrap();
+    let ino = std::fs::metadata(m.path("ckpt.pt")).unwrap().ino();
+    let version = first_chunk_version(&m.path("ckpt.pt"));
+    let chunk = ChunkRef { ino, index: 0, version, start: 0 };
+
+    let out = converged().args(["status", "--meta", &uri]).output().unwrap();
+    let status = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = status.lines().find(|l| l.starts_with("n1 ")).unwrap_or_else(|| panic!("n1 not in status:\n{status}"));
+    let peer = Peer { addr: line.split_whitespace().nth(2).unwrap().parse().unwrap(), node: "n1".into() };
+
+    let ca = ClusterCa::load(&ca_dir).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let bind = |name: &str| {
+            QuicTransport::bind(
+                "127.0.0.1:0".parse().unwrap(),
+                &ca.issue(name).unwrap(),
+                Arc::new(Nothing),
+                Duration::from_secs(5),
+            )
+            .unwrap()
+        };
+        let n2 = bind("n2");
+        let refused = |r: Result<(), converged_transport::TransportError>, what: &str| match r {
+            Err(converged_transport::TransportError::Remote { err, .. }) => {
+                assert_eq!(err.errno, libc::EACCES, "{what}: {}", err.msg);
+            }
+            other => panic!("{what}: expected a refusal, got {other:?}"),
+        };
+        // n2 holds no lease of the file and no copy: a new version from it is refused...
+        let forged = ChunkRef { version: version + 1, ..chunk };
+        refused(n2.write(&peer, &forged, &vec![0u8; data.len()]).await, "write of a new version by n2");
+        // ...as is the version n1 holds, and a delete of a file whose records name n1.
+        refused(n2.write(&peer, &chunk, &vec![0u8; data.len()]).await, "write over n1's version by n2");
+        refused(n2.delete(&peer, ino).await, "delete of n1's file by n2");
+        // The node the record names may copy its own version (background replication does).
+        let n1_again = bind("n1");
+        n1_again.write(&peer, &chunk, &data).await.expect("a recorded holder may write its version");
+    });
+    drop_caches();
+    same(&std::fs::read(m.path("ckpt.pt")).unwrap(), &data, "the file after the refused writes and delete");
+    assert!(m.log().contains("refused a peer's request"), "refusals are logged");
+}
+
+fn same(got: &[u8], want: &[u8], what: &str) {
+    assert!(got == want, "{what}: {} bytes read, {} expected", got.len(), want.len());
+}

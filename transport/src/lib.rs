@@ -28,6 +28,29 @@ pub struct ChunkRef {
     pub start: u64,
 }
 
+/// Who sent a request. Over QUIC, the peer's certificate, verified against
+/// the cluster CA at the handshake: it names the node. Calls inside one
+/// process (the in-memory transport of unit tests) are trusted.
+#[derive(Debug, Clone)]
+pub enum Caller {
+    Certified(rustls::pki_types::CertificateDer<'static>),
+    InProcess,
+}
+
+impl Caller {
+    /// Whether the caller is node `node`: its certificate is valid for that name.
+    pub fn is(&self, node: &str) -> bool {
+        match self {
+            Caller::InProcess => true,
+            Caller::Certified(der) => {
+                let Ok(cert) = webpki::EndEntityCert::try_from(der) else { return false };
+                let Ok(name) = rustls::pki_types::ServerName::try_from(node) else { return false };
+                cert.verify_is_valid_for_subject_name(&name).is_ok()
+            }
+        }
+    }
+}
+
 /// What a node serves to its peers: the chunks of its local store.
 pub trait ChunkService: Send + Sync + 'static {
     /// Up to `len` bytes of version `chunk.version` of the chunk, from `at`
@@ -39,6 +62,19 @@ pub trait ChunkService: Send + Sync + 'static {
     fn write(&self, chunk: &ChunkRef, data: &[u8]) -> Result<(), ServiceError>;
     /// Drop everything stored for `ino`, every version.
     fn delete(&self, ino: u64) -> Result<(), ServiceError>;
+    /// Whether `caller` may store chunk version `chunk` here (asked before
+    /// [`ChunkService::write`]): a certificate of the cluster is not enough to
+    /// write any chunk of any file. Answers anyone by default.
+    fn may_write(&self, caller: &Caller, chunk: &ChunkRef) -> Result<(), ServiceError> {
+        let _ = (caller, chunk);
+        Ok(())
+    }
+    /// Whether `caller` may have this node drop `ino` (asked before
+    /// [`ChunkService::delete`]). Answers anyone by default.
+    fn may_delete(&self, caller: &Caller, ino: u64) -> Result<(), ServiceError> {
+        let _ = (caller, ino);
+        Ok(())
+    }
     /// crc32c of each 64 KiB block of `[at, at + len)` of the chunk version.
     fn checksums(&self, chunk: &ChunkRef, at: u64, len: u64) -> Result<Vec<u32>, ServiceError>;
     /// Fetch chunk `chunk` of `ino` onto this node and record the copy

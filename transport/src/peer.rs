@@ -162,10 +162,20 @@ impl PeerTransport for MemTransport {
         chunk: &'a ChunkRef,
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move { self.call(peer, |s| s.write(chunk, data)) })
+        Box::pin(async move {
+            self.call(peer, |s| {
+                s.may_write(&crate::Caller::InProcess, chunk)?;
+                s.write(chunk, data)
+            })
+        })
     }
     fn delete<'a>(&'a self, peer: &'a Peer, ino: u64) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move { self.call(peer, |s| s.delete(ino)) })
+        Box::pin(async move {
+            self.call(peer, |s| {
+                s.may_delete(&crate::Caller::InProcess, ino)?;
+                s.delete(ino)
+            })
+        })
     }
     fn checksums<'a>(
         &'a self,

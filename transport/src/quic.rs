@@ -270,8 +270,18 @@ async fn serve_connection(incoming: quinn::Incoming, service: Arc<dyn ChunkServi
             return;
         }
     };
+    // The handshake verified the chain against the cluster CA; the leaf names the node.
+    let caller = conn
+        .peer_identity()
+        .and_then(|id| id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok())
+        .and_then(|chain| chain.first().cloned());
+    let Some(leaf) = caller else {
+        tracing::warn!(%remote, "refused a peer connection without a certificate");
+        return;
+    };
+    let caller = crate::Caller::Certified(leaf);
     while let Ok((send, recv)) = conn.accept_bi().await {
-        tokio::spawn(serve_stream(send, recv, service.clone(), remote));
+        tokio::spawn(serve_stream(send, recv, service.clone(), remote, caller.clone()));
     }
 }
 
@@ -280,6 +290,7 @@ async fn serve_stream(
     mut recv: quinn::RecvStream,
     service: Arc<dyn ChunkService>,
     remote: SocketAddr,
+    caller: crate::Caller,
 ) {
     let req = match read_request(&mut recv).await {
         Ok(r) => r,
@@ -290,9 +301,14 @@ async fn serve_stream(
             return;
         }
     };
-    let (resp, payload) = match answer(req, &mut recv, service).await {
+    let (resp, payload) = match answer(req, &mut recv, service, &caller).await {
         Ok(r) => r,
-        Err(e) => (Response::Error { errno: e.errno, msg: e.msg }, Vec::new()),
+        Err(e) => {
+            if e.errno == EACCES {
+                tracing::warn!(%remote, error = %e.msg, "refused a peer's request");
+            }
+            (Response::Error { errno: e.errno, msg: e.msg }, Vec::new())
+        }
     };
     // The payload is handed to quinn as it is: no copy into its send buffer.
     if send.write_all(&resp.encode()).await.is_ok() && send.write_chunk(bytes::Bytes::from(payload)).await.is_ok() {
@@ -334,10 +350,19 @@ const fn libc_eio() -> i32 {
     5
 }
 
+/// Permission denied: what a refused write or delete answers.
+const EACCES: i32 = 13;
+
 /// A response and the payload that follows it.
 type Answer = Result<(Response, Vec<u8>), ServiceError>;
 
-async fn answer(req: Request, recv: &mut quinn::RecvStream, service: Arc<dyn ChunkService>) -> Answer {
+async fn answer(
+    req: Request,
+    recv: &mut quinn::RecvStream,
+    service: Arc<dyn ChunkService>,
+    caller: &crate::Caller,
+) -> Answer {
+    let caller = caller.clone();
     // Chunk I/O is blocking file I/O: keep it off the async workers.
     let blocking =
         |f: Box<dyn FnOnce() -> Answer + Send>| async move { tokio::task::spawn_blocking(f).await.map_err(io_error)? };
@@ -352,10 +377,18 @@ async fn answer(req: Request, recv: &mut quinn::RecvStream, service: Arc<dyn Chu
         Request::Write { chunk, len } => {
             let mut data = vec![0u8; len as usize];
             read_payload(recv, &mut data).await.map_err(io_error)?;
-            blocking(Box::new(move || service.write(&chunk, &data).map(|()| (Response::Done, Vec::new())))).await
+            blocking(Box::new(move || {
+                service.may_write(&caller, &chunk)?;
+                service.write(&chunk, &data).map(|()| (Response::Done, Vec::new()))
+            }))
+            .await
         }
         Request::Delete { ino } => {
-            blocking(Box::new(move || service.delete(ino).map(|()| (Response::Done, Vec::new())))).await
+            blocking(Box::new(move || {
+                service.may_delete(&caller, ino)?;
+                service.delete(ino).map(|()| (Response::Done, Vec::new()))
+            }))
+            .await
         }
         Request::Checksums { chunk, at, len } => {
             blocking(Box::new(move || {

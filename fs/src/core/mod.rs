@@ -219,20 +219,76 @@ impl Core {
     /// Join the cluster: from now on chunks are replicated to peers and read
     /// from them when this node does not hold them.
     pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
-        let (weak, weak2) = (Arc::downgrade(self), Arc::downgrade(self));
+        let (weak, weak2, weak3, weak4) =
+            (Arc::downgrade(self), Arc::downgrade(self), Arc::downgrade(self), Arc::downgrade(self));
         cluster.set_hooks(crate::chunkstore::LocalHooks {
             stage: Box::new(move |ino, chunk| {
-                let core = weak.upgrade().ok_or_else(|| converged_transport::ServiceError {
-                    errno: libc::ESHUTDOWN,
-                    msg: "node is stopping".into(),
-                })?;
+                let core = weak.upgrade().ok_or_else(stopping)?;
                 core.stage_chunk(ino, chunk)
                     .map_err(|e| converged_transport::ServiceError { errno: e.errno(), msg: e.to_string() })
             }),
             being_written: Box::new(move |ino| weak2.upgrade().is_some_and(|core| core.rewrites_backing_file(ino))),
+            may_write: Box::new(move |caller, chunk| match weak3.upgrade() {
+                Some(core) => core.peer_may_write(caller, chunk),
+                None => Err(stopping()),
+            }),
+            may_delete: Box::new(move |ino| match weak4.upgrade() {
+                Some(core) => core.peer_may_delete(ino),
+                None => Err(stopping()),
+            }),
         });
         let _ = self.cluster.set(cluster);
         self.under_replicated.1.notify_one();
+    }
+
+    /// Whether a peer may store chunk version `c` here: it holds the file's
+    /// write lease (a writer's replicas), or the chunk record at that
+    /// version names it as a holder (background replication and staging of
+    /// a copy it has). Repair and rebalance pull copies, they do not push.
+    /// A certificate of the cluster alone does not let a node write over
+    /// another node's files.
+    pub(crate) fn peer_may_write(
+        &self,
+        caller: &converged_transport::Caller,
+        c: &converged_transport::ChunkRef,
+    ) -> Result<(), converged_transport::ServiceError> {
+        let meta = |e: converged_metadata::MetaError| converged_transport::ServiceError {
+            errno: libc::EAGAIN,
+            msg: format!("metadata: {e}"),
+        };
+        if self.ns.lease_holder(c.ino).map_err(meta)?.is_some_and(|holder| caller.is(&holder)) {
+            return Ok(());
+        }
+        if let Some(rec) = self.ns.chunk(c.ino, c.index).map_err(meta)? {
+            if rec.version == c.version && rec.replicas.iter().any(|r| caller.is(r)) {
+                return Ok(());
+            }
+        }
+        Err(converged_transport::ServiceError {
+            errno: libc::EACCES,
+            msg: format!(
+                "write of chunk {} v{} of inode {} refused: the sender holds neither the file's write lease nor \
+                 a recorded copy of that version",
+                c.index, c.version, c.ino
+            ),
+        })
+    }
+
+    /// Whether a peer may have this node drop its copies of `ino`: only
+    /// once no chunk record of the file names this node (the file was
+    /// purged, or its copies here were moved).
+    pub(crate) fn peer_may_delete(&self, ino: Ino) -> Result<(), converged_transport::ServiceError> {
+        let chunks = self
+            .ns
+            .chunks(ino)
+            .map_err(|e| converged_transport::ServiceError { errno: libc::EAGAIN, msg: format!("metadata: {e}") })?;
+        if chunks.iter().any(|(_, rec)| rec.replicas.iter().any(|r| r == self.node_id())) {
+            return Err(converged_transport::ServiceError {
+                errno: libc::EACCES,
+                msg: format!("delete of inode {ino} refused: its chunk records still name this node"),
+            });
+        }
+        Ok(())
     }
 
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
@@ -635,4 +691,8 @@ impl Core {
             tracing::error!(error = %e, "final metadata sync failed");
         }
     }
+}
+
+fn stopping() -> converged_transport::ServiceError {
+    converged_transport::ServiceError { errno: libc::ESHUTDOWN, msg: "node is stopping".into() }
 }

@@ -478,6 +478,13 @@ impl Namespace {
 
     /// Files that were open for writing on this node when its daemon
     /// stopped, with the epoch of the lease each was written under.
+    /// The node holding the write lease of `ino` (its unsealed mark), if any.
+    pub fn lease_holder(&self, ino: Ino) -> MetaResult<Option<String>> {
+        self.read(|txn| {
+            Ok(txn.get(&schema::unsealed(ino))?.map(|v| String::from_utf8_lossy(parse_lease_mark(&v).0).into_owned()))
+        })
+    }
+
     pub fn unsealed(&self) -> MetaResult<Vec<(Ino, u64)>> {
         self.read(|txn| {
             Ok(scan_all(txn, &schema::unsealed_all())?
