@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use anyhow::{bail, Context};
 use clap::Args;
 use converged_metadata::types::{
-    BACKFILL_XATTR, IMPORT_XATTR, LAYOUT_XATTR, SCRUB_XATTR, STAGE_XATTR, TIER_XATTR, WORKERS_XATTR,
+    BACKFILL_XATTR, IMPORT_XATTR, LAYOUT_XATTR, SCRUB_XATTR, STAGE_XATTR, STATS_XATTR, TIER_XATTR, WORKERS_XATTR,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -317,5 +317,93 @@ pub fn status_path(p: &Path) -> anyhow::Result<()> {
     }
     // A closed pipe (`| head`) is not an error worth a panic.
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    /// A converged mount point (or any path on one): the daemon serving it is asked.
+    pub path: PathBuf,
+    /// Time between updates (`1s`, `500ms`).
+    #[arg(long, default_value = "1s", value_name = "DURATION", value_parser = crate::config::parse_duration)]
+    pub interval: std::time::Duration,
+    /// Stop after this many updates [default: until interrupted].
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+}
+
+/// `converged stats PATH`: a live view of the daemon's operations per
+/// second and latency percentiles over each interval, by area (FUSE,
+/// metadata, peers, object store), and its throughput.
+pub fn stats(a: StatsArgs) -> anyhow::Result<()> {
+    use crate::latency::{parse, Row};
+    on_converged(&a.path)?;
+    let read = || -> anyhow::Result<((u64, u64), Vec<Row>)> {
+        let text =
+            get_xattr(&a.path, STATS_XATTR).with_context(|| format!("read the statistics of {}", a.path.display()))?;
+        parse(&text).map_err(|e| anyhow::anyhow!("the daemon's statistics: {e}"))
+    };
+    // SAFETY: isatty(2) on stdout.
+    let live = unsafe { libc::isatty(1) } == 1;
+    let interval = a.interval.max(std::time::Duration::from_millis(100));
+    let mut before = read()?;
+    let mut at = std::time::Instant::now();
+    let mut shown = 0;
+    while a.count.is_none_or(|n| shown < n) {
+        std::thread::sleep(interval);
+        let now = read()?;
+        let secs = at.elapsed().as_secs_f64().max(1e-3);
+        at = std::time::Instant::now();
+        let mut out = String::new();
+        if live {
+            out.push_str("\x1b[2J\x1b[H");
+        }
+        out.push_str(&format!(
+            "converged stats {} (every {:.1}s; latency percentiles in ms)\n",
+            a.path.display(),
+            interval.as_secs_f64()
+        ));
+        let mb = |now: u64, then: u64| now.saturating_sub(then) as f64 / secs / 1e6;
+        out.push_str(&format!(
+            "through the daemon: read {:.1} MB/s, write {:.1} MB/s (passthrough I/O bypasses it)\n",
+            mb(now.0 .0, before.0 .0),
+            mb(now.0 .1, before.0 .1)
+        ));
+        out.push_str(&format!(
+            "{:<7} {:<14} {:>10} {:>9} {:>9} {:>9}\n",
+            "area", "operation", "ops/s", "avg", "p50", "p99"
+        ));
+        let mut rows: Vec<Row> = now
+            .1
+            .iter()
+            .map(|r| r.since(before.1.iter().find(|b| b.area == r.area && b.op == r.op)))
+            .filter(|r| r.count() > 0)
+            .collect();
+        rows.sort_by(|x, y| x.area.cmp(&y.area).then(y.count().cmp(&x.count())));
+        let ms = |v: Option<f64>| match v {
+            Some(v) if v.is_finite() => format!("{:.3}", v * 1e3),
+            Some(_) => ">30000".to_string(),
+            None => "-".to_string(),
+        };
+        for r in &rows {
+            let avg = r.sum_ns as f64 / r.count() as f64 / 1e9;
+            out.push_str(&format!(
+                "{:<7} {:<14} {:>10.1} {:>9} {:>9} {:>9}\n",
+                r.area.name(),
+                r.op,
+                r.count() as f64 / secs,
+                ms(Some(avg)),
+                ms(r.quantile(0.5)),
+                ms(r.quantile(0.99))
+            ));
+        }
+        if rows.is_empty() {
+            out.push_str("(idle)\n");
+        }
+        print!("{out}");
+        std::io::Write::flush(&mut std::io::stdout())?;
+        before = now;
+        shown += 1;
+    }
     Ok(())
 }

@@ -71,6 +71,10 @@ pub enum Cmd {
     /// Check this node's copies of files against their block checksums and repair bad blocks
     /// from a replica or the object store (--now), or show the background scrub's state.
     Scrub(crate::admin::ScrubArgs),
+    /// A live view of a mount's daemon, like top: operations per second, latency percentiles
+    /// (FUSE, metadata transactions, peer requests, object-store calls) and throughput, over
+    /// each interval.
+    Stats(crate::admin::StatsArgs),
     /// Cluster certificates: peers talk QUIC with mutual TLS from a cluster CA.
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -216,6 +220,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
         Cmd::Import(a) => crate::admin::import(a),
         Cmd::Stage(a) => crate::admin::stage(a),
         Cmd::Scrub(a) => crate::admin::scrub(a),
+        Cmd::Stats(a) => crate::admin::stats(a),
         Cmd::DevCluster(args) => crate::devcluster::run(args),
     };
     match result {

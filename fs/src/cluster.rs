@@ -11,6 +11,7 @@
 //! nodes in one process over a [`MemNetwork`] ([`Cluster::in_process`]),
 //! with faults injected on purpose.
 
+use crate::latency::{self, Area};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -350,6 +351,7 @@ impl Cluster {
     /// Ask `node` to drop every copy it holds of `ino` (a purged file).
     pub async fn delete_on(self: Arc<Self>, node: NodeInfo, ino: u64) -> FsResult<()> {
         let peer = Self::peer(&node).ok_or_else(|| FsError::Peer(format!("node {} has no address", node.id)))?;
+        let _t = latency::timer(Area::Peer, "delete");
         self.transport.delete(&peer, ino).await.map_err(peer_err)
     }
 
@@ -357,7 +359,9 @@ impl Cluster {
     pub async fn stage_on(self: Arc<Self>, node: NodeInfo, ino: u64, index: u32) -> FsResult<()> {
         let peer = Self::peer(&node).ok_or_else(|| FsError::Peer(format!("node {} has no address", node.id)))?;
         // A chunk from an object store: minutes at worst, not a peer read's seconds.
-        let r = self.transport.stage(&peer, ino, index, Duration::from_secs(600)).await;
+        let r =
+            latency::time_async(Area::Peer, "stage", self.transport.stage(&peer, ino, index, Duration::from_secs(600)))
+                .await;
         self.mark(&node.id, r.is_ok());
         r.map_err(peer_err)
     }
@@ -387,7 +391,7 @@ impl Cluster {
                     let data = data.clone();
                     tokio::spawn(async move {
                         let r = match Self::peer(&n) {
-                            Some(p) => t.write(&p, &chunk, &data).await,
+                            Some(p) => latency::time_async(Area::Peer, "write", t.write(&p, &chunk, &data)).await,
                             None => Err(TransportError::Connect { peer: n.id.clone(), msg: "bad address".into() }),
                         };
                         (n.id, r)
@@ -441,7 +445,7 @@ impl Cluster {
         }
         let mut last = None;
         for peer in order {
-            let answer = self.transport.read(&peer, &chunk, at, len).await;
+            let answer = latency::time_async(Area::Peer, "read", self.transport.read(&peer, &chunk, at, len)).await;
             if let Err(TransportError::Remote { err, .. }) = &answer {
                 if err.errno == libc::ESTALE {
                     // Being rewritten there: a healthy peer, not this version's holder now.

@@ -219,6 +219,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         None
     };
     init_tracing(log_file.as_deref())?;
+    converged_metadata::set_txn_observer(|kind, d| crate::latency::observe(crate::latency::Area::Meta, kind, d));
     let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
     let found = crate::identity::inspect(&c.data_dir)?;
     if matches!(found, crate::identity::Found::Empty) && args.require_identity && !args.new_node {

@@ -1,6 +1,7 @@
 //! The FUSE adapter: the only module that knows fuser. Each callback opens a
 //! span, makes one call into [`Core`], and replies or reports the error once.
 
+use crate::latency::{self, Area};
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -262,6 +263,7 @@ impl Filesystem for FuseAdapter {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _s = debug_span!("lookup", parent = parent.0, name = ?name).entered();
+        let _t = latency::timer(Area::Fuse, "lookup");
         match self.core.lookup(parent.0, name.as_bytes()) {
             Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("lookup", e)),
@@ -270,6 +272,7 @@ impl Filesystem for FuseAdapter {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let _s = debug_span!("getattr", ino = ino.0).entered();
+        let _t = latency::timer(Area::Fuse, "getattr");
         match self.core.getattr(ino.0) {
             Ok(i) => reply.attr(&self.ttl, &attr(&i)),
             Err(e) => reply.error(errno("getattr", e)),
@@ -295,6 +298,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyAttr,
     ) {
         let _s = debug_span!("setattr", ino = ino.0, ?mode, ?uid, ?gid, ?size).entered();
+        let _t = latency::timer(Area::Fuse, "setattr");
         let set = SetAttr {
             mode,
             uid,
@@ -312,6 +316,7 @@ impl Filesystem for FuseAdapter {
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let _s = debug_span!("readlink", ino = ino.0).entered();
+        let _t = latency::timer(Area::Fuse, "readlink");
         match self.core.readlink(ino.0) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(errno("readlink", e)),
@@ -329,6 +334,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         let _s = debug_span!("mknod", parent = parent.0, name = ?name, mode).entered();
+        let _t = latency::timer(Area::Fuse, "mknod");
         let Some(kind) = FileKind::from_mode(mode) else {
             return reply.error(Errno::EINVAL);
         };
@@ -338,18 +344,21 @@ impl Filesystem for FuseAdapter {
 
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
         let _s = debug_span!("mkdir", parent = parent.0, name = ?name, mode).entered();
+        let _t = latency::timer(Area::Fuse, "mkdir");
         let node = node_for(req, FileKind::Directory, mode);
         self.new_node(parent, name, node, reply);
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
         let _s = debug_span!("symlink", parent = parent.0, name = ?link_name).entered();
+        let _t = latency::timer(Area::Fuse, "symlink");
         let node = NewNode { target: Some(target.as_os_str().as_bytes()), ..node_for(req, FileKind::Symlink, 0o777) };
         self.new_node(parent, link_name, node, reply);
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("unlink", parent = parent.0, name = ?name).entered();
+        let _t = latency::timer(Area::Fuse, "unlink");
         match self.core.unlink(parent.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("unlink", e)),
@@ -358,6 +367,7 @@ impl Filesystem for FuseAdapter {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("rmdir", parent = parent.0, name = ?name).entered();
+        let _t = latency::timer(Area::Fuse, "rmdir");
         match self.core.rmdir(parent.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rmdir", e)),
@@ -376,6 +386,7 @@ impl Filesystem for FuseAdapter {
     ) {
         let _s = debug_span!("rename", parent = parent.0, name = ?name, newparent = newparent.0, newname = ?newname)
             .entered();
+        let _t = latency::timer(Area::Fuse, "rename");
         let mode = if flags.contains(RenameFlags::RENAME_EXCHANGE) {
             RenameMode::Exchange
         } else if flags.contains(RenameFlags::RENAME_NOREPLACE) {
@@ -393,6 +404,7 @@ impl Filesystem for FuseAdapter {
 
     fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
         let _s = debug_span!("link", ino = ino.0, newparent = newparent.0, newname = ?newname).entered();
+        let _t = latency::timer(Area::Fuse, "link");
         match self.core.link(ino.0, newparent.0, newname.as_bytes()) {
             Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("link", e)),
@@ -401,6 +413,7 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _s = debug_span!("open", ino = ino.0, flags = flags.0).entered();
+        let _t = latency::timer(Area::Fuse, "open");
         match self.core.open(ino.0, is_writable(flags)) {
             Ok(opened) => {
                 if opened.refresh_attrs {
@@ -426,6 +439,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         let _s = debug_span!("create", parent = parent.0, name = ?name, mode, flags).entered();
+        let _t = latency::timer(Area::Fuse, "create");
         let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode) };
         let (inode, opened) = match self.core.create(parent.0, name.as_bytes(), &node) {
             Ok(r) => r,
@@ -452,6 +466,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyData,
     ) {
         let _s = debug_span!("read", ino = ino.0, offset, size).entered();
+        let _t = latency::timer(Area::Fuse, "read");
         match self.core.read(fh.0, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(errno("read", e)),
@@ -471,6 +486,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         let _s = debug_span!("write", ino = ino.0, offset, len = data.len()).entered();
+        let _t = latency::timer(Area::Fuse, "write");
         match self.core.write(fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno("write", e)),
@@ -479,6 +495,7 @@ impl Filesystem for FuseAdapter {
 
     fn flush(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
         let _s = debug_span!("flush", ino = ino.0, fh = fh.0).entered();
+        let _t = latency::timer(Area::Fuse, "flush");
         match self.core.close(fh.0) {
             Ok(true) => reply.ok(),
             // On a single node writes are write-through and report their own
@@ -500,6 +517,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _s = debug_span!("release", ino = ino.0, fh = fh.0).entered();
+        let _t = latency::timer(Area::Fuse, "release");
         {
             let mut ids = self.backing.lock();
             if ids.by_fh.remove(&fh.0).is_some() && ids.by_ino.get(&ino.0).is_some_and(|w| w.strong_count() == 0) {
@@ -514,6 +532,7 @@ impl Filesystem for FuseAdapter {
 
     fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
         let _s = debug_span!("fsync", ino = ino.0, datasync).entered();
+        let _t = latency::timer(Area::Fuse, "fsync");
         match self.core.fsync(fh.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsync", e)),
@@ -521,6 +540,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _t = latency::timer(Area::Fuse, "opendir");
         match self.core.opendir(ino.0) {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
             Err(e) => reply.error(errno("opendir", e)),
@@ -529,6 +549,7 @@ impl Filesystem for FuseAdapter {
 
     fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
         let _s = debug_span!("readdir", ino = ino.0, offset).entered();
+        let _t = latency::timer(Area::Fuse, "readdir");
         match self.core.readdir(ino.0, fh.0, offset) {
             Ok(entries) => {
                 for (i, (name, d)) in entries.iter().enumerate().skip(offset as usize) {
@@ -544,6 +565,7 @@ impl Filesystem for FuseAdapter {
 
     fn readdirplus(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
         let _s = debug_span!("readdirplus", ino = ino.0, offset).entered();
+        let _t = latency::timer(Area::Fuse, "readdirplus");
         match self.core.readdir(ino.0, fh.0, offset) {
             Ok(entries) => {
                 for (i, (name, d)) in entries.iter().enumerate().skip(offset as usize) {
@@ -566,6 +588,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn releasedir(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
+        let _t = latency::timer(Area::Fuse, "releasedir");
         self.core.releasedir(fh.0);
         reply.ok();
     }
@@ -578,6 +601,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let _t = latency::timer(Area::Fuse, "statfs");
         match self.core.statfs() {
             Ok(st) => reply.statfs(
                 st.f_blocks,
@@ -604,6 +628,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _s = debug_span!("setxattr", ino = ino.0, name = ?name).entered();
+        let _t = latency::timer(Area::Fuse, "setxattr");
         let mode = match flags {
             0 => XattrMode::Any,
             libc::XATTR_CREATE => XattrMode::Create,
@@ -618,6 +643,7 @@ impl Filesystem for FuseAdapter {
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let _s = debug_span!("getxattr", ino = ino.0, name = ?name).entered();
+        let _t = latency::timer(Area::Fuse, "getxattr");
         match self.core.getxattr(ino.0, name.as_bytes()) {
             Ok(v) => reply_sized(reply, &v, size),
             Err(e) => reply.error(errno("getxattr", e)),
@@ -626,6 +652,7 @@ impl Filesystem for FuseAdapter {
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let _s = debug_span!("listxattr", ino = ino.0).entered();
+        let _t = latency::timer(Area::Fuse, "listxattr");
         match self.core.listxattr(ino.0) {
             Ok(v) => reply_sized(reply, &v, size),
             Err(e) => reply.error(errno("listxattr", e)),
@@ -634,6 +661,7 @@ impl Filesystem for FuseAdapter {
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("removexattr", ino = ino.0, name = ?name).entered();
+        let _t = latency::timer(Area::Fuse, "removexattr");
         match self.core.removexattr(ino.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("removexattr", e)),
@@ -671,6 +699,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _s = debug_span!("fallocate", ino = ino.0, offset, length, mode).entered();
+        let _t = latency::timer(Area::Fuse, "fallocate");
         match self.core.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fallocate", e)),
@@ -679,6 +708,7 @@ impl Filesystem for FuseAdapter {
 
     fn lseek(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
         let _s = debug_span!("lseek", ino = ino.0, offset, whence).entered();
+        let _t = latency::timer(Area::Fuse, "lseek");
         match self.core.lseek(fh.0, offset, whence) {
             Ok(o) => reply.offset(o),
             Err(e) => reply.error(errno("lseek", e)),

@@ -16,6 +16,7 @@ pub mod evict;
 mod fuse;
 mod identity;
 pub mod import;
+pub mod latency;
 pub mod metrics;
 pub mod object_faults;
 pub mod objects;

@@ -34,6 +34,7 @@ fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: &AtomicU6
 impl Collector for DaemonCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(core) = self.core.upgrade() else { return Ok(()) };
+        crate::latency::encode(&mut encoder)?;
         let s = &core.stats;
         let counters = [
             ("opens_passthrough", "Opens whose I/O the kernel passes to the backing file", &s.opens_passthrough),

@@ -320,6 +320,7 @@ impl ObjectTier {
 
     /// Check that a store answers (a listing of one level under `loc`).
     pub fn probe(&self, loc: &Location) -> ObjectResult<()> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "probe");
         let b = self.bucket(&loc.base)?;
         let prefix = (!loc.prefix.is_empty()).then(|| Path::from(loc.prefix.as_str()));
         self.rt
@@ -341,6 +342,7 @@ impl ObjectTier {
         size: u64,
         check: &(dyn Fn(u64, &[u8]) -> bool + Sync),
     ) -> ObjectResult<Option<String>> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "put");
         let b = self.bucket(&self.home.base)?;
         let path = Self::path(key)?;
         let changed = || ObjectError::Changed { key: key.to_string(), etag: "(local file changed)".into() };
@@ -396,6 +398,7 @@ impl ObjectTier {
         start: u64,
         end: u64,
     ) -> ObjectResult<Bytes> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "get_range");
         let b = self.store_of(source)?;
         let path = Self::path(key)?;
         let ranges: Vec<(u64, u64)> =
@@ -432,6 +435,7 @@ impl ObjectTier {
 
     /// A whole object with one plain GET (the benchmark's baseline).
     pub fn get_whole(&self, key: &str) -> ObjectResult<Bytes> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "get");
         let b = self.bucket(&self.home.base)?;
         let path = Self::path(key)?;
         self.rt
@@ -441,6 +445,7 @@ impl ObjectTier {
 
     /// Size, mtime (seconds) and ETag of an object.
     pub fn head(&self, source: Option<&str>, key: &str) -> ObjectResult<(u64, i64, Option<String>)> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "head");
         let b = self.store_of(source)?;
         let path = Self::path(key)?;
         let m =
@@ -450,6 +455,7 @@ impl ObjectTier {
 
     /// Copy an object of the mount's store to a new key (re-keying after a rename).
     pub fn copy(&self, from: &str, to: &str) -> ObjectResult<Option<String>> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "copy");
         let b = self.bucket(&self.home.base)?;
         let (f, t) = (Self::path(from)?, Self::path(to)?);
         self.rt.block_on(async { b.store.copy(&f, &t).await }).map_err(|e| ObjectError::store("copy", from, e))?;
@@ -458,6 +464,7 @@ impl ObjectTier {
 
     /// Delete an object of the mount's store; a missing one is already deleted.
     pub fn delete(&self, key: &str) -> ObjectResult<()> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "delete");
         let b = self.bucket(&self.home.base)?;
         let path = Self::path(key)?;
         match self.rt.block_on(async { b.store.delete(&path).await }) {
@@ -469,6 +476,7 @@ impl ObjectTier {
     /// One level of keys under `prefix` (which ends in `/`, or is empty) of
     /// the bucket `base`, every key as stored, valid path or not.
     pub fn list_level(&self, base: &str, prefix: &str) -> ObjectResult<Listing> {
+        let _t = crate::latency::timer(crate::latency::Area::Object, "list");
         let b = self.bucket(base)?;
         match &b.s3 {
             Some(s3) => self.list_s3(s3, prefix),

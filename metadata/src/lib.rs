@@ -28,6 +28,28 @@ pub use kv_etcd::EtcdKv;
 pub use kv_mem::MemKv;
 pub use kv_redb::RedbKv;
 pub use namespace::{Namespace, LINK_MAX};
+
+/// Timing of metadata transactions for whoever hosts the namespace (the
+/// daemon's latency histograms): set once per process; unset, nothing is timed.
+static TXN_OBSERVER: std::sync::OnceLock<fn(&'static str, Duration)> = std::sync::OnceLock::new();
+
+/// Have `f` told the kind (`read`, `write`, `write_durable`, `sync`) and
+/// duration of every metadata transaction, conflict retries included.
+pub fn set_txn_observer(f: fn(&'static str, Duration)) {
+    let _ = TXN_OBSERVER.set(f);
+}
+
+pub(crate) fn timed<T>(kind: &'static str, f: impl FnOnce() -> T) -> T {
+    match TXN_OBSERVER.get() {
+        None => f(),
+        Some(observe) => {
+            let start = std::time::Instant::now();
+            let r = f();
+            observe(kind, start.elapsed());
+            r
+        }
+    }
+}
 pub use ops::layout::{next_version, Seal, CREATE_LEASE};
 pub use ops::nodes::{NodeAdmin, Rebalance};
 pub use ops::tier::{ImportEntry, UploadEnd, UploadStart};

@@ -265,6 +265,15 @@ impl Namespace {
     pub(crate) fn write<T>(
         &self,
         durability: Durability,
+        f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
+    ) -> MetaResult<T> {
+        let kind = if durability == Durability::Durable { "write_durable" } else { "write" };
+        crate::timed(kind, || self.write_untimed(durability, f))
+    }
+
+    fn write_untimed<T>(
+        &self,
+        durability: Durability,
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         let mut attempt = 0;
@@ -305,8 +314,10 @@ impl Namespace {
 
     /// Run `f` against a consistent read view.
     pub(crate) fn read<T>(&self, f: impl FnOnce(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
-        let mut txn = self.kv.read_txn()?;
-        f(txn.as_mut())
+        crate::timed("read", || {
+            let mut txn = self.kv.read_txn()?;
+            f(txn.as_mut())
+        })
     }
 
     /// A fresh inode number. Numbers are never reused, so generation stays 0.
@@ -342,9 +353,9 @@ impl Namespace {
     /// Make every namespace change so far durable (fsync, fsyncdir, unmount).
     pub fn sync(&self) -> MetaResult<()> {
         self.unsynced.store(false, Ordering::Release);
-        let mut r = self.kv.sync();
+        let mut r = crate::timed("sync", || self.kv.sync());
         if matches!(r, Err(KvError::NoSpace)) && self.free_space() {
-            r = self.kv.sync();
+            r = crate::timed("sync", || self.kv.sync());
         }
         if let Err(e) = r {
             self.unsynced.store(true, Ordering::Release);

@@ -32,6 +32,8 @@ pub const BACKFILL_XATTR: &[u8] = b"user.converged.backfill";
 pub const SCRUB_XATTR: &[u8] = b"user.converged.scrub";
 /// Read-only, on any inode: the state of this node's background workers.
 pub const WORKERS_XATTR: &[u8] = b"user.converged.workers";
+/// The daemon's latency histograms and I/O counters, for `converged stats`.
+pub const STATS_XATTR: &[u8] = b"user.converged.stats";
 /// Most replicas a policy may ask for.
 pub const MAX_REPLICAS: u32 = 8;
 

@@ -522,3 +522,107 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
     stop_mount(&mnt);
 }
+
+/// The total count of histogram `name` with label `label`, summed over label values if `label` is empty.
+fn histogram_count(scrape: &str, name: &str, label: &str) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}_count{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn latency_histograms_move_under_fio_and_stats_shows_the_rates() {
+    if Command::new("fio").arg("--version").output().is_err() {
+        assert!(std::env::var_os("CI").is_none(), "fio must be installed in CI (apt-get install fio)");
+        eprintln!("fio not installed; latency test not run");
+        return;
+    }
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    // Reads and writes through the daemon (no passthrough), so FUSE sees them.
+    let m = Mount::with_args(&["--verify-reads", "--metrics", &addr]);
+    let before = scrape(&addr);
+    let mut fio = Command::new("fio")
+        .args(["--name=lat", "--rw=randrw", "--bs=64k", "--size=64m", "--numjobs=2", "--time_based", "--runtime=6"])
+        .arg(format!("--directory={}", m.mnt.display()))
+        .args(["--ioengine=psync", "--group_reporting", "--output-format=terse"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let stats = converged().arg("stats").arg(&m.mnt).args(["--interval", "1s", "--count", "2"]).output().unwrap();
+    let status = fio.wait().unwrap();
+    assert!(status.success(), "fio failed");
+    let after = scrape(&addr);
+
+    for (name, label) in [
+        ("converged_fuse_op_seconds", "op=\"read\""),
+        ("converged_fuse_op_seconds", "op=\"write\""),
+        ("converged_meta_txn_seconds", ""),
+    ] {
+        let (b, a) = (histogram_count(&before, name, label), histogram_count(&after, name, label));
+        assert!(a > b, "{name}{{{label}}} did not move under fio: {b} -> {a}");
+    }
+    let inf = |text: &str| {
+        histogram_count(&text.replace("_bucket{", "_count{"), "converged_fuse_op_seconds", "le=\"+Inf\",op=\"write\"")
+    };
+    assert_eq!(
+        inf(&after),
+        histogram_count(&after, "converged_fuse_op_seconds", "op=\"write\""),
+        "the +Inf bucket holds every write"
+    );
+
+    assert!(stats.status.success(), "{}", String::from_utf8_lossy(&stats.stderr));
+    let text = String::from_utf8_lossy(&stats.stdout);
+    eprintln!("{text}");
+    let rate = |area: &str, op: &str| -> f64 {
+        text.lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.len() == 6 && f[0] == area && f[1] == op).then(|| f[2].parse::<f64>().unwrap_or(0.0))
+            })
+            .fold(0.0, f64::max)
+    };
+    assert!(rate("fuse", "write") > 0.0 && rate("fuse", "read") > 0.0, "stats shows no read/write rate:\n{text}");
+    let mbs = text.lines().find(|l| l.starts_with("through the daemon")).unwrap_or_default().to_string();
+    assert!(!mbs.contains("write 0.0 MB/s"), "stats shows no write throughput: {mbs}");
+}
+
+/// Metric families (`# TYPE` names) a scrape has.
+fn families(scrape: &str) -> std::collections::BTreeSet<String> {
+    scrape.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next().map(str::to_string)).collect()
+}
+
+#[test]
+fn the_grafana_dashboard_uses_only_metrics_the_daemon_serves() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/grafana/converged.json");
+    let text = fs::read_to_string(&path).unwrap();
+    let mut wanted = std::collections::BTreeSet::new();
+    for (i, _) in text.match_indices("converged_") {
+        let name: String =
+            text[i..].chars().take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_').collect();
+        let base = ["_bucket", "_count", "_sum", "_total"]
+            .iter()
+            .fold(name.clone(), |n, s| n.strip_suffix(s).map(str::to_string).unwrap_or(n));
+        wanted.insert(base);
+    }
+    assert!(wanted.len() > 15, "the dashboard names few metrics: {wanted:?}");
+    // A cluster node with an object store serves every family the dashboard uses.
+    let store = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let uri = format!("file://{}", store.path().display());
+    let Some(c) = Cluster::start(1, &["--metrics", &addr, "--object-store", &uri, "--backfill-delay", "100ms"]) else {
+        return;
+    };
+    fs::write(c.node(0).path("f"), b"x").unwrap();
+    let mut missing = Vec::new();
+    eventually(30, "every dashboard metric is served", || {
+        let have = families(&scrape(&addr));
+        missing = wanted.iter().filter(|w| !have.contains(*w)).cloned().collect();
+        missing.is_empty()
+    });
+    assert!(missing.is_empty(), "{missing:?}");
+}

@@ -532,7 +532,7 @@ impl Core {
             }
             IMPORT_XATTR if caller != 0 => Err(MetaError::NotPermitted("only root may import a bucket").into()),
             IMPORT_XATTR => self.start_import(ino, value, mode),
-            TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR | SCRUB_XATTR => {
+            TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR | SCRUB_XATTR | STATS_XATTR => {
                 Err(FsError::Invalid("read-only attribute"))
             }
             _ => Ok(self.ns.setxattr(ino, name, value, mode)?),
@@ -549,6 +549,11 @@ impl Core {
                 Ok(found.describe().into_bytes())
             }
             BACKFILL_XATTR => self.describe_backfill(),
+            STATS_XATTR => Ok(crate::latency::snapshot(
+                self.stats.read_bytes.load(std::sync::atomic::Ordering::Relaxed),
+                self.stats.written_bytes.load(std::sync::atomic::Ordering::Relaxed),
+            )
+            .into_bytes()),
             WORKERS_XATTR => match self.workers.get() {
                 Some(report) => Ok(report().into_bytes()),
                 None => Err(MetaError::NoAttr.into()),
