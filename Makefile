@@ -2,6 +2,7 @@
 # and the project's test and lint entry points.
 PREFIX ?= /usr/local
 SBIN ?= /sbin
+SYSTEMD_UNIT_DIR ?= /etc/systemd/system
 CARGO ?= cargo
 
 .PHONY: install uninstall test test-deps lint bench
@@ -10,9 +11,11 @@ install:
 	$(CARGO) install --locked --path mount-helper --root $(PREFIX)
 	ln -sf $(PREFIX)/bin/mount-converged $(SBIN)/mount.converged
 	ln -sf $(PREFIX)/bin/mount-converged $(SBIN)/mount.fuse.converged
+	mkdir -p $(SYSTEMD_UNIT_DIR)
+	sed 's#/usr/local/bin/converged#$(PREFIX)/bin/converged#' dist/systemd/converged@.service > $(SYSTEMD_UNIT_DIR)/converged@.service
 
 uninstall:
-	rm -f $(SBIN)/mount.converged $(SBIN)/mount.fuse.converged
+	rm -f $(SBIN)/mount.converged $(SBIN)/mount.fuse.converged $(SYSTEMD_UNIT_DIR)/converged@.service
 	rm -f $(PREFIX)/bin/converged $(PREFIX)/bin/mount-converged
 
 # Everything the tests need besides cargo: system packages (etcd for the real
@@ -21,7 +24,9 @@ uninstall:
 # moto (a real S3-compatible server for the object tier tests) with boto3 (an S3 client
 # that is not converged's), pjdfstest and nextest.
 # gdb: the stress test (tests/tests/stress.rs) dumps a hung daemon's threads with it.
-SYSTEM_PACKAGES = etcd-server protobuf-compiler libprotobuf-dev fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config attr gdb
+# fio: the latency-histogram test's workload; openssl: the etcd TLS test's certificates;
+# systemd: systemd-analyze, which verifies the shipped unit; python3: the automount test's autofs driver.
+SYSTEM_PACKAGES = etcd-server protobuf-compiler libprotobuf-dev fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config attr gdb fio openssl systemd python3
 test-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
