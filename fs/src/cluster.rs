@@ -406,7 +406,12 @@ impl Cluster {
                     }
                     Ok((id, Err(e))) => {
                         tracing::warn!(ino, chunk = index, peer = %id, error = %e, "replica write failed; trying another node");
-                        self.mark(&id, false);
+                        // A peer that answered with a refusal is healthy: only
+                        // a failure to reach it says anything about its reads.
+                        let refused = matches!(&e, TransportError::Remote { err, .. } if err.errno == libc::EACCES || err.errno == libc::EAGAIN);
+                        if !refused {
+                            self.mark(&id, false);
+                        }
                     }
                     Err(e) => tracing::error!(error = %e, "replication task failed"),
                 }

@@ -340,11 +340,17 @@ pub fn unescape_mountinfo(s: &str) -> String {
 /// restarting service unit). Returns whether it was one and is gone.
 fn detach_dead_mount(mountpoint: &Path) -> bool {
     let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else { return false };
-    // SAFETY: stat(2) into a zeroed struct.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::stat(c.as_ptr(), &mut st) } == 0
-        || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOTCONN)
-    {
+    // A live daemon that is stuck would hold stat(2) for ever: ask from a
+    // thread and take no answer within 2 s as "alive".
+    let (tx, rx) = std::sync::mpsc::channel();
+    let probe = c.clone();
+    let spawned = std::thread::Builder::new().name("mount-probe".into()).spawn(move || {
+        // SAFETY: stat(2) into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let rc = unsafe { libc::stat(probe.as_ptr(), &mut st) };
+        let _ = tx.send(if rc == 0 { None } else { std::io::Error::last_os_error().raw_os_error() });
+    });
+    if spawned.is_err() || rx.recv_timeout(std::time::Duration::from_secs(2)) != Ok(Some(libc::ENOTCONN)) {
         return false;
     }
     // SAFETY: umount2(2) with a valid path.

@@ -222,7 +222,8 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     converged_metadata::set_txn_observer(|kind, d| crate::latency::observe(crate::latency::Area::Meta, kind, d));
     let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
     let found = crate::identity::inspect(&c.data_dir)?;
-    if matches!(found, crate::identity::Found::Empty) && args.require_identity && !args.new_node {
+    // A read-only reader node of a cluster may have an empty data dir (see `identity::settle`).
+    if matches!(found, crate::identity::Found::Empty) && args.require_identity && !args.new_node && !args.read_only {
         bail!(
             "data dir {} has no converged identity: it was never mounted, or its disk is not mounted. \
              For a new data dir, mount it once with the new_node option (--new-node)",
@@ -323,6 +324,10 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     // it no copies and no membership lease is taken.
     if !args.read_only {
         join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?;
+    }
+    if let (Some(t), true) = (&tier, args.read_only) {
+        // Reads of evicted or imported files come from the store; nothing is uploaded.
+        core.attach_tier(t.clone());
     }
     if let Some(t) = tier.as_ref().filter(|_| !args.read_only) {
         core.attach_tier(t.clone());

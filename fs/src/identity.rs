@@ -46,8 +46,10 @@ pub fn inspect(data_dir: &Path) -> anyhow::Result<Found> {
     match std::fs::read_to_string(&p) {
         Ok(text) => parse(&text).map(Found::Known).with_context(|| format!("{} is damaged", p.display())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let chunks = std::fs::read_dir(data_dir.join("chunks")).map(|mut d| d.next().is_some()).unwrap_or(false);
-            Ok(if chunks || data_dir.join("meta.redb").exists() { Found::Unlabelled } else { Found::Empty })
+            // A chunk store (even an empty one: a node that never got a
+            // chunk) or an embedded metadata file: mounted before.
+            let used = data_dir.join("chunks").is_dir() || data_dir.join("meta.redb").exists();
+            Ok(if used { Found::Unlabelled } else { Found::Empty })
         }
         Err(e) => Err(e).with_context(|| format!("read {}", p.display())),
     }
@@ -119,6 +121,11 @@ pub fn settle(data_dir: &Path, found: Found, ns: &Namespace, ask: &Ask) -> anyho
             }
             Ok(())
         }
+        Found::Unlabelled if ns.created_volume() => bail!(
+            "data dir {dd} was used before, but {} held no volume until now: check --meta (this data dir's \
+             chunks belong to another volume)",
+            ask.meta
+        ),
         Found::Unlabelled if ask.read_only => Ok(()),
         Found::Unlabelled => {
             tracing::info!(data_dir = %dd, volume, node = ask.node, "labelled a data dir mounted before identities existed");
@@ -146,7 +153,7 @@ pub fn settle(data_dir: &Path, found: Found, ns: &Namespace, ask: &Ask) -> anyho
                 }
                 if ns.knows_node(ask.node)? {
                     bail!(
-                        "node {} of volume {volume} has chunks recorded, but data dir {dd} is empty: is its disk \
+                        "node {} has been part of volume {volume}, but data dir {dd} is empty: is its disk \
                          mounted? If the disk was replaced, mount with --new-node (option new_node): the node's \
                          old copies are forgotten and repair copies them back",
                         ask.node
@@ -187,11 +194,13 @@ mod tests {
     }
 
     #[test]
-    fn a_data_dir_with_chunks_but_no_identity_is_unlabelled() {
+    fn a_data_dir_with_a_chunk_store_but_no_identity_is_unlabelled() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("chunks")).unwrap();
+        // What this mount itself makes before looking: the log and the lock.
+        std::fs::write(dir.path().join("converged.log"), b"").unwrap();
+        std::fs::write(dir.path().join("converged.lock"), b"1").unwrap();
         assert!(matches!(inspect(dir.path()).unwrap(), Found::Empty));
-        std::fs::write(dir.path().join("chunks/0000000000000002"), b"x").unwrap();
+        std::fs::create_dir(dir.path().join("chunks")).unwrap();
         assert!(matches!(inspect(dir.path()).unwrap(), Found::Unlabelled));
     }
 }

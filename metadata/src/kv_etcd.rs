@@ -68,7 +68,9 @@ fn connect_options(access: &crate::EtcdAccess, timeout: Duration) -> KvResult<Co
     if let (Some(user), Some(file)) = (&access.user, &access.password_file) {
         let password =
             String::from_utf8_lossy(&read("password file", file)?).trim_end_matches(['\n', '\r']).to_string();
-        opts = opts.with_user(user, password);
+        // Tokens expire (and a simple token is only valid on the member
+        // that issued it): log in again when etcd says so.
+        opts = opts.with_user(user, password).with_auto_token_refresh(true);
     }
     Ok(opts)
 }
@@ -77,13 +79,16 @@ fn connect_options(access: &crate::EtcdAccess, timeout: Duration) -> KvResult<Co
 /// or not reachable. Refused credentials and bad arguments will not.
 fn unreachable(e: &etcd_client::Error) -> bool {
     use etcd_client::Error as E;
+    // A TLS refusal (a bad or missing certificate, an unknown CA) is named
+    // somewhere in the cause chain, whatever kind the top error is.
+    let chain = explain(e).to_lowercase();
+    if ["certificate", "handshake", "unknownca", "unknown ca", "alert", "tls"].iter().any(|w| chain.contains(w)) {
+        return false;
+    }
     match e {
-        E::IoError(_) => true,
-        E::TransportError(_) => !explain(e).contains("certificate"),
+        E::IoError(_) | E::TransportError(_) => true,
         E::GRpcStatus(s) => {
             matches!(s.code(), tonic_code::Unavailable | tonic_code::DeadlineExceeded | tonic_code::Unknown)
-                && !s.message().contains("certificate")
-                && !s.message().contains("handshake")
         }
         _ => false,
     }

@@ -152,7 +152,12 @@ fn a_data_dir_that_is_empty_or_foreign_is_refused_for_a_known_node() {
     let out = mount_node(&c, "n1", &empty, &n1_mnt, &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("node n1") && err.contains("is its disk mounted") && err.contains("--new-node"), "{err}");
+    assert!(
+        err.contains("node n1 has been part of volume")
+            && err.contains("is its disk mounted")
+            && err.contains("--new-node"),
+        "{err}"
+    );
     assert!(!is_mounted(&n1_mnt));
 
     // Another volume's metadata over n1's data dir.
@@ -625,4 +630,21 @@ fn the_grafana_dashboard_uses_only_metrics_the_daemon_serves() {
         missing.is_empty()
     });
     assert!(missing.is_empty(), "{missing:?}");
+}
+
+#[test]
+fn a_mount_point_left_dead_by_a_killed_daemon_mounts_again() {
+    let mut m = Mount::new();
+    let f = fs::File::create(m.path("f")).unwrap();
+    std::io::Write::write_all(&mut &f, b"kept").unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let pid = m.daemon_pid();
+    // SAFETY: kill(2).
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_gone(pid);
+    assert!(is_mounted(&m.mnt), "the dead mount stays in the mount table");
+    // What a restarting service unit does: mount again on the same point.
+    m.mount();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
 }

@@ -301,6 +301,9 @@ impl Core {
 
     /// Re-create the metadata reserve once the disk has room again.
     pub(super) fn keep_reserve(&self) {
+        if self.cfg.read_only {
+            return;
+        }
         if let Ok(st) = self.statfs() {
             let frsize = st.f_frsize.max(1);
             let reserve = crate::chunkstore::reserve_size(st.f_blocks * frsize);

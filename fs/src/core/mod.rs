@@ -275,20 +275,18 @@ impl Core {
     }
 
     /// Whether a peer may have this node drop its copies of `ino`: only
-    /// once no chunk record of the file names this node (the file was
-    /// purged, or its copies here were moved).
+    /// once the file is gone from the metadata (its purge, which removed
+    /// its chunk records in the same transaction, is committed: the only
+    /// time a node sends a delete). Read past the node-local cache.
     pub(crate) fn peer_may_delete(&self, ino: Ino) -> Result<(), converged_transport::ServiceError> {
-        let chunks = self
-            .ns
-            .chunks(ino)
-            .map_err(|e| converged_transport::ServiceError { errno: libc::EAGAIN, msg: format!("metadata: {e}") })?;
-        if chunks.iter().any(|(_, rec)| rec.replicas.iter().any(|r| r == self.node_id())) {
-            return Err(converged_transport::ServiceError {
+        match self.ns.layout(ino) {
+            Err(converged_metadata::MetaError::NotFound) => Ok(()),
+            Ok(_) => Err(converged_transport::ServiceError {
                 errno: libc::EACCES,
-                msg: format!("delete of inode {ino} refused: its chunk records still name this node"),
-            });
+                msg: format!("delete of inode {ino} refused: the file still exists"),
+            }),
+            Err(e) => Err(converged_transport::ServiceError { errno: libc::EAGAIN, msg: format!("metadata: {e}") }),
         }
-        Ok(())
     }
 
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {

@@ -476,8 +476,6 @@ impl Namespace {
         })
     }
 
-    /// Files that were open for writing on this node when its daemon
-    /// stopped, with the epoch of the lease each was written under.
     /// The node holding the write lease of `ino` (its unsealed mark), if any.
     pub fn lease_holder(&self, ino: Ino) -> MetaResult<Option<String>> {
         self.read(|txn| {
@@ -485,6 +483,8 @@ impl Namespace {
         })
     }
 
+    /// Files that were open for writing on this node when its daemon
+    /// stopped, with the epoch of the lease each was written under.
     pub fn unsealed(&self) -> MetaResult<Vec<(Ino, u64)>> {
         self.read(|txn| {
             Ok(scan_all(txn, &schema::unsealed_all())?
