@@ -216,6 +216,17 @@ pub fn check(args: &MountArgs) -> anyhow::Result<Checked> {
     }
     let data_dir = dd.canonicalize().with_context(|| format!("data dir {}", dd.display()))?;
     let mp = &args.mountpoint;
+    // A converged mount whose daemon was killed answers ENOTCONN to any look
+    // at it: detach it first (what a restarting service unit needs).
+    if std::fs::metadata(mp).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
+        let parent = mp.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if let (Ok(dir), Some(name)) = (parent.canonicalize(), mp.file_name()) {
+            let at = dir.join(name);
+            if mount_source(&at).is_some_and(|src| src.starts_with("fuse.converged ")) {
+                detach_dead_mount(&at);
+            }
+        }
+    }
     match std::fs::metadata(mp) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!("mount point {} does not exist", mp.display()),
         Err(e) => bail!("mount point {}: {e}", mp.display()),

@@ -9,23 +9,6 @@ use std::process::Command;
 
 use common::*;
 
-/// mount(8) looks for helpers in /sbin. Point them at this build unless an
-/// installed helper (outside a cargo target dir) is already there.
-fn install_helpers() {
-    let helper = bin("mount-converged");
-    for name in ["/sbin/mount.converged", "/sbin/mount.fuse.converged"] {
-        let current = fs::read_link(name).ok();
-        if current.as_deref() == Some(helper.as_path()) {
-            continue;
-        }
-        if Path::new(name).exists() && !current.is_some_and(|c| c.to_string_lossy().contains("/target/")) {
-            continue;
-        }
-        let _ = fs::remove_file(name);
-        std::os::unix::fs::symlink(&helper, name).unwrap();
-    }
-}
-
 fn fstype(mnt: &Path) -> Option<String> {
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
     mounts.lines().find_map(|l| {

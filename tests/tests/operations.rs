@@ -291,23 +291,6 @@ fn mounts_are_nosuid_and_nodev_unless_asked_and_data_dir_files_are_private() {
     }
 }
 
-/// mount(8) looks for helpers in /sbin. Point them at this build unless an
-/// installed helper (outside a cargo target dir) is already there.
-fn install_helpers() {
-    let helper = bin("mount-converged");
-    for name in ["/sbin/mount.converged", "/sbin/mount.fuse.converged"] {
-        let current = fs::read_link(name).ok();
-        if current.as_deref() == Some(helper.as_path()) {
-            continue;
-        }
-        if Path::new(name).exists() && !current.is_some_and(|c| c.to_string_lossy().contains("/target/")) {
-            continue;
-        }
-        let _ = fs::remove_file(name);
-        std::os::unix::fs::symlink(&helper, name).unwrap();
-    }
-}
-
 #[test]
 fn an_x_systemd_automount_line_mounts_on_first_access() {
     install_helpers();

@@ -40,30 +40,43 @@ fn first_chunk_version(path: &std::path::Path) -> u64 {
     line.split_whitespace().nth(1).and_then(|v| v.strip_prefix('v')).and_then(|v| v.parse().ok()).unwrap()
 }
 
-#[test]
-fn a_mounted_node_serves_its_chunks_to_cluster_peers_only() {
-    let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
+/// One mounted node n1 of a volume on a real etcd, serving over QUIC, with
+/// the cluster CA to issue other certificates from and n1's address as a
+/// peer finds it (in the volume's membership, through `converged status`).
+struct OneNode {
+    _etcd: common::etcd_cluster::EtcdCluster,
+    _t: tempfile::TempDir,
+    m: Mount,
+    ca: ClusterCa,
+    peer: Peer,
+}
+
+fn one_node(volume: &str) -> Option<OneNode> {
+    let etcd = common::etcd_cluster::EtcdCluster::start()?;
     let t = tempfile::tempdir().unwrap();
     let ca_dir = t.path().join("ca");
     let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca_dir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let uri = format!("etcd://{}/peers", cluster.endpoints.join(","));
+    let uri = format!("etcd://{}/{volume}", etcd.endpoints.join(","));
     let tls_dir = ca_dir.join("n1");
     let m = Mount::with_args(&["--meta", &uri, "--listen", "127.0.0.1:0", "--tls-dir", tls_dir.to_str().unwrap()]);
+    let out = converged().args(["status", "--meta", &uri]).output().unwrap();
+    let status = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = status.lines().find(|l| l.starts_with("n1 ")).unwrap_or_else(|| panic!("n1 not in status:\n{status}"));
+    let addr: std::net::SocketAddr = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+    let ca = ClusterCa::load(&ca_dir).unwrap();
+    Some(OneNode { _etcd: etcd, _t: t, m, ca, peer: Peer { addr, node: "n1".into() } })
+}
+
+#[test]
+fn a_mounted_node_serves_its_chunks_to_cluster_peers_only() {
+    let Some(OneNode { _etcd, _t, m, ca, peer }) = one_node("peers") else { return };
     let data = pattern((3 << 20) + 777, 42);
     std::fs::write(m.path("shard-0000.tar"), &data).unwrap();
     let ino = std::fs::metadata(m.path("shard-0000.tar")).unwrap().ino();
     // One 64 MiB chunk: the whole file.
     let chunk = ChunkRef { ino, index: 0, version: first_chunk_version(&m.path("shard-0000.tar")), start: 0 };
 
-    // Find n1's address the way a peer does: in the volume's membership.
-    let out = converged().args(["status", "--meta", &uri]).output().unwrap();
-    let status = String::from_utf8_lossy(&out.stdout).into_owned();
-    let line = status.lines().find(|l| l.starts_with("n1 ")).unwrap_or_else(|| panic!("n1 not in status:\n{status}"));
-    let addr: std::net::SocketAddr = line.split_whitespace().nth(2).unwrap().parse().unwrap();
-    let peer = Peer { addr, node: "n1".into() };
-
-    let ca = ClusterCa::load(&ca_dir).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
         let n2 = QuicTransport::bind(
@@ -106,26 +119,13 @@ fn crc32c_of(data: &[u8]) -> u32 {
 
 #[test]
 fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes_file() {
-    let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
-    let t = tempfile::tempdir().unwrap();
-    let ca_dir = t.path().join("ca");
-    let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca_dir).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let uri = format!("etcd://{}/authz", cluster.endpoints.join(","));
-    let tls_dir = ca_dir.join("n1");
-    let m = Mount::with_args(&["--meta", &uri, "--listen", "127.0.0.1:0", "--tls-dir", tls_dir.to_str().unwrap()]);
+    let Some(OneNode { _etcd, _t, m, ca, peer }) = one_node("authz") else { return };
     let data = pattern(2 << 20, 5);
     std::fs::write(m.path("ckpt.pt"), &data).unwrap();
     let ino = std::fs::metadata(m.path("ckpt.pt")).unwrap().ino();
     let version = first_chunk_version(&m.path("ckpt.pt"));
     let chunk = ChunkRef { ino, index: 0, version, start: 0 };
 
-    let out = converged().args(["status", "--meta", &uri]).output().unwrap();
-    let status = String::from_utf8_lossy(&out.stdout).into_owned();
-    let line = status.lines().find(|l| l.starts_with("n1 ")).unwrap_or_else(|| panic!("n1 not in status:\n{status}"));
-    let peer = Peer { addr: line.split_whitespace().nth(2).unwrap().parse().unwrap(), node: "n1".into() };
-
-    let ca = ClusterCa::load(&ca_dir).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
         let bind = |name: &str| {

@@ -33,6 +33,26 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// mount(8) looks for helpers in /sbin. Point them at this build unless an
+/// installed helper (outside a cargo target dir) is already there.
+pub fn install_helpers() {
+    let helper = bin("mount-converged");
+    for name in ["/sbin/mount.converged", "/sbin/mount.fuse.converged"] {
+        let current = std::fs::read_link(name).ok();
+        if current.as_deref() == Some(helper.as_path()) {
+            continue;
+        }
+        // A link into a cargo build (debug or release) is a test's; anything else was installed.
+        let built =
+            current.is_some_and(|c| c.components().any(|p| p.as_os_str() == "debug" || p.as_os_str() == "release"));
+        if Path::new(name).exists() && !built {
+            continue;
+        }
+        let _ = std::fs::remove_file(name);
+        std::os::unix::fs::symlink(&helper, name).unwrap();
+    }
+}
+
 pub fn converged() -> Command {
     Command::new(bin("converged"))
 }
