@@ -263,14 +263,17 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node_id(args));
+    let node = node_id(args);
     let ask = crate::identity::Ask {
-        node: &node_id(args),
+        node: &node,
         new_node: args.new_node,
         read_only: args.read_only,
         clustered: engine.membership().is_some(),
         meta: &c.meta_str,
     };
+    let exists = converged_metadata::volume_exists(&*engine).context("read the volume record")?;
+    crate::identity::before_open(&c.data_dir, &found, exists, &ask)?;
+    let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node);
     crate::identity::settle(&c.data_dir, found, &ns, &ask)?;
     if tier.is_some() {
         ns = ns.with_tier();

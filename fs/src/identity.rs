@@ -100,6 +100,30 @@ pub struct Ask<'a> {
     pub meta: &'a str,
 }
 
+/// Refuse, before the volume is opened (which creates it when the metadata
+/// holds none), the mounts that must not create one: a data dir that
+/// belongs to a volume, and a read-only mount.
+pub fn before_open(data_dir: &Path, found: &Found, volume_exists: bool, ask: &Ask) -> anyhow::Result<()> {
+    if volume_exists {
+        return Ok(());
+    }
+    let dd = data_dir.display();
+    match found {
+        Found::Known(id) => bail!(
+            "data dir {dd} belongs to volume {}, but {} holds no volume: check --meta and --data-dir",
+            id.volume,
+            ask.meta
+        ),
+        Found::Unlabelled => bail!(
+            "data dir {dd} was used before, but {} holds no volume: check --meta (this data dir's chunks \
+             belong to another volume)",
+            ask.meta
+        ),
+        Found::Empty if ask.read_only => bail!("{} holds no volume to mount read-only", ask.meta),
+        Found::Empty => Ok(()),
+    }
+}
+
 /// Check the data dir against the volume just opened, and label it when it
 /// has no identity yet. Refusals say what to check.
 pub fn settle(data_dir: &Path, found: Found, ns: &Namespace, ask: &Ask) -> anyhow::Result<()> {

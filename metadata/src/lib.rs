@@ -27,7 +27,7 @@ pub use kv_cache::CachedKv;
 pub use kv_etcd::EtcdKv;
 pub use kv_mem::MemKv;
 pub use kv_redb::RedbKv;
-pub use namespace::{Namespace, LINK_MAX};
+pub use namespace::{volume_exists, Namespace, LINK_MAX};
 
 /// Timing of metadata transactions for whoever hosts the namespace (the
 /// daemon's latency histograms): set once per process; unset, nothing is timed.

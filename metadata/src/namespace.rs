@@ -138,6 +138,11 @@ pub(crate) fn scan_paged(
     }
 }
 
+/// Whether the engine holds a volume yet (read without creating one).
+pub fn volume_exists(kv: &dyn KvEngine) -> MetaResult<bool> {
+    Ok(kv.read_txn()?.get(schema::VOLUME)?.is_some())
+}
+
 impl Namespace {
     /// Open the namespace, creating the volume and its root directory on first use.
     pub fn open(kv: Arc<dyn KvEngine>, root_uid: u32, root_gid: u32) -> MetaResult<Self> {
