@@ -190,8 +190,13 @@ fn namespace_rename_rules(name: &str, kv: Arc<dyn KvEngine>) {
     let e = ns.mknod(ROOT, b"e", &dir()).unwrap();
     assert_eq!(errno(ns.rename(ROOT, b"a", b.ino, b"x", RenameMode::Replace)), libc::EINVAL, "{name}: into itself");
     assert_eq!(errno(ns.rename(a.ino, b"b", ROOT, b"e", RenameMode::NoReplace)), libc::EEXIST, "{name}");
-    ns.rename(a.ino, b"b", ROOT, b"e", RenameMode::Replace).unwrap();
-    assert_eq!(errno(ns.getattr(e.ino)), libc::ENOENT, "{name}: empty dir replaced");
+    // The replaced empty directory is an orphan (nlink 0) for the caller to
+    // purge at once, or once no handle is open on it.
+    let gone = ns.rename(a.ino, b"b", ROOT, b"e", RenameMode::Replace).unwrap();
+    assert!(gone.is_some_and(|g| g.dir && g.orphaned && g.ino == e.ino), "{name}: empty dir replaced: {gone:?}");
+    assert_eq!(ns.getattr(e.ino).unwrap().nlink, 0, "{name}: a replaced directory has no link");
+    assert!(ns.purge(e.ino).unwrap(), "{name}");
+    assert_eq!(errno(ns.getattr(e.ino)), libc::ENOENT, "{name}: empty dir replaced and purged");
     assert_eq!(ns.lookup(ROOT, b"e").unwrap().ino, b.ino, "{name}");
     assert_eq!(ns.getattr(b.ino).unwrap().parent, ROOT, "{name}");
     assert_eq!(ns.getattr(a.ino).unwrap().nlink, 2, "{name}: a lost its subdir");

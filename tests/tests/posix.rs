@@ -533,3 +533,33 @@ fn status_prints_the_state_of_every_worker() {
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
+
+/// A directory removed, or replaced by a rename, while a process holds it
+/// open still answers fstat on that descriptor, with no link (xfstests
+/// generic/035); its records go when the descriptor closes.
+#[test]
+fn an_open_directory_removed_or_replaced_answers_fstat_with_no_link() {
+    use std::os::unix::fs::MetadataExt;
+    let m = Mount::new();
+    for how in ["rmdir", "rename over"] {
+        let (a, b) = (m.path(&format!("{how}-a")), m.path(&format!("{how}-b")));
+        std::fs::create_dir(&a).unwrap();
+        std::fs::create_dir(&b).unwrap();
+        let held = std::fs::File::open(&b).unwrap();
+        if how == "rmdir" {
+            std::fs::remove_dir(&b).unwrap();
+        } else {
+            std::fs::rename(&a, &b).unwrap();
+        }
+        let st = held.metadata().unwrap_or_else(|e| panic!("fstat after {how}: {e}"));
+        assert_eq!(st.nlink(), 0, "after {how}");
+        assert!(st.is_dir());
+        let entries = std::fs::read_dir(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&held)));
+        assert!(entries.map(|d| d.count()).unwrap_or(0) == 0, "a removed directory lists nothing");
+        drop(held);
+    }
+    let mut names: Vec<String> =
+        std::fs::read_dir(&m.mnt).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    names.sort();
+    assert_eq!(names, ["rename over-b", "rmdir-a"]);
+}

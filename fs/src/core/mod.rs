@@ -137,6 +137,12 @@ pub struct Core {
     /// Files open on this node, and the handles on them.
     open: OpenTable,
     dirs: DashMap<u64, Listing>,
+    /// Open directory handles: handle → directory, and handles per
+    /// directory; a removed directory stays (an orphan, in `orphan_dirs`)
+    /// until its last handle is released.
+    dir_handles: DashMap<u64, Ino>,
+    open_dirs: DashMap<Ino, u32>,
+    orphan_dirs: dashmap::DashSet<Ino>,
     passthrough: AtomicBool,
     /// What waits for the next flush: purged backing files, files closed
     /// empty, and the wake-up of the flusher.
@@ -193,6 +199,9 @@ impl Core {
             cfg,
             open: OpenTable::default(),
             dirs: DashMap::new(),
+            dir_handles: DashMap::new(),
+            open_dirs: DashMap::new(),
+            orphan_dirs: dashmap::DashSet::new(),
             passthrough: AtomicBool::new(false),
             pending: durability::Pending::default(),
             spares: Mutex::default(),
@@ -457,7 +466,11 @@ impl Core {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        Ok(self.ns.rmdir(parent, name)?)
+        let gone = self.ns.rmdir_purging(parent, name, &|ino| !self.open_dirs.contains_key(&ino))?;
+        if !gone.purged {
+            self.forget_orphan(gone)?;
+        }
+        Ok(())
     }
 
     /// Rename, atomically in one transaction. A rename that replaces a
@@ -497,6 +510,15 @@ impl Core {
     /// An inode lost its last name: drop it now, or at last close if open here.
     fn forget_orphan(&self, gone: Unlinked) -> FsResult<()> {
         if !gone.orphaned {
+            return Ok(());
+        }
+        if gone.dir {
+            // Purged by the last releasedir; a handle closed in between is
+            // seen here (the mark is set before the count is read again).
+            self.orphan_dirs.insert(gone.ino);
+            if !self.open_dirs.contains_key(&gone.ino) && self.orphan_dirs.remove(&gone.ino).is_some() {
+                self.purge(gone.ino)?;
+            }
             return Ok(());
         }
         match self.open.claim_closed(gone.ino) {
@@ -574,7 +596,10 @@ impl Core {
     /// stable while the directory changes underneath a reader.
     pub fn opendir(&self, ino: Ino) -> FsResult<u64> {
         self.ns.getattr(ino)?;
-        Ok(self.open.new_fh())
+        let fh = self.open.new_fh();
+        *self.open_dirs.entry(ino).or_insert(0) += 1;
+        self.dir_handles.insert(fh, ino);
+        Ok(fh)
     }
 
     /// Entries from `offset` on; offset 0 (re)takes the snapshot. Returns
@@ -597,6 +622,24 @@ impl Core {
 
     pub fn releasedir(&self, fh: u64) {
         self.dirs.remove(&fh);
+        let Some((_, ino)) = self.dir_handles.remove(&fh) else { return };
+        let last = match self.open_dirs.entry(ino) {
+            dashmap::Entry::Occupied(mut e) => {
+                *e.get_mut() -= 1;
+                let last = *e.get() == 0;
+                if last {
+                    e.remove();
+                }
+                last
+            }
+            dashmap::Entry::Vacant(_) => false,
+        };
+        // The last handle of a removed directory: its records go now.
+        if last && self.orphan_dirs.remove(&ino).is_some() {
+            if let Err(e) = self.purge(ino) {
+                tracing::warn!(ino, error = %e, "purging a removed directory failed; the next mount purges it");
+            }
+        }
     }
 
     pub fn fsyncdir(&self) -> FsResult<()> {

@@ -12,6 +12,8 @@ use crate::types::{Ino, Inode, Timespec};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Unlinked {
     pub ino: Ino,
+    /// A directory (its orphan is kept only while a handle is open on it).
+    pub dir: bool,
     pub orphaned: bool,
     /// The orphan was purged in the same transaction (it was not open).
     pub purged: bool,
@@ -22,20 +24,18 @@ pub struct Unlinked {
 /// `node` marks a new orphan as this node's: the node that holds it open
 /// purges it at last close, or at its next mount after a crash.
 pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now: Timespec, node: &str) -> Unlinked {
-    if inode.is_dir() {
-        // A directory has exactly one name; it goes with it.
-        txn.delete(&schema::inode(inode.ino));
-        txn.delete(&schema::orphan(inode.ino));
-        return Unlinked { ino: inode.ino, orphaned: false, purged: false };
-    }
-    inode.nlink = inode.nlink.saturating_sub(1);
+    let dir = inode.is_dir();
+    // A directory has exactly one name: with it, it is an orphan (nlink 0),
+    // kept as a file is while a handle is open on it (fstat on the handle
+    // still answers), purged otherwise.
+    inode.nlink = if dir { 0 } else { inode.nlink.saturating_sub(1) };
     inode.ctime = now;
     let orphaned = inode.nlink == 0;
     if orphaned {
         txn.put(&schema::orphan(inode.ino), node.as_bytes());
     }
     put_inode(txn, &inode);
-    Unlinked { ino: inode.ino, orphaned, purged: false }
+    Unlinked { ino: inode.ino, dir, orphaned, purged: false }
 }
 
 /// Delete every record of `ino` (its layout, xattrs, orphan and unsealed marks, the inode).
@@ -87,6 +87,13 @@ impl Namespace {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> MetaResult<()> {
+        self.rmdir_purging(parent, name, &|_| true).map(|_| ())
+    }
+
+    /// Remove an empty directory; when `can_purge` says so (no handle is
+    /// open on it), its records go in the same transaction, else it is left
+    /// an orphan for the last `releasedir` to purge.
+    pub fn rmdir_purging(&self, parent: Ino, name: &[u8], can_purge: &dyn Fn(Ino) -> bool) -> MetaResult<Unlinked> {
         if name == b"." {
             return Err(MetaError::Invalid("rmdir of ."));
         }
@@ -110,12 +117,16 @@ impl Namespace {
             txn.delete_range(&start, &end)?;
             // Empty: no object below it is left to re-key.
             txn.delete(&schema::renamed_dir(inode.ino));
-            drop_link(txn, inode, now, &self.node);
+            let mut gone = drop_link(txn, inode, now, &self.node);
+            if can_purge(gone.ino) {
+                purge_records(txn, gone.ino)?;
+                gone.purged = true;
+            }
             dir.nlink -= 1;
             dir.mtime = now;
             dir.ctime = now;
             put_inode(txn, &dir);
-            Ok(())
+            Ok(gone)
         })
     }
 
