@@ -235,9 +235,7 @@ pub fn check(args: &MountArgs) -> anyhow::Result<Checked> {
     }
     let mountpoint = mp.canonicalize().with_context(|| format!("mount point {}", mp.display()))?;
     if let Some(src) = mount_source(&mountpoint) {
-        if !(src.starts_with("fuse.converged ") && detach_dead_mount(&mountpoint)) {
-            bail!("mount point {} is already mounted (by {src})", mountpoint.display());
-        }
+        bail!("mount point {} is already mounted (by {src})", mountpoint.display());
     }
     if data_dir.starts_with(&mountpoint) {
         bail!("data dir {} lies inside the mount point {}", data_dir.display(), mountpoint.display());
@@ -346,30 +344,15 @@ pub fn unescape_mountinfo(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// A converged mount whose daemon is gone (killed, crashed) answers
-/// ENOTCONN: detach it so the mount point can be mounted again (a
-/// restarting service unit). Returns whether it was one and is gone.
-fn detach_dead_mount(mountpoint: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else { return false };
-    // A live daemon that is stuck would hold stat(2) for ever: ask from a
-    // thread and take no answer within 2 s as "alive".
-    let (tx, rx) = std::sync::mpsc::channel();
-    let probe = c.clone();
-    let spawned = std::thread::Builder::new().name("mount-probe".into()).spawn(move || {
-        // SAFETY: stat(2) into a zeroed struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        let rc = unsafe { libc::stat(probe.as_ptr(), &mut st) };
-        let _ = tx.send(if rc == 0 { None } else { std::io::Error::last_os_error().raw_os_error() });
-    });
-    if spawned.is_err() || rx.recv_timeout(std::time::Duration::from_secs(2)) != Ok(Some(libc::ENOTCONN)) {
-        return false;
-    }
+/// Detach the converged mount at `mountpoint`, which answered ENOTCONN: its
+/// daemon is gone (killed, crashed), and a restarting service unit must be
+/// able to mount there again.
+fn detach_dead_mount(mountpoint: &Path) {
+    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else { return };
     // SAFETY: umount2(2) with a valid path.
-    let gone = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0;
-    if gone {
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
         eprintln!("converged: detached the dead converged mount at {} (its daemon had exited)", mountpoint.display());
     }
-    gone && mount_source(mountpoint).is_none()
 }
 
 /// The source of the mount at exactly `path`, if one is there. An autofs

@@ -328,12 +328,12 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     if !args.read_only {
         join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?;
     }
-    if let (Some(t), true) = (&tier, args.read_only) {
-        // Reads of evicted or imported files come from the store; nothing is uploaded.
+    if let Some(t) = &tier {
+        // Read-only: reads of evicted or imported files come from the
+        // store, and nothing is uploaded or evicted.
         core.attach_tier(t.clone());
     }
     if let Some(t) = tier.as_ref().filter(|_| !args.read_only) {
-        core.attach_tier(t.clone());
         core.resume_backfill()?;
         for i in 0..t.cfg.workers {
             workers.start(crate::workers::Backfiller::new(Arc::downgrade(&core), i))?;

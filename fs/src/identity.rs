@@ -124,7 +124,9 @@ pub fn before_open(data_dir: &Path, found: &Found, volume_exists: bool, ask: &As
     }
 }
 
-/// Check the data dir against the volume just opened, and label it when it
+/// Check the data dir against the volume just opened (after
+/// [`before_open`]: a used or labelled data dir, or a read-only mount, met an
+/// existing volume), and label it when it
 /// has no identity yet. Refusals say what to check.
 pub fn settle(data_dir: &Path, found: Found, ns: &Namespace, ask: &Ask) -> anyhow::Result<()> {
     let dd = data_dir.display();
@@ -145,11 +147,6 @@ pub fn settle(data_dir: &Path, found: Found, ns: &Namespace, ask: &Ask) -> anyho
             }
             Ok(())
         }
-        Found::Unlabelled if ns.created_volume() => bail!(
-            "data dir {dd} was used before, but {} held no volume until now: check --meta (this data dir's \
-             chunks belong to another volume)",
-            ask.meta
-        ),
         Found::Unlabelled if ask.read_only => Ok(()),
         Found::Unlabelled => {
             tracing::info!(data_dir = %dd, volume, node = ask.node, "labelled a data dir mounted before identities existed");
@@ -158,7 +155,7 @@ pub fn settle(data_dir: &Path, found: Found, ns: &Namespace, ask: &Ask) -> anyho
         Found::Empty if ask.read_only => {
             // A reader node of a cluster holds no copies: an empty data dir
             // is right for it, and it is left unlabelled (nothing is written).
-            if ask.clustered && !ns.created_volume() && !ns.knows_node(ask.node)? {
+            if ask.clustered && !ns.knows_node(ask.node)? {
                 return Ok(());
             }
             bail!(

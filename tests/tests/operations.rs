@@ -7,56 +7,12 @@ mod common;
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cluster::{eventually, same, status, Cluster};
+use common::etcd_cluster::{free_port, EtcdMember};
 use common::*;
-
-/// One etcd member on a port chosen before it starts (a mount may be
-/// waiting for it), killed on drop.
-struct Etcd {
-    child: Child,
-    _dir: tempfile::TempDir,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-impl Etcd {
-    fn start(client: u16, extra: &[String], scheme: &str) -> Etcd {
-        let dir = tempfile::tempdir().unwrap();
-        let peer = free_port();
-        let log = fs::File::create(dir.path().join("etcd.log")).unwrap();
-        let child = Command::new("etcd")
-            .args(["--name", "m0", "--data-dir"])
-            .arg(dir.path().join("m0"))
-            .arg("--listen-client-urls")
-            .arg(format!("{scheme}://127.0.0.1:{client}"))
-            .arg("--advertise-client-urls")
-            .arg(format!("{scheme}://127.0.0.1:{client}"))
-            .arg("--listen-peer-urls")
-            .arg(format!("http://127.0.0.1:{peer}"))
-            .arg("--initial-advertise-peer-urls")
-            .arg(format!("http://127.0.0.1:{peer}"))
-            .arg("--initial-cluster")
-            .arg(format!("m0=http://127.0.0.1:{peer}"))
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start etcd (apt-get install etcd-server)");
-        Etcd { child, _dir: dir }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
     let t = tempfile::Builder::new().prefix("converged-ops").tempdir().unwrap();
@@ -111,7 +67,7 @@ fn a_mount_started_before_etcd_comes_up_once_etcd_starts() {
     let log = fs::read_to_string(data.join("converged.log")).unwrap_or_default();
     assert!(log.contains("metadata service not reachable; waiting"), "the wait is not logged: {log}");
 
-    let _etcd = Etcd::start(port, &[], "http");
+    let _etcd = EtcdMember::start(port, "http", &[]);
     let out = mount.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     eprintln!("mount came up {:?} after it started (etcd started after 4 s)", started.elapsed());
@@ -420,8 +376,9 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
     make_certs(c);
     let p = |f: &str| c.join(f).to_str().unwrap().to_string();
     let port = free_port();
-    let _etcd = Etcd::start(
+    let _etcd = EtcdMember::start(
         port,
+        "https",
         &[
             "--client-cert-auth".into(),
             "--trusted-ca-file".into(),
@@ -431,7 +388,6 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
             "--key-file".into(),
             p("server.key"),
         ],
-        "https",
     );
     // A user allowed the volume's keys and nothing else, then auth on.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

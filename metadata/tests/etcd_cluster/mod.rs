@@ -20,10 +20,6 @@ fn etcd_bin() -> Option<PathBuf> {
         .find(|p| p.exists())
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 impl EtcdCluster {
     /// Start 3 members; `None` (outside CI) when etcd is not installed.
     /// A cluster that does not come up (a port picked here was taken by
@@ -53,31 +49,17 @@ impl EtcdCluster {
         let token = format!("converged-test-{}-{}", std::process::id(), ports[0].0);
         let mut children = Vec::new();
         for (i, (client, peer)) in ports.iter().enumerate() {
-            let log = std::fs::File::create(dir.path().join(format!("m{i}.log"))).unwrap();
-            let child = Command::new(bin)
-                .arg("--name")
-                .arg(format!("m{i}"))
-                .arg("--data-dir")
-                .arg(dir.path().join(format!("m{i}")))
-                .arg("--listen-client-urls")
-                .arg(format!("http://127.0.0.1:{client}"))
-                .arg("--advertise-client-urls")
-                .arg(format!("http://127.0.0.1:{client}"))
-                .arg("--listen-peer-urls")
-                .arg(format!("http://127.0.0.1:{peer}"))
-                .arg("--initial-advertise-peer-urls")
-                .arg(format!("http://127.0.0.1:{peer}"))
-                .arg("--initial-cluster")
-                .arg(initial.join(","))
-                .arg("--initial-cluster-token")
-                .arg(&token)
-                .arg("--initial-cluster-state")
-                .arg("new")
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .expect("start etcd");
-            children.push(child);
+            let args =
+                ["--initial-cluster-token".to_string(), token.clone(), "--initial-cluster-state".into(), "new".into()];
+            children.push(spawn_member(
+                bin,
+                dir.path(),
+                &format!("m{i}"),
+                &format!("http://127.0.0.1:{client}"),
+                *peer,
+                &initial.join(","),
+                &args,
+            ));
         }
         let endpoints: Vec<String> = ports.iter().map(|(c, _)| format!("127.0.0.1:{c}")).collect();
         EtcdCluster { endpoints, children, _dir: dir }
@@ -104,6 +86,70 @@ impl EtcdCluster {
         }
         true
     }
+}
+
+/// Start one etcd member named `name`, serving clients at `client_url` and
+/// peers on loopback port `peer`, its data and log under `dir`.
+fn spawn_member(
+    bin: &std::path::Path,
+    dir: &std::path::Path,
+    name: &str,
+    client_url: &str,
+    peer: u16,
+    initial_cluster: &str,
+    extra: &[String],
+) -> Child {
+    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+    Command::new(bin)
+        .arg("--name")
+        .arg(name)
+        .arg("--data-dir")
+        .arg(dir.join(name))
+        .args(["--listen-client-urls", client_url, "--advertise-client-urls", client_url])
+        .arg("--listen-peer-urls")
+        .arg(format!("http://127.0.0.1:{peer}"))
+        .arg("--initial-advertise-peer-urls")
+        .arg(format!("http://127.0.0.1:{peer}"))
+        .arg("--initial-cluster")
+        .arg(initial_cluster)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start etcd")
+}
+
+/// One etcd member on a client port chosen before it starts (a mount may
+/// already be waiting for it), over `scheme` (`http` or `https`, with the
+/// TLS flags in `extra`), killed on drop. Panics when etcd is not installed.
+#[allow(dead_code)]
+pub struct EtcdMember {
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+#[allow(dead_code)]
+impl EtcdMember {
+    pub fn start(client: u16, scheme: &str, extra: &[String]) -> EtcdMember {
+        let bin = etcd_bin().expect("etcd is not installed (apt-get install etcd-server)");
+        let dir = tempfile::tempdir().unwrap();
+        let peer = free_port();
+        let url = format!("{scheme}://127.0.0.1:{client}");
+        let child = spawn_member(&bin, dir.path(), "m0", &url, peer, &format!("m0=http://127.0.0.1:{peer}"), extra);
+        EtcdMember { child, _dir: dir }
+    }
+}
+
+impl Drop for EtcdMember {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A loopback port free at the time of asking.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 impl Drop for EtcdCluster {
