@@ -54,6 +54,7 @@
 //! waits for one, so no cycle can form through it.
 
 mod attr;
+mod dirs;
 mod durability;
 mod open;
 mod read;
@@ -137,12 +138,9 @@ pub struct Core {
     /// Files open on this node, and the handles on them.
     open: OpenTable,
     dirs: DashMap<u64, Listing>,
-    /// Open directory handles: handle → directory, and handles per
-    /// directory; a removed directory stays (an orphan, in `orphan_dirs`)
-    /// until its last handle is released.
-    dir_handles: DashMap<u64, Ino>,
-    open_dirs: DashMap<Ino, u32>,
-    orphan_dirs: dashmap::DashSet<Ino>,
+    /// Directory handles open here: a removed directory stays until its
+    /// last handle is released.
+    open_dirs: dirs::OpenDirs,
     passthrough: AtomicBool,
     /// What waits for the next flush: purged backing files, files closed
     /// empty, and the wake-up of the flusher.
@@ -199,9 +197,7 @@ impl Core {
             cfg,
             open: OpenTable::default(),
             dirs: DashMap::new(),
-            dir_handles: DashMap::new(),
-            open_dirs: DashMap::new(),
-            orphan_dirs: dashmap::DashSet::new(),
+            open_dirs: dirs::OpenDirs::default(),
             passthrough: AtomicBool::new(false),
             pending: durability::Pending::default(),
             spares: Mutex::default(),
@@ -466,7 +462,13 @@ impl Core {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let gone = self.ns.rmdir_purging(parent, name, &|ino| !self.open_dirs.contains_key(&ino))?;
+        // Held when no handle is open on it: purged in the removal's own
+        // transaction, and no opendir slips in between.
+        // (A name that does not resolve gets its errno from the removal.)
+        let held = self.ns.lookup(parent, name).ok().and_then(|t| self.open_dirs.claim_closed(t.ino));
+        let may_purge = held.as_ref().map(|h| h.ino);
+        let gone = self.ns.rmdir_purging(parent, name, &|ino| Some(ino) == may_purge)?;
+        drop(held);
         if !gone.purged {
             self.forget_orphan(gone)?;
         }
@@ -513,11 +515,9 @@ impl Core {
             return Ok(());
         }
         if gone.dir {
-            // Purged by the last releasedir; a handle closed in between is
-            // seen here (the mark is set before the count is read again).
-            self.orphan_dirs.insert(gone.ino);
-            if !self.open_dirs.contains_key(&gone.ino) && self.orphan_dirs.remove(&gone.ino).is_some() {
-                self.purge(gone.ino)?;
+            // Purged now if no handle is open, else by the last releasedir.
+            if let Some(held) = self.open_dirs.orphaned(gone.ino) {
+                self.purge(held.ino)?;
             }
             return Ok(());
         }
@@ -595,10 +595,14 @@ impl Core {
     /// Directory handles hold a snapshot of the entries, so offsets stay
     /// stable while the directory changes underneath a reader.
     pub fn opendir(&self, ino: Ino) -> FsResult<u64> {
-        self.ns.getattr(ino)?;
+        // Counted before the look, so a removal that did not see this
+        // handle has purged before the look, which then fails.
         let fh = self.open.new_fh();
-        *self.open_dirs.entry(ino).or_insert(0) += 1;
-        self.dir_handles.insert(fh, ino);
+        self.open_dirs.open(ino, fh);
+        if let Err(e) = self.ns.getattr(ino) {
+            self.releasedir(fh);
+            return Err(e.into());
+        }
         Ok(fh)
     }
 
@@ -622,22 +626,10 @@ impl Core {
 
     pub fn releasedir(&self, fh: u64) {
         self.dirs.remove(&fh);
-        let Some((_, ino)) = self.dir_handles.remove(&fh) else { return };
-        let last = match self.open_dirs.entry(ino) {
-            dashmap::Entry::Occupied(mut e) => {
-                *e.get_mut() -= 1;
-                let last = *e.get() == 0;
-                if last {
-                    e.remove();
-                }
-                last
-            }
-            dashmap::Entry::Vacant(_) => false,
-        };
         // The last handle of a removed directory: its records go now.
-        if last && self.orphan_dirs.remove(&ino).is_some() {
-            if let Err(e) = self.purge(ino) {
-                tracing::warn!(ino, error = %e, "purging a removed directory failed; the next mount purges it");
+        if let Some(held) = self.open_dirs.close(fh) {
+            if let Err(e) = self.purge(held.ino) {
+                tracing::warn!(ino = held.ino, error = %e, "purging a removed directory failed; the next mount purges it");
             }
         }
     }

@@ -111,14 +111,20 @@ enum Slot {
     Held(Arc<Gate>),
 }
 
+/// What waits on an inode held closed: released once, by the holder.
 #[derive(Default)]
-struct Gate {
+pub(super) struct Gate {
     released: Mutex<bool>,
     cv: Condvar,
 }
 
 impl Gate {
-    fn wait(&self) {
+    pub(super) fn release(&self) {
+        *self.released.lock() = true;
+        self.cv.notify_all();
+    }
+
+    pub(super) fn wait(&self) {
         let mut released = self.released.lock();
         while !*released {
             self.cv.wait(&mut released);
@@ -142,8 +148,7 @@ impl Held<'_> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         self.table.inodes.remove_if(&self.ino, |_, slot| matches!(slot, Slot::Held(g) if Arc::ptr_eq(g, &self.gate)));
-        *self.gate.released.lock() = true;
-        self.gate.cv.notify_all();
+        self.gate.release();
     }
 }
 
