@@ -588,3 +588,41 @@ fn a_mount_point_left_dead_by_a_killed_daemon_mounts_again() {
     m.mount();
     assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
 }
+
+#[test]
+fn under_systemd_the_daemon_reports_ready_and_stops_cleanly_on_sigterm() {
+    use std::os::unix::net::UnixDatagram;
+    let (t, data, mnt) = dirs();
+    let sock_path = t.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    // What the unit runs: the daemon in the foreground, as systemd's child.
+    let mut daemon = converged()
+        .arg("mount")
+        .arg("--foreground")
+        .arg(&mnt)
+        .arg("--data-dir")
+        .arg(&data)
+        .env("NOTIFY_SOCKET", &sock_path)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let n = sock.recv(&mut buf).expect("no READY=1 within 30 s");
+    assert_eq!(&buf[..n], b"READY=1");
+    assert!(is_mounted(&mnt), "READY=1 came before the mount");
+    fs::write(mnt.join("f"), b"under systemd").unwrap();
+    // systemctl stop: SIGTERM to the main process.
+    // SAFETY: kill(2) of our child.
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    let n = sock.recv(&mut buf).expect("no STOPPING=1 after SIGTERM");
+    assert_eq!(&buf[..n], b"STOPPING=1");
+    let status = daemon.wait().unwrap();
+    assert!(status.success(), "the daemon exited with {status} on SIGTERM");
+    assert!(!is_mounted(&mnt), "still mounted after a clean stop");
+    // Clean: the next start finds everything in place.
+    let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(fs::read(mnt.join("f")).unwrap(), b"under systemd");
+    stop_mount(&mnt);
+}
