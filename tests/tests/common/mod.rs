@@ -77,7 +77,14 @@ impl Mount {
         let mnt = root.path().join("mnt");
         std::fs::create_dir(&data).unwrap();
         std::fs::create_dir(&mnt).unwrap();
-        let extra = extra.iter().map(|s| s.to_string()).collect();
+        let mut extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        // The data dir is on the host's disk, whose fill is not the test's: a
+        // host over the default 90 % would make the evictor drop the copies a
+        // test is counting. Tests about eviction set their own watermarks, on
+        // a disk of their own (object_tier's SmallDisk).
+        if extra.iter().any(|a| a == "--object-store") && !extra.iter().any(|a| a == "--evict-high") {
+            extra.extend(["--evict-high", "99", "--evict-low", "98"].map(String::from));
+        }
         let mut m = Mount { root, data, mnt, extra, mounted: false };
         m.mount();
         m
