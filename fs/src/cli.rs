@@ -36,6 +36,10 @@ pub enum Cmd {
         /// The mount point to unmount.
         mountpoint: PathBuf,
     },
+    /// Change a converged mount's flags in place (what `mount -o remount,ro` does): read-only
+    /// or read-write, and nosuid, nodev, noexec and the atime policy. Files stay open; a
+    /// switch to read-only is refused (EBUSY) while a file is open for writing.
+    Remount(crate::remount::RemountArgs),
     /// Show a file's tiers (where its chunks are, its backfill state and object), or, with
     /// --meta, the nodes of a volume (live or dead, capacity, labels) and chunk health.
     Status {
@@ -209,6 +213,7 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
             Ok(_) => spawn_daemon(argv.get(1..).unwrap_or_default(), exe_prefix),
         },
         Cmd::Umount { mountpoint } => umount(&mountpoint),
+        Cmd::Remount(a) => crate::remount::remount(&a),
         Cmd::Cluster(cmd) => cluster(cmd),
         Cmd::Status { path: Some(p), meta: None } => crate::admin::status_path(&p),
         Cmd::Status { path: None, meta: Some(m) } => crate::volume::status(&m),

@@ -11,6 +11,28 @@ use converged_metadata::MetaUri;
 /// Copies of each chunk in a cluster when neither the mount nor a directory says otherwise.
 pub const DEFAULT_CLUSTER_REPLICAS: u32 = 2;
 
+/// How reads update atime. The daemon updates it when a file is opened for reading (or a
+/// directory for listing): passthrough reads never reach it.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AtimePolicy {
+    /// Never update atime.
+    Noatime,
+    /// Update atime when it is older than mtime or ctime, or a day old.
+    Relatime,
+    /// Update atime on every read.
+    Strictatime,
+}
+
+impl AtimePolicy {
+    pub fn rule(self) -> converged_metadata::AtimeRule {
+        match self {
+            AtimePolicy::Noatime => converged_metadata::AtimeRule::Never,
+            AtimePolicy::Relatime => converged_metadata::AtimeRule::Relative,
+            AtimePolicy::Strictatime => converged_metadata::AtimeRule::Always,
+        }
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct MountArgs {
     /// Directory to mount on. Must exist, be a directory, and not already be a mount of converged.
@@ -54,6 +76,15 @@ pub struct MountArgs {
     /// Do not allow programs on the mount to be executed (`noexec`).
     #[arg(long)]
     pub noexec: bool,
+
+    /// When reads update atime: `relatime` (when atime is not after mtime or ctime, or is a
+    /// day old), `noatime` or `strictatime` (every open for reading).
+    #[arg(long, value_enum, default_value_t = AtimePolicy::Relatime, value_name = "POLICY")]
+    pub atime: AtimePolicy,
+
+    /// Never update the atime of directories (`nodiratime`).
+    #[arg(long)]
+    pub nodiratime: bool,
 
     /// This data dir is new: give it its identity even when the volume already knows this node
     /// id (a replaced disk: the records of the node's old copies are dropped and repair copies

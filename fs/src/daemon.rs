@@ -285,6 +285,8 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             node_id: node_id(args),
             verify_reads: args.verify_reads,
             read_only: args.read_only,
+            atime: if args.read_only { converged_metadata::AtimeRule::Never } else { args.atime.rule() },
+            diratime: !args.nodiratime,
             meta_file: match &c.meta {
                 MetaUri::Redb(path) => Some(path.clone()),
                 MetaUri::Memory | MetaUri::Etcd { .. } => None,
@@ -366,6 +368,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         suid: args.suid,
         dev: args.dev,
         noexec: args.noexec,
+        noatime: args.atime == crate::config::AtimePolicy::Noatime,
     };
     crate::fuse::serve(core, spec, |feed| {
         // Changes other nodes make evict what this kernel caches of them.

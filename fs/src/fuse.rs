@@ -47,6 +47,19 @@ impl FuseAdapter {
 
     /// Drop the kernel's cached attributes of `ino` (not its pages: that
     /// would wait for requests in flight on the inode, this one included).
+    /// How long the kernel may keep `i`'s attributes: not at all while a
+    /// writer is open here. Writes through a shared mapping of a passthrough
+    /// file change the backing file without the kernel's knowing, so mtime
+    /// and size come from the daemon (which reads the backing file) until
+    /// the file is sealed.
+    fn attr_ttl(&self, i: &converged_metadata::types::Inode) -> Duration {
+        if self.core.being_written_here(i.ino) {
+            Duration::ZERO
+        } else {
+            self.ttl
+        }
+    }
+
     fn refresh_attrs(&self, ino: u64) {
         if let Some(n) = self.notifier.get() {
             if let Err(e) = n.inval_inode(INodeNo(ino), -1, 0) {
@@ -226,7 +239,7 @@ impl FuseAdapter {
 
     fn new_node(&self, parent: INodeNo, name: &OsStr, node: NewNode<'_>, reply: ReplyEntry) {
         match self.core.mknod(parent.0, name.as_bytes(), &node) {
-            Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
+            Ok(i) => reply.entry(&self.attr_ttl(&i), &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("mknod", e)),
         }
     }
@@ -265,7 +278,7 @@ impl Filesystem for FuseAdapter {
         let _s = debug_span!("lookup", parent = parent.0, name = ?name).entered();
         let _t = latency::timer(Area::Fuse, "lookup");
         match self.core.lookup(parent.0, name.as_bytes()) {
-            Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
+            Ok(i) => reply.entry(&self.attr_ttl(&i), &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("lookup", e)),
         }
     }
@@ -274,7 +287,7 @@ impl Filesystem for FuseAdapter {
         let _s = debug_span!("getattr", ino = ino.0).entered();
         let _t = latency::timer(Area::Fuse, "getattr");
         match self.core.getattr(ino.0) {
-            Ok(i) => reply.attr(&self.ttl, &attr(&i)),
+            Ok(i) => reply.attr(&self.attr_ttl(&i), &attr(&i)),
             Err(e) => reply.error(errno("getattr", e)),
         }
     }
@@ -309,7 +322,7 @@ impl Filesystem for FuseAdapter {
             ctime: ctime.map(from_system_time),
         };
         match self.core.setattr(ino.0, &set) {
-            Ok(i) => reply.attr(&self.ttl, &attr(&i)),
+            Ok(i) => reply.attr(&self.attr_ttl(&i), &attr(&i)),
             Err(e) => reply.error(errno("setattr", e)),
         }
     }
@@ -406,7 +419,7 @@ impl Filesystem for FuseAdapter {
         let _s = debug_span!("link", ino = ino.0, newparent = newparent.0, newname = ?newname).entered();
         let _t = latency::timer(Area::Fuse, "link");
         match self.core.link(ino.0, newparent.0, newname.as_bytes()) {
-            Ok(i) => reply.entry(&self.ttl, &attr(&i), Generation(0)),
+            Ok(i) => reply.entry(&self.attr_ttl(&i), &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("link", e)),
         }
     }
@@ -447,10 +460,17 @@ impl Filesystem for FuseAdapter {
         };
         let a = attr(&inode);
         match self.backing_id(inode.ino, &opened, |f| reply.open_backing(f)) {
-            Some(id) => {
-                reply.created_passthrough(&self.ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
+            Some(id) => reply.created_passthrough(
+                &self.attr_ttl(&inode),
+                &a,
+                Generation(0),
+                FileHandle(opened.fh),
+                FopenFlags::empty(),
+                &id,
+            ),
+            None => {
+                reply.created(&self.attr_ttl(&inode), &a, Generation(0), FileHandle(opened.fh), fopen_flags(&opened))
             }
-            None => reply.created(&self.ttl, &a, Generation(0), FileHandle(opened.fh), fopen_flags(&opened)),
         }
     }
 
@@ -542,7 +562,12 @@ impl Filesystem for FuseAdapter {
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let _t = latency::timer(Area::Fuse, "opendir");
         match self.core.opendir(ino.0) {
-            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            Ok((fh, atime_changed)) => {
+                if atime_changed {
+                    self.refresh_attrs(ino.0);
+                }
+                reply.opened(FileHandle(fh), FopenFlags::empty())
+            }
             Err(e) => reply.error(errno("opendir", e)),
         }
     }
@@ -743,6 +768,8 @@ pub struct MountSpec<'a> {
     pub suid: bool,
     pub dev: bool,
     pub noexec: bool,
+    /// Shown as `noatime` in the mount table (the daemon keeps atime itself).
+    pub noatime: bool,
 }
 
 /// Mount `core` and serve FUSE requests until the filesystem is unmounted
@@ -767,6 +794,7 @@ pub fn serve(
         if spec.dev { fuser::MountOption::Dev } else { fuser::MountOption::NoDev },
         if spec.suid { fuser::MountOption::Suid } else { fuser::MountOption::NoSuid },
         if spec.noexec { fuser::MountOption::NoExec } else { fuser::MountOption::Exec },
+        if spec.noatime { fuser::MountOption::NoAtime } else { fuser::MountOption::Atime },
     ];
     config.acl = fuser::SessionACL::All;
     config.n_threads = Some(spec.threads);

@@ -22,6 +22,7 @@ pub mod object_faults;
 pub mod objects;
 pub mod placement;
 mod remote;
+pub mod remount;
 pub mod stage;
 pub mod tier;
 pub mod volume;

@@ -82,6 +82,8 @@ fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32, obj
         node_id: id.into(),
         verify_reads: true,
         read_only: false,
+        atime: converged_metadata::AtimeRule::Never,
+        diratime: false,
         meta_file: None,
     };
     let core = Arc::new(Core::start(ns, cfg).expect("start the core"));

@@ -54,7 +54,7 @@ pub use ops::layout::{next_version, Seal, CREATE_LEASE};
 pub use ops::nodes::{NodeAdmin, Rebalance};
 pub use ops::tier::{ImportEntry, UploadEnd, UploadStart};
 pub use ops::xattr::{XATTR_NAME_MAX, XATTR_SIZE_MAX};
-pub use ops::Unlinked;
+pub use ops::{AtimeRule, Unlinked};
 pub use types::{ChunkRecord, ROOT_INO as ROOT};
 
 /// A metadata URI, parsed but not yet opened.

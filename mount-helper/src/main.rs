@@ -25,11 +25,6 @@ fn ignored(opt: &str) -> bool {
             | "exec"
             | "nosuid"
             | "nodev"
-            | "atime"
-            | "noatime"
-            | "relatime"
-            | "strictatime"
-            | "nodiratime"
             | "async"
             | "loop"
     ) || opt.starts_with("x-")
@@ -37,15 +32,16 @@ fn ignored(opt: &str) -> bool {
 }
 
 const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,new_node][,ro][,meta_wait=2m][,verify_reads][,threads=N]
-                                                 [,attr_timeout=S][,log_file=F][,node_id=ID][,suid][,dev][,noexec]
+                                                 [,attr_timeout=S][,log_file=F][,node_id=ID][,suid][,dev][,noexec][,noatime|relatime|strictatime][,nodiratime]
                                                  [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local][,repair_delay=5m]
                                                  [,etcd_ca=F,etcd_cert=F,etcd_key=F][,etcd_user=U,etcd_password_file=F]
                                                  [,object_store=URI,s3_endpoint=URL,backfill_delay=5s,evict_high=90,evict_low=80]
                                                  [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S]]
-SOURCE is `local` (embedded metadata in the data dir) or a metadata URI such as redb:///nvme/converged/meta.redb
+SOURCE is `local` or `converged:NAME` (embedded metadata in the data dir; NAME is shown as the source) or a metadata URI such as redb:///nvme/converged/meta.redb
 or etcd://m1:2379,m2:2379,m3:2379/vol1 (etcds:// for TLS; a cluster volume; options as for `converged mount`).
 A data dir is mounted only once it has an identity: give new_node at its first mount (not in a line kept for boot).
-Mounts are nosuid,nodev unless suid or dev is given; _netdev waits up to 60s for the metadata service (meta_wait=).";
+Mounts are nosuid,nodev unless suid or dev is given; _netdev waits up to 60s for the metadata service (meta_wait=).
+`-o remount,ro` (or rw, [no]suid, [no]dev, [no]exec, noatime, relatime, strictatime) changes a mount in place.";
 
 /// How long a `_netdev` mount waits for its metadata service unless `meta_wait=` says.
 const NETDEV_META_WAIT: &str = "60s";
@@ -70,16 +66,26 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
     let [source, mountpoint] = positional.as_slice() else {
         return Err(format!("expected SOURCE and MOUNTPOINT, got {} arguments", positional.len()));
     };
+    if options.contains(&"remount") {
+        return remount(mountpoint, &options);
+    }
     let mut out: Vec<OsString> = vec!["converged".into(), "mount".into(), mountpoint.into()];
     let mut data_dir = None;
+    // The mount's source as findmnt and df show it.
+    let mut fsname = format!("converged:{source}");
     let mut meta = None;
     let mut meta_wait = None;
     let mut new_node = false;
     let mut etcd_access: Vec<String> = Vec::new();
     match source.as_str() {
         "local" | "converged" => {}
+        // A single-node volume with a name of its own, shown as the mount's source (so
+        // that two of them on one host, findmnt -S and umount by source tell apart).
+        s if s.strip_prefix("converged:").is_some_and(|n| !n.is_empty() && !n.contains('/')) => fsname = s.to_string(),
         s if s.contains("://") || s.starts_with("memory:") => meta = Some(s.to_string()),
-        s => return Err(format!("source {s:?} is neither `local` nor a metadata URI (redb:///path)")),
+        s => {
+            return Err(format!("source {s:?} is neither `local`, `converged:NAME` nor a metadata URI (redb:///path)"))
+        }
     }
     for opt in options.iter().filter(|o| !o.is_empty()) {
         let (key, value) = match opt.split_once('=') {
@@ -98,6 +104,9 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "dev" => out.push("--dev".into()),
             "noexec" => out.push("--noexec".into()),
             "new_node" => new_node = true,
+            "noatime" | "relatime" | "strictatime" => out.extend(["--atime".into(), key.into()]),
+            "atime" => out.extend(["--atime".into(), "relatime".into()]),
+            "nodiratime" => out.push("--nodiratime".into()),
             "meta_wait" => meta_wait = Some(need(value)?.to_string()),
             "etcd_ca" | "etcd_cert" | "etcd_key" | "etcd_user" | "etcd_password_file" => {
                 etcd_access.push(format!("{}={}", &key["etcd_".len()..], need(value)?));
@@ -136,7 +145,32 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
     if let Some(w) = meta_wait.or(options.contains(&"_netdev").then(|| NETDEV_META_WAIT.to_string())) {
         out.extend(["--meta-wait".into(), w.into()]);
     }
-    out.extend(["--source".into(), format!("converged:{source}").into()]);
+    out.extend(["--source".into(), fsname.into()]);
+    Ok(out)
+}
+
+/// `mount -o remount,...`: the flags that can change in place, as `converged remount`.
+/// Options naming the volume (data_dir=, meta=, ...) cannot change and are ignored, as
+/// mount(8) passes the whole fstab line again.
+fn remount(mountpoint: &str, options: &[&str]) -> Result<Vec<OsString>, String> {
+    let mut out: Vec<OsString> = vec!["converged".into(), "remount".into(), mountpoint.into()];
+    for opt in options {
+        let flag: &[&str] = match *opt {
+            "ro" => &["--read-only"],
+            "rw" => &["--read-write"],
+            "suid" => &["--suid", "true"],
+            "nosuid" => &["--suid", "false"],
+            "dev" => &["--dev", "true"],
+            "nodev" => &["--dev", "false"],
+            "exec" => &["--exec", "true"],
+            "noexec" => &["--exec", "false"],
+            "noatime" => &["--atime", "noatime"],
+            "relatime" => &["--atime", "relatime"],
+            "strictatime" => &["--atime", "strictatime"],
+            _ => &[],
+        };
+        out.extend(flag.iter().map(OsString::from));
+    }
     Ok(out)
 }
 

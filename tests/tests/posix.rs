@@ -624,3 +624,96 @@ fn directories_removed_under_racing_handles_answer_fstat_and_leave_no_orphan() {
     let ns = converged_metadata::Namespace::open(kv, 0, 0).unwrap();
     assert_eq!(ns.orphans().unwrap(), Vec::<u64>::new(), "removed directories left behind");
 }
+
+/// A store through a shared mapping moves mtime and ctime as stat sees
+/// them, though the write never passes the daemon (passthrough maps the
+/// backing file), and though stat had cached the times before (xfstests
+/// generic/080).
+#[test]
+fn a_store_through_a_shared_mapping_moves_mtime_and_ctime() {
+    for args in [&[][..], &["--verify-reads"][..]] {
+        let m = Mount::with_args(args);
+        let p = m.path("mm");
+        fs::write(&p, vec![b'a'; 4096]).unwrap();
+        let before = fs::metadata(&p).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+        // SAFETY: a shared mapping of a file we own, unmapped before use ends.
+        unsafe {
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            );
+            assert_ne!(ptr, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+            // A load first, so the store is a write fault on a mapped page.
+            assert_eq!(std::ptr::read_volatile(ptr as *const u8), b'a');
+            std::ptr::write_volatile(ptr as *mut u8, b'b');
+            libc::munmap(ptr, 4096);
+        }
+        drop(f);
+        let after = fs::metadata(&p).unwrap();
+        assert!(after.mtime() > before.mtime(), "mtime with {args:?}: {} then {}", before.mtime(), after.mtime());
+        assert!(after.ctime() > before.ctime(), "ctime with {args:?}: {} then {}", before.ctime(), after.ctime());
+        assert_eq!(fs::read(&p).unwrap()[0], b'b');
+    }
+}
+
+fn atime(p: &std::path::Path) -> (i64, i64) {
+    let md = fs::metadata(p).unwrap();
+    (md.atime(), md.atime_nsec())
+}
+
+/// relatime (the default): the first read after a change moves atime, a
+/// second read does not; listing a directory moves its atime, creating a
+/// file in it does not. noatime: reads never move it. strictatime: every
+/// read does. Each across a remount too (the atime is kept).
+#[test]
+fn atime_follows_relatime_noatime_and_strictatime() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    let d = m.path("d");
+    fs::write(&f, b"aaa").unwrap();
+    fs::create_dir(&d).unwrap();
+    let pause = || std::thread::sleep(std::time::Duration::from_millis(20));
+    let created = atime(&f);
+    pause();
+    fs::read(&f).unwrap();
+    let first = atime(&f);
+    assert!(first > created, "relatime: the first read after the write moves atime");
+    pause();
+    fs::read(&f).unwrap();
+    assert_eq!(atime(&f), first, "relatime: a second read does not");
+    let dir_created = atime(&d);
+    pause();
+    fs::write(d.join("g"), b"g").unwrap();
+    assert_eq!(atime(&d), dir_created, "creating a file in a directory leaves its atime");
+    fs::read_dir(&d).unwrap().for_each(drop);
+    assert!(atime(&d) > dir_created, "listing a directory moves its atime");
+    pause();
+    fs::write(&f, b"bbb").unwrap();
+    m.umount();
+    m.mount();
+    assert_eq!(atime(&f), first, "a remount keeps atime");
+
+    m.umount();
+    m.extra = vec!["--atime".into(), "noatime".into()];
+    m.mount();
+    pause();
+    fs::read(&f).unwrap();
+    assert_eq!(atime(&f), first, "noatime: a read after a write leaves atime");
+
+    m.umount();
+    m.extra = vec!["--atime".into(), "strictatime".into()];
+    m.mount();
+    let mut last = atime(&f);
+    for _ in 0..2 {
+        pause();
+        fs::read(&f).unwrap();
+        assert!(atime(&f) > last, "strictatime: every read moves atime");
+        last = atime(&f);
+    }
+}

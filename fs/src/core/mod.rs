@@ -97,6 +97,10 @@ pub struct CoreConfig {
     /// A read-only mount: no recovery and no reserve at start (both write);
     /// the kernel refuses every change before it reaches the core.
     pub read_only: bool,
+    /// When reads update atime (`--atime`; `Never` on a read-only mount), for
+    /// files and, with `diratime`, directories.
+    pub atime: converged_metadata::AtimeRule,
+    pub diratime: bool,
     /// The embedded metadata file when it lives on the data disk; kept
     /// preallocated so a disk full of chunks cannot starve it.
     pub meta_file: Option<PathBuf>,
@@ -594,16 +598,39 @@ impl Core {
 
     /// Directory handles hold a snapshot of the entries, so offsets stay
     /// stable while the directory changes underneath a reader.
-    pub fn opendir(&self, ino: Ino) -> FsResult<u64> {
+    /// Open a directory to list: the handle, and whether its atime changed.
+    pub fn opendir(&self, ino: Ino) -> FsResult<(u64, bool)> {
         // Counted before the look, so a removal that did not see this
         // handle has purged before the look, which then fails.
         let fh = self.open.new_fh();
         self.open_dirs.open(ino, fh);
-        if let Err(e) = self.ns.getattr(ino) {
-            self.releasedir(fh);
-            return Err(e.into());
+        let dir = match self.ns.getattr(ino) {
+            Ok(dir) => dir,
+            Err(e) => {
+                self.releasedir(fh);
+                return Err(e.into());
+            }
+        };
+        let touched = self.cfg.diratime && self.note_access(&dir);
+        Ok((fh, touched))
+    }
+
+    /// A read-open of `inode` (a file, or a directory to list): its atime as
+    /// the mount's rule says. The update is made at open, not at each read:
+    /// passthrough reads never reach the daemon. Returns whether atime
+    /// changed (the kernel's cached attributes are then stale). A failed
+    /// update is logged and the open goes on.
+    pub(crate) fn note_access(&self, inode: &Attr) -> bool {
+        if !self.cfg.atime.due(inode, converged_metadata::types::Timespec::now()) {
+            return false;
         }
-        Ok(fh)
+        match self.ns.touch_atime(inode.ino, self.cfg.atime) {
+            Ok(changed) => changed.is_some(),
+            Err(e) => {
+                tracing::warn!(ino = inode.ino, error = %e, "could not update atime");
+                false
+            }
+        }
     }
 
     /// Entries from `offset` on; offset 0 (re)takes the snapshot. Returns

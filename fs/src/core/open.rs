@@ -411,6 +411,7 @@ impl Core {
         if !kernel {
             return Ok(Opened { fh, backing: None, direct_io: true, refresh_attrs: false });
         }
+        let touched = !writable && self.note_access(&inode);
         let mut passthrough = self.passthrough();
         if passthrough && writable {
             if let Some(t) = self.tier.get() {
@@ -448,7 +449,9 @@ impl Core {
             fh,
             backing: (io == Io::Passthrough).then(|| oi.file.clone()),
             direct_io: io == Io::Direct,
-            refresh_attrs: clustered,
+            // A writer's attributes are not cached (see FuseAdapter::attr_ttl),
+            // and those the kernel holds from before are dropped.
+            refresh_attrs: clustered || touched || writable,
         })
     }
 

@@ -100,6 +100,8 @@ impl TestCore {
                 node_id: NODE.into(),
                 verify_reads: true,
                 read_only: false,
+                atime: converged_metadata::AtimeRule::Never,
+                diratime: false,
                 meta_file: None,
             },
         )
@@ -121,6 +123,9 @@ pub fn start(engine: &Arc<dyn KvEngine>, data_dir: &Path) -> FsResult<Core> {
             node_id: NODE.into(),
             verify_reads: true,
             read_only: false,
+            // The reference models keep no atime; the mount tests check it.
+            atime: converged_metadata::AtimeRule::Never,
+            diratime: false,
             meta_file: None,
         },
     )
@@ -404,7 +409,7 @@ pub fn removexattr(core: &Core, path: &str, name: &[u8]) -> FsResult<()> {
 
 /// opendir, readdir from offset 0, releasedir: the entries without `.` and `..`.
 pub fn list(core: &Core, ino: Ino) -> FsResult<Vec<(Vec<u8>, converged_metadata::types::Dentry)>> {
-    let fh = core.opendir(ino)?;
+    let (fh, _) = core.opendir(ino)?;
     let listing = core.readdir(ino, fh, 0);
     core.releasedir(fh);
     Ok(listing?.iter().filter(|(n, _)| n != b"." && n != b"..").cloned().collect())

@@ -14,3 +14,4 @@ pub mod tier;
 pub mod xattr;
 
 pub use remove::Unlinked;
+pub use setattr::AtimeRule;

@@ -51,3 +51,82 @@ impl Namespace {
         })
     }
 }
+
+/// When a read updates atime (the mount's atime option).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AtimeRule {
+    /// Never.
+    Never,
+    /// When atime is not after mtime or ctime, or is a day old (Linux's default).
+    #[default]
+    Relative,
+    /// Every time.
+    Always,
+}
+
+impl AtimeRule {
+    /// Whether a read of `inode` at `now` updates its atime.
+    pub fn due(self, inode: &Inode, now: Timespec) -> bool {
+        match self {
+            AtimeRule::Never => false,
+            AtimeRule::Always => true,
+            AtimeRule::Relative => {
+                inode.atime <= inode.mtime || inode.atime <= inode.ctime || now.sec - inode.atime.sec >= 24 * 3600
+            }
+        }
+    }
+}
+
+impl Namespace {
+    /// A read of `ino`: set its atime to now if `rule` says so (ctime stays).
+    /// Returns the inode when it changed. Buffered, as a local filesystem
+    /// writes atime back lazily; the rule is checked again inside the
+    /// transaction, so racing readers write it once.
+    pub fn touch_atime(&self, ino: Ino, rule: AtimeRule) -> MetaResult<Option<Inode>> {
+        let now = Timespec::now();
+        self.write(Durability::Buffered, |txn| {
+            let mut inode = get_inode(txn, ino)?;
+            if !rule.due(&inode, now) {
+                return Ok(None);
+            }
+            inode.atime = now;
+            put_inode(txn, &inode);
+            Ok(Some(inode))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relatime_updates_once_after_each_change_and_daily() {
+        let t = |sec| Timespec { sec, nsec: 0 };
+        let mut inode = Inode {
+            ino: 2,
+            kind: FileKind::Regular,
+            perm: 0o644,
+            uid: 0,
+            gid: 0,
+            nlink: 1,
+            size: 0,
+            atime: t(100),
+            mtime: t(100),
+            ctime: t(100),
+            rdev: 0,
+            parent: 1,
+            name: b"f".to_vec(),
+            chunk_size: 1 << 26,
+            target: None,
+        };
+        assert!(AtimeRule::Relative.due(&inode, t(101)), "atime not after mtime");
+        inode.atime = t(101);
+        assert!(!AtimeRule::Relative.due(&inode, t(102)), "read again: no update");
+        assert!(AtimeRule::Relative.due(&inode, t(101 + 24 * 3600)), "a day later");
+        inode.mtime = t(105);
+        assert!(AtimeRule::Relative.due(&inode, t(106)), "after a write");
+        assert!(!AtimeRule::Never.due(&inode, t(106)));
+        assert!(AtimeRule::Always.due(&Inode { atime: t(200), ..inode }, t(201)));
+    }
+}
