@@ -251,6 +251,9 @@ impl Filesystem for FuseAdapter {
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.set_max_background(64);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // File handles (name_to_handle_at, NFS export): the kernel looks a
+        // handle's inode up as `.` in it (see Core::lookup).
+        let _ = config.add_capabilities(InitFlags::FUSE_EXPORT_SUPPORT);
         // mmap of a direct-I/O handle (one opened beside passthrough handles).
         let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
         let mut passthrough = false;
@@ -728,6 +731,28 @@ impl Filesystem for FuseAdapter {
         match self.core.fallocate(fh.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fallocate", e)),
+        }
+    }
+
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        ino_in: INodeNo,
+        fh_in: FileHandle,
+        offset_in: u64,
+        ino_out: INodeNo,
+        fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        let _s = debug_span!("copy_file_range", ino_in = ino_in.0, offset_in, ino_out = ino_out.0, offset_out, len)
+            .entered();
+        let _t = latency::timer(Area::Fuse, "copy_file_range");
+        match self.core.copy_range(fh_in.0, offset_in, fh_out.0, offset_out, len) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno("copy_file_range", e)),
         }
     }
 

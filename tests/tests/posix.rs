@@ -8,6 +8,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 
+use common::cluster::xattr_value;
 use common::*;
 
 #[test]
@@ -716,4 +717,103 @@ fn atime_follows_relatime_noatime_and_strictatime() {
         assert!(atime(&f) > last, "strictatime: every read moves atime");
         last = atime(&f);
     }
+}
+
+/// copy_file_range is served by the daemon (not the kernel's fallback): a
+/// copy larger than one request's 64 MiB, by a caller that loops as cp
+/// does, and a copy into the middle of another file, read back after a
+/// remount.
+#[test]
+fn copy_file_range_copies_through_the_daemon() {
+    let mut m = Mount::new();
+    let data = pattern((100 << 20) + 12345, 5);
+    fs::write(m.path("src"), &data).unwrap();
+    let copy = |from: &str, off_in: i64, to: &str, off_out: i64, len: usize| -> usize {
+        let src = File::open(m.path(from)).unwrap();
+        let dst = OpenOptions::new().create(true).truncate(false).write(true).open(m.path(to)).unwrap();
+        let (mut oi, mut oo, mut total) = (off_in, off_out, 0usize);
+        while total < len {
+            // SAFETY: two open descriptors and offsets we own.
+            let n =
+                unsafe { libc::copy_file_range(src.as_raw_fd(), &mut oi, dst.as_raw_fd(), &mut oo, len - total, 0) };
+            assert!(n >= 0, "copy_file_range: {}", std::io::Error::last_os_error());
+            if n == 0 {
+                break;
+            }
+            total += n as usize;
+        }
+        total
+    };
+    assert_eq!(copy("src", 0, "dst", 0, data.len()), data.len());
+    fs::write(m.path("mid"), vec![b'x'; 3 << 20]).unwrap();
+    assert_eq!(copy("src", 1000, "mid", 1 << 20, 1 << 20), 1 << 20);
+    // Past the source's end, a copy stops there.
+    assert_eq!(copy("src", data.len() as i64 - 10, "mid", 0, 100), 10);
+    let stats = xattr_value(&m.mnt, "user.converged.stats");
+    assert!(stats.contains("copy_file_range"), "the daemon served the copies: {stats}");
+    m.umount();
+    m.mount();
+    drop_caches();
+    assert!(fs::read(m.path("dst")).unwrap() == data, "dst has src's bytes");
+    let mid = fs::read(m.path("mid")).unwrap();
+    assert_eq!(mid.len(), 3 << 20);
+    assert_eq!(&mid[..10], &data[data.len() - 10..]);
+    assert!(mid[10..1 << 20].iter().all(|b| *b == b'x'));
+    assert!(mid[1 << 20..2 << 20] == data[1000..1000 + (1 << 20)]);
+    assert!(mid[2 << 20..].iter().all(|b| *b == b'x'));
+}
+
+/// name_to_handle_at / open_by_handle_at (export support): a handle opens
+/// its file after the kernel has forgotten the inode and after a remount
+/// (a new daemon), a directory's handle too; once the file is unlinked its
+/// handle is stale (ESTALE), and a later file never answers to it.
+#[test]
+fn file_handles_outlive_the_kernels_cache_and_go_stale_when_the_file_goes() {
+    #[repr(C)]
+    struct Handle {
+        bytes: u32,
+        kind: i32,
+        f: [u8; 128],
+    }
+    let handle_of = |p: &std::path::Path| -> Handle {
+        let mut h = Handle { bytes: 128, kind: 0, f: [0; 128] };
+        let mut mount_id = 0;
+        let c = cstr(p);
+        // SAFETY: a buffer laid out as struct file_handle with 128 bytes of room.
+        let rc = unsafe {
+            libc::name_to_handle_at(libc::AT_FDCWD, c.as_ptr(), &mut h as *mut Handle as *mut _, &mut mount_id, 0)
+        };
+        assert_eq!(rc, 0, "name_to_handle_at {}: {}", p.display(), std::io::Error::last_os_error());
+        h
+    };
+    let open_by = |root: &std::path::Path, h: &mut Handle, flags: i32| -> Result<File, i32> {
+        let root = File::open(root).unwrap();
+        // SAFETY: the handle buffer filled by name_to_handle_at.
+        let fd = unsafe { libc::open_by_handle_at(root.as_raw_fd(), h as *mut Handle as *mut _, flags) };
+        if fd < 0 {
+            return Err(errno());
+        }
+        // SAFETY: a descriptor we just opened and own.
+        Ok(unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    };
+    let mut m = Mount::new();
+    fs::create_dir(m.path("d")).unwrap();
+    fs::write(m.path("d/f"), b"by handle").unwrap();
+    let mut fh = handle_of(&m.path("d/f"));
+    let mut dh = handle_of(&m.path("d"));
+    drop_caches();
+    let mut got = String::new();
+    open_by(&m.mnt, &mut fh, libc::O_RDONLY).unwrap().read_to_string(&mut got).unwrap();
+    assert_eq!(got, "by handle");
+    m.umount();
+    m.mount();
+    let mut got = String::new();
+    open_by(&m.mnt, &mut fh, libc::O_RDONLY).unwrap().read_to_string(&mut got).unwrap();
+    assert_eq!(got, "by handle", "after a remount");
+    let dir = open_by(&m.mnt, &mut dh, libc::O_RDONLY | libc::O_DIRECTORY).unwrap();
+    assert!(dir.metadata().unwrap().is_dir());
+    fs::remove_file(m.path("d/f")).unwrap();
+    fs::write(m.path("d/g"), b"another").unwrap();
+    drop_caches();
+    assert_eq!(open_by(&m.mnt, &mut fh, libc::O_RDONLY).err(), Some(libc::ESTALE), "an unlinked file's handle");
 }

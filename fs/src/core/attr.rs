@@ -100,8 +100,24 @@ impl Core {
         }
     }
 
+    /// A name in a directory. The kernel asks for `.` and `..` only to turn
+    /// a file handle (open_by_handle_at, NFS export) back into an inode it
+    /// no longer holds: `.` is the inode numbered `parent` itself, whatever
+    /// its kind (ENOENT once it is gone: the handle is stale), and `..` a
+    /// directory's parent. Inode numbers are never reused, so a handle
+    /// cannot name a later file.
     pub fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
-        self.settled(|| self.lookup_once(parent, name))
+        match name {
+            b"." => self.getattr(parent),
+            b".." => {
+                let dir = self.ns.getattr(parent)?;
+                if dir.kind != FileKind::Directory {
+                    return Err(MetaError::NotDir.into());
+                }
+                self.getattr(dir.parent)
+            }
+            _ => self.settled(|| self.lookup_once(parent, name)),
+        }
     }
 
     fn lookup_once(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {

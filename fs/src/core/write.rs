@@ -49,6 +49,8 @@ const REPLICATION_WINDOW: usize = 3;
 /// How long an open for writing waits for another node's write lease.
 const LEASE_WAIT: Duration = Duration::from_secs(2);
 
+/// The most bytes one copy_file_range request copies.
+pub const COPY_PER_CALL: u64 = 64 << 20;
 /// Size and mtime of a backing file: what a publish saw, to skip the next
 /// one (and the final seal) when nothing changed since.
 pub(super) type Stamp = (u64, Timespec);
@@ -510,6 +512,40 @@ impl Core {
         }
         oi.state.lock().write.mark_dirty(chunk_range(offset, length, self.ns.chunk_size()));
         Ok(())
+    }
+
+    /// copy_file_range: `len` bytes of one handle's file from `off_in`,
+    /// written at `off_out` of another's (or the same file's), through the
+    /// daemon's read and write paths: chunks held elsewhere are fetched, and
+    /// the copy is a write like any other (leased, checksummed at its seal,
+    /// replicated). At most [`COPY_PER_CALL`] bytes per call, so that one
+    /// request does not hold a FUSE thread for long; the kernel returns the
+    /// count and the caller asks again for the rest. Stops at the source's
+    /// end. An error after some bytes were copied returns the count.
+    pub fn copy_range(&self, fh_in: u64, off_in: u64, fh_out: u64, off_out: u64, len: u64) -> FsResult<u32> {
+        const PIECE: u64 = 1 << 20;
+        let len = len.min(COPY_PER_CALL);
+        let mut done = 0u64;
+        while done < len {
+            let want = PIECE.min(len - done) as u32;
+            let step = self
+                .read(fh_in, off_in + done, want)
+                .and_then(|data| Ok((data.len(), self.write(fh_out, off_out + done, &data)?)));
+            match step {
+                Ok((read, written)) => {
+                    done += written as u64;
+                    if read < want as usize || (written as usize) < read {
+                        break;
+                    }
+                }
+                Err(e) if done == 0 => return Err(e),
+                Err(e) => {
+                    tracing::debug!(fh_in, fh_out, done, error = %e, "copy_file_range cut short");
+                    break;
+                }
+            }
+        }
+        Ok(done as u32)
     }
 
     pub fn lseek(&self, fh: u64, offset: i64, whence: i32) -> FsResult<i64> {
