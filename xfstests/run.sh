@@ -108,15 +108,18 @@ for d in test scratch; do
 	"$WORK/bin/converged" umount "$WORK/mnt/$d"
 done
 
+# xfstests expects a local filesystem's defaults: device files and set-ID
+# bits honoured (converged mounts nosuid,nodev unless told; mount(8) drops
+# `dev` and `suid` before it calls the helper, hence the allow_ names).
 cat >"$WORK/local.config" <<EOF
 export FSTYP=fuse
 export FUSE_SUBTYP=.converged
 export TEST_DEV=converged:xfstests-test
 export TEST_DIR=$WORK/mnt/test
-export TEST_FS_MOUNT_OPTS="-o data_dir=$WORK/test"
+export TEST_FS_MOUNT_OPTS="-o data_dir=$WORK/test,allow_dev,allow_suid"
 export SCRATCH_DEV=converged:xfstests-scratch
 export SCRATCH_MNT=$WORK/mnt/scratch
-export MOUNT_OPTIONS="-o data_dir=$WORK/scratch"
+export MOUNT_OPTIONS="-o data_dir=$WORK/scratch,allow_dev,allow_suid"
 export RESULT_BASE=$WORK/results
 EOF
 

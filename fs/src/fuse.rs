@@ -19,7 +19,7 @@ use fuser::{
 use parking_lot::Mutex;
 use tracing::debug_span;
 
-use crate::core::{Core, Opened};
+use crate::core::{Caller, Core, Opened};
 use crate::error::FsError;
 
 pub struct FuseAdapter {
@@ -182,7 +182,7 @@ fn attr(i: &Inode) -> FileAttr {
 }
 
 /// A node owned by the caller, with the permission bits of `mode`.
-fn node_for(req: &Request, kind: FileKind, mode: u32) -> NewNode<'static> {
+fn node_for(req: &Request, kind: FileKind, mode: u32, umask: u32) -> NewNode<'static> {
     NewNode {
         kind,
         perm: (mode & 0o7777) as u16,
@@ -191,6 +191,7 @@ fn node_for(req: &Request, kind: FileKind, mode: u32) -> NewNode<'static> {
         rdev: 0,
         target: None,
         unsealed: false,
+        umask: (umask & 0o777) as u16,
     }
 }
 
@@ -254,6 +255,12 @@ impl Filesystem for FuseAdapter {
         // File handles (name_to_handle_at, NFS export): the kernel looks a
         // handle's inode up as `.` in it (see Core::lookup).
         let _ = config.add_capabilities(InitFlags::FUSE_EXPORT_SUPPORT);
+        // POSIX ACLs: the kernel checks them (from system.posix_acl_* xattrs)
+        // and leaves the umask to the daemon, which applies it, or a
+        // directory's default ACL instead (converged_metadata::acl).
+        if config.add_capabilities(InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK).is_err() {
+            tracing::warn!("the kernel offers no POSIX ACLs; ACL xattrs are stored but not enforced");
+        }
         // mmap of a direct-I/O handle (one opened beside passthrough handles).
         let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
         let mut passthrough = false;
@@ -339,36 +346,28 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn mknod(
-        &self,
-        req: &Request,
-        parent: INodeNo,
-        name: &OsStr,
-        mode: u32,
-        _umask: u32,
-        rdev: u32,
-        reply: ReplyEntry,
-    ) {
+    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
         let _s = debug_span!("mknod", parent = parent.0, name = ?name, mode).entered();
         let _t = latency::timer(Area::Fuse, "mknod");
         let Some(kind) = FileKind::from_mode(mode) else {
             return reply.error(Errno::EINVAL);
         };
-        let node = NewNode { rdev, ..node_for(req, kind, mode) };
+        let node = NewNode { rdev, ..node_for(req, kind, mode, umask) };
         self.new_node(parent, name, node, reply);
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
         let _s = debug_span!("mkdir", parent = parent.0, name = ?name, mode).entered();
         let _t = latency::timer(Area::Fuse, "mkdir");
-        let node = node_for(req, FileKind::Directory, mode);
+        let node = node_for(req, FileKind::Directory, mode, umask);
         self.new_node(parent, name, node, reply);
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
         let _s = debug_span!("symlink", parent = parent.0, name = ?link_name).entered();
         let _t = latency::timer(Area::Fuse, "symlink");
-        let node = NewNode { target: Some(target.as_os_str().as_bytes()), ..node_for(req, FileKind::Symlink, 0o777) };
+        let node =
+            NewNode { target: Some(target.as_os_str().as_bytes()), ..node_for(req, FileKind::Symlink, 0o777, 0) };
         self.new_node(parent, link_name, node, reply);
     }
 
@@ -450,13 +449,13 @@ impl Filesystem for FuseAdapter {
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         flags: i32,
         reply: ReplyCreate,
     ) {
         let _s = debug_span!("create", parent = parent.0, name = ?name, mode, flags).entered();
         let _t = latency::timer(Area::Fuse, "create");
-        let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode) };
+        let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode, umask) };
         let (inode, opened) = match self.core.create(parent.0, name.as_bytes(), &node) {
             Ok(r) => r,
             Err(e) => return reply.error(errno("create", e)),
@@ -663,7 +662,8 @@ impl Filesystem for FuseAdapter {
             libc::XATTR_REPLACE => XattrMode::Replace,
             _ => return reply.error(Errno::EINVAL),
         };
-        match self.core.setxattr(ino.0, name.as_bytes(), value, mode, req.uid()) {
+        let caller = Caller { uid: req.uid(), gid: req.gid(), pid: req.pid() };
+        match self.core.setxattr(ino.0, name.as_bytes(), value, mode, &caller) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("setxattr", e)),
         }

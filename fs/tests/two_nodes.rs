@@ -211,11 +211,11 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// What the kernel asks for on open(O_CREAT) for writing.
 fn file_node() -> NewNode<'static> {
-    NewNode { kind: FileKind::Regular, perm: 0o644, uid: 0, gid: 0, rdev: 0, target: None, unsealed: true }
+    NewNode { kind: FileKind::Regular, perm: 0o644, uid: 0, gid: 0, rdev: 0, target: None, unsealed: true, umask: 0 }
 }
 
 fn dir_node() -> NewNode<'static> {
-    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false }
+    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false, umask: 0 }
 }
 
 /// Write `data` at `offset` through a handle, one MiB per call (max_write).
@@ -396,7 +396,7 @@ fn a_corrupt_peer_reads_as_eio_never_as_wrong_bytes() {
     let (a, b) = (&c.node("a").core, &c.node("b").core);
     // One copy of what is written under `one/`: the writer's.
     let dir = a.mknod(ROOT, b"one", &dir_node()).unwrap();
-    a.setxattr(dir.ino, REPLICAS_XATTR, b"1", XattrMode::Any, 0).unwrap();
+    a.setxattr(dir.ino, REPLICAS_XATTR, b"1", XattrMode::Any, &converged_fs::core::Caller::ROOT).unwrap();
     let data = pattern(6, 2 * CHUNK + 100);
     let ino = create_in(a, dir.ino, "x", &data).unwrap();
     assert_eq!(holders(b, ino), vec![vec!["a".to_string()]; 3]);

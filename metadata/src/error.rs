@@ -20,6 +20,8 @@ pub enum MetaError {
     Invalid(&'static str),
     #[error("operation not permitted: {0}")]
     NotPermitted(&'static str),
+    #[error("permission denied: {0}")]
+    Denied(&'static str),
     #[error("no such extended attribute")]
     NoAttr,
     #[error("extended attribute name or value too large")]
@@ -53,6 +55,7 @@ impl MetaError {
             MetaError::NameTooLong => libc::ENAMETOOLONG,
             MetaError::Invalid(_) => libc::EINVAL,
             MetaError::NotPermitted(_) => libc::EPERM,
+            MetaError::Denied(_) => libc::EACCES,
             MetaError::NoAttr => libc::ENODATA,
             MetaError::XattrTooBig => libc::E2BIG,
             MetaError::TooManyLinks => libc::EMLINK,

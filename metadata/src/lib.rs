@@ -4,6 +4,7 @@
 //! The engine is chosen by URI ([`open_engine`]): `redb:///path` (embedded, the
 //! default) or `memory:` (tests). Every namespace operation is one transaction.
 
+pub mod acl;
 pub mod error;
 pub mod kv;
 pub mod kv_cache;

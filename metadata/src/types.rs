@@ -248,6 +248,9 @@ pub struct NewNode<'a> {
     /// Created to be written at once (open(O_CREAT) for writing): the file
     /// starts unsealed in the same transaction that creates it.
     pub unsealed: bool,
+    /// The creating process's umask: applied unless the directory has a
+    /// default ACL, which takes its place (the kernel leaves both to us).
+    pub umask: u16,
 }
 
 /// Flags of `setxattr`.

@@ -147,11 +147,11 @@ fn ns(kv: Arc<dyn KvEngine>) -> Namespace {
 }
 
 fn file(perm: u16) -> NewNode<'static> {
-    NewNode { kind: FileKind::Regular, perm, uid: 1, gid: 2, rdev: 0, target: None, unsealed: false }
+    NewNode { kind: FileKind::Regular, perm, uid: 1, gid: 2, rdev: 0, target: None, unsealed: false, umask: 0 }
 }
 
 fn dir() -> NewNode<'static> {
-    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false }
+    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false, umask: 0 }
 }
 
 fn errno<T: std::fmt::Debug>(r: Result<T, MetaError>) -> i32 {

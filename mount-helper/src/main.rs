@@ -23,8 +23,6 @@ fn ignored(opt: &str) -> bool {
             | "_netdev"
             | "nofail"
             | "exec"
-            | "nosuid"
-            | "nodev"
             | "async"
             | "loop"
     ) || opt.starts_with("x-")
@@ -32,7 +30,7 @@ fn ignored(opt: &str) -> bool {
 }
 
 const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,new_node][,ro][,meta_wait=2m][,verify_reads][,threads=N]
-                                                 [,attr_timeout=S][,log_file=F][,node_id=ID][,suid][,dev][,noexec][,noatime|relatime|strictatime][,nodiratime]
+                                                 [,attr_timeout=S][,log_file=F][,node_id=ID][,allow_suid][,allow_dev][,noexec][,noatime|relatime|strictatime][,nodiratime]
                                                  [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local][,repair_delay=5m]
                                                  [,etcd_ca=F,etcd_cert=F,etcd_key=F][,etcd_user=U,etcd_password_file=F]
                                                  [,object_store=URI,s3_endpoint=URL,backfill_delay=5s,evict_high=90,evict_low=80]
@@ -40,7 +38,8 @@ const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_d
 SOURCE is `local` or `converged:NAME` (embedded metadata in the data dir; NAME is shown as the source) or a metadata URI such as redb:///nvme/converged/meta.redb
 or etcd://m1:2379,m2:2379,m3:2379/vol1 (etcds:// for TLS; a cluster volume; options as for `converged mount`).
 A data dir is mounted only once it has an identity: give new_node at its first mount (not in a line kept for boot).
-Mounts are nosuid,nodev unless suid or dev is given; _netdev waits up to 60s for the metadata service (meta_wait=).
+Mounts are nosuid,nodev unless allow_suid or allow_dev is given (mount(8) drops `suid` and `dev` before calling
+this helper); _netdev waits up to 60s for the metadata service (meta_wait=).
 `-o remount,ro` (or rw, [no]suid, [no]dev, [no]exec, noatime, relatime, strictatime) changes a mount in place.";
 
 /// How long a `_netdev` mount waits for its metadata service unless `meta_wait=` says.
@@ -76,6 +75,9 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
     let mut meta = None;
     let mut meta_wait = None;
     let mut new_node = false;
+    // A `nosuid` or `nodev` anywhere on the line wins over an allow_ option.
+    let (mut suid, mut dev) = (false, false);
+    let (nosuid, nodev) = (options.contains(&"nosuid"), options.contains(&"nodev"));
     let mut etcd_access: Vec<String> = Vec::new();
     match source.as_str() {
         "local" | "converged" => {}
@@ -100,10 +102,13 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "meta" => meta = Some(need(value)?.to_string()),
             "verify_reads" => out.push("--verify-reads".into()),
             "ro" => out.push("--read-only".into()),
-            "suid" => out.push("--suid".into()),
-            "dev" => out.push("--dev".into()),
+            // mount(8) drops `suid` and `dev` (its own defaults) before it
+            // calls a helper, so fstab lines name them allow_suid, allow_dev.
+            "suid" | "allow_suid" => suid = true,
+            "dev" | "allow_dev" => dev = true,
             "noexec" => out.push("--noexec".into()),
             "new_node" => new_node = true,
+            "nosuid" | "nodev" => {}
             "noatime" | "relatime" | "strictatime" => out.extend(["--atime".into(), key.into()]),
             "atime" => out.extend(["--atime".into(), "relatime".into()]),
             "nodiratime" => out.push("--nodiratime".into()),
@@ -126,6 +131,12 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             _ if ignored(opt) => {}
             _ => return Err(format!("unknown mount option {opt:?}")),
         }
+    }
+    if suid && !nosuid {
+        out.push("--suid".into());
+    }
+    if dev && !nodev {
+        out.push("--dev".into());
     }
     let data_dir = data_dir.ok_or("missing the data_dir=DIR mount option")?;
     out.extend(["--data-dir".into(), data_dir.into()]);
@@ -278,6 +289,20 @@ mod tests {
             assert!(joined.contains(want), "{want} missing from {joined}");
         }
         assert!(!joined.contains("--dev") && !joined.contains("--require-identity"), "{joined}");
+        // mount(8) passes allow_suid and allow_dev (it drops suid and dev); a nosuid on the
+        // same line (xfstests' `-o nosuid` over the configured options) wins.
+        let joined = |o: &str| {
+            translate(&s(&["local", "/mnt", "-o", o]))
+                .unwrap()
+                .into_iter()
+                .map(|o| o.into_string().unwrap())
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let j = joined("data_dir=/x,allow_suid,allow_dev");
+        assert!(j.contains("--suid") && j.contains("--dev"), "{j}");
+        let j = joined("nosuid,data_dir=/x,allow_suid,allow_dev");
+        assert!(!j.contains("--suid") && j.contains("--dev"), "{j}");
         let e = translate(&s(&["local", "/mnt", "-o", "data_dir=/x,etcd_user=a"])).unwrap_err();
         assert!(e.contains("etcd"), "{e}");
     }

@@ -72,7 +72,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use converged_metadata::types::*;
-use converged_metadata::{MetaError, Namespace, Unlinked};
+use converged_metadata::{acl, MetaError, Namespace, Unlinked};
 use dashmap::DashMap;
 use parking_lot::Mutex;
 
@@ -87,6 +87,36 @@ pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairTrigger}
 pub use replicate::Replicated;
 pub use scrub::Scrubbed;
 pub use sweep::Seen;
+
+/// Who asks, for the few rules the daemon applies itself (permission
+/// checks are the kernel's).
+#[derive(Debug, Clone, Copy)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+    /// The calling process, whose supplementary groups count too (0: none known).
+    pub pid: u32,
+}
+
+impl Caller {
+    pub const ROOT: Caller = Caller { uid: 0, gid: 0, pid: 0 };
+
+    /// Whether `gid` is the caller's group or one of its supplementary
+    /// groups (read from /proc; a process gone by now has none).
+    pub fn in_group(&self, gid: u32) -> bool {
+        if self.gid == gid {
+            return true;
+        }
+        if self.pid == 0 {
+            return false;
+        }
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid)).is_ok_and(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Groups:"))
+                .is_some_and(|g| g.split_whitespace().any(|x| x.parse() == Ok(gid)))
+        })
+    }
+}
 
 pub struct CoreConfig {
     pub data_dir: PathBuf,
@@ -548,13 +578,19 @@ impl Core {
 
     /// `caller` is the uid asking: only root may import (the daemon's
     /// credentials read the bucket, whoever set the attribute).
-    pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode, caller: u32) -> FsResult<()> {
+    pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode, caller: &Caller) -> FsResult<()> {
         match name {
+            acl::ACCESS | acl::DEFAULT => {
+                // Setting an access ACL clears set-group-ID unless the caller
+                // is in the file's group or privileged (the kernel's rule).
+                let kill_sgid = name == acl::ACCESS && caller.uid != 0 && !caller.in_group(self.ns.getattr(ino)?.gid);
+                Ok(self.ns.set_acl(ino, name, value, kill_sgid)?)
+            }
             STAGE_XATTR => {
                 let n = parse_replicas(value).ok_or(FsError::Invalid("stage: replica count must be 1..=8"))?;
                 self.stage_file(ino, n)
             }
-            IMPORT_XATTR if caller != 0 => Err(MetaError::NotPermitted("only root may import a bucket").into()),
+            IMPORT_XATTR if caller.uid != 0 => Err(MetaError::NotPermitted("only root may import a bucket").into()),
             IMPORT_XATTR => self.start_import(ino, value, mode),
             TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR | SCRUB_XATTR | STATS_XATTR => {
                 Err(FsError::Invalid("read-only attribute"))

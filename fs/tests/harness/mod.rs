@@ -238,12 +238,12 @@ pub fn resolve_parent<'p>(core: &Core, path: &'p str) -> FsResult<(Ino, &'p str)
 
 /// What the kernel asks for on open(O_CREAT) for writing.
 pub fn file_node() -> NewNode<'static> {
-    NewNode { kind: FileKind::Regular, perm: 0o644, uid: 0, gid: 0, rdev: 0, target: None, unsealed: true }
+    NewNode { kind: FileKind::Regular, perm: 0o644, uid: 0, gid: 0, rdev: 0, target: None, unsealed: true, umask: 0 }
 }
 
 /// What the kernel asks for on mkdir.
 pub fn dir_node() -> NewNode<'static> {
-    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false }
+    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false, umask: 0 }
 }
 
 // ---- whole-file operations, as a process would do them ----
@@ -394,7 +394,7 @@ pub fn link(core: &Core, from: &str, to: &str) -> FsResult<Attr> {
 
 pub fn setxattr(core: &Core, path: &str, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
     let ino = resolve(core, path)?.ino;
-    core.setxattr(ino, name, value, mode, 0)
+    core.setxattr(ino, name, value, mode, &converged_fs::core::Caller::ROOT)
 }
 
 pub fn getxattr(core: &Core, path: &str, name: &[u8]) -> FsResult<Vec<u8>> {

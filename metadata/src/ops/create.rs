@@ -1,5 +1,6 @@
 //! mknod, mkdir, create and symlink: a new inode and its dentry, one transaction.
 
+use crate::acl;
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
 use crate::namespace::{check_name, get_dentry, get_dir, put_dentry, put_inode, Namespace};
@@ -40,6 +41,20 @@ impl Namespace {
             let now = Timespec::now();
             let is_dir = node.kind == FileKind::Directory;
             let mut perm = node.perm & 0o7777;
+            // The directory's default ACL, or the umask (symlinks take neither).
+            let default_acl = match node.kind {
+                FileKind::Symlink => None,
+                _ => txn.get(&schema::xattr(parent, acl::DEFAULT))?,
+            };
+            let mut access_acl = None;
+            match (&default_acl, node.kind) {
+                (_, FileKind::Symlink) => {}
+                (Some(d), _) => {
+                    let (a, p) = acl::Acl::parse(d)?.inherit(perm);
+                    (access_acl, perm) = (a, p);
+                }
+                (None, _) => perm &= !(node.umask & 0o777),
+            }
             let mut gid = node.gid;
             // BSD group semantics under a setgid directory, as ext4 does.
             if dir.perm & libc::S_ISGID as u16 != 0 {
@@ -71,6 +86,12 @@ impl Namespace {
             }
             if let Some(v) = &policy {
                 txn.put(&schema::xattr(ino, REPLICAS_XATTR), v);
+            }
+            if let Some(a) = &access_acl {
+                txn.put(&schema::xattr(ino, acl::ACCESS), &a.to_bytes());
+            }
+            if let (Some(d), true) = (&default_acl, is_dir) {
+                txn.put(&schema::xattr(ino, acl::DEFAULT), d);
             }
             put_dentry(txn, parent, name, &Dentry { ino, kind: node.kind });
             if is_dir {

@@ -292,6 +292,7 @@ impl Namespace {
                     rdev: 0,
                     target: None,
                     unsealed: false,
+                    umask: 0,
                 };
                 match self.mknod(ROOT_INO, LOST_FOUND, &node) {
                     Ok(i) => Ok(i.ino),

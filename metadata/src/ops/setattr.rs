@@ -1,9 +1,11 @@
 //! setattr: chmod, chown, utimens and the metadata half of truncate.
 
+use crate::acl;
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
 use crate::namespace::{get_inode, put_inode, Namespace};
 use crate::ops::layout::drop_chunks_from;
+use crate::schema;
 use crate::types::{FileKind, Ino, Inode, SetAttr, TimeSet, Timespec};
 
 impl Namespace {
@@ -15,6 +17,13 @@ impl Namespace {
             let now = Timespec::now();
             if let Some(mode) = attr.mode {
                 inode.perm = (mode & 0o7777) as u16;
+                // An access ACL follows the mode (the kernel's posix_acl_chmod).
+                let key = schema::xattr(ino, acl::ACCESS);
+                if let Some(v) = txn.get(&key)? {
+                    let mut a = acl::Acl::parse(&v)?;
+                    a.chmod(inode.perm);
+                    txn.put(&key, &a.to_bytes());
+                }
             }
             if let Some(uid) = attr.uid {
                 inode.uid = uid;

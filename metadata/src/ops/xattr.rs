@@ -1,10 +1,11 @@
 //! Extended attributes: set, get, list, remove.
 
+use crate::acl;
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
 use crate::namespace::{get_inode, put_inode, scan_all, Namespace};
 use crate::schema;
-use crate::types::{parse_replicas, Ino, Timespec, XattrMode, REPLICAS_XATTR};
+use crate::types::{parse_replicas, FileKind, Ino, Timespec, XattrMode, REPLICAS_XATTR};
 
 /// Limits as on Linux: XATTR_NAME_MAX and XATTR_SIZE_MAX.
 pub const XATTR_NAME_MAX: usize = 255;
@@ -31,6 +32,40 @@ impl Namespace {
                 _ => {}
             }
             txn.put(&key, value);
+            inode.ctime = Timespec::now();
+            put_inode(txn, &inode);
+            Ok(())
+        })
+    }
+
+    /// Set a POSIX ACL (`system.posix_acl_access` or `_default`), refusing
+    /// one the kernel would not accept. An access ACL sets the mode's rwx
+    /// bits (the group class from its mask) and is kept only if the mode
+    /// cannot say it all; `kill_sgid` (the caller is not in the file's
+    /// group, nor privileged) clears set-group-ID, as the kernel asks.
+    pub fn set_acl(&self, ino: Ino, name: &[u8], value: &[u8], kill_sgid: bool) -> MetaResult<()> {
+        let a = acl::Acl::parse(value)?;
+        self.write(Durability::Buffered, |txn| {
+            let mut inode = get_inode(txn, ino)?;
+            let key = schema::xattr(ino, name);
+            if name == acl::ACCESS {
+                inode.perm = (inode.perm & !0o777) | a.mode_bits();
+                if kill_sgid {
+                    inode.perm &= !(libc::S_ISGID as u16);
+                }
+                if a.is_mode() {
+                    txn.delete(&key);
+                } else {
+                    txn.put(&key, value);
+                }
+            } else if name == acl::DEFAULT {
+                if inode.kind != FileKind::Directory {
+                    return Err(MetaError::Denied("a default ACL on a file that is not a directory"));
+                }
+                txn.put(&key, value);
+            } else {
+                return Err(MetaError::Invalid("not a POSIX ACL name"));
+            }
             inode.ctime = Timespec::now();
             put_inode(txn, &inode);
             Ok(())
