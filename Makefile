@@ -26,7 +26,7 @@ uninstall:
 # gdb: the stress test (tests/tests/stress.rs) dumps a hung daemon's threads with it.
 # fio: the latency-histogram test's workload; openssl: the etcd TLS test's certificates;
 # systemd: systemd-analyze, which verifies the shipped unit; python3: the automount test's autofs driver.
-SYSTEM_PACKAGES = etcd-server protobuf-compiler libprotobuf-dev fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config attr gdb fio openssl systemd python3
+SYSTEM_PACKAGES = acl etcd-server protobuf-compiler libprotobuf-dev fuse3 util-linux libibverbs-dev librdmacm-dev clang libclang-dev pkg-config attr gdb fio openssl systemd python3
 test-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
