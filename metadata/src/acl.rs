@@ -35,7 +35,10 @@ impl Acl {
     /// Decode the xattr value, refusing what the kernel would (EINVAL).
     pub fn parse(b: &[u8]) -> MetaResult<Acl> {
         let bad = MetaError::Invalid("not a valid POSIX ACL");
-        if b.len() < 4 || (b.len() - 4) % 8 != 0 || u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) != VERSION {
+        if b.len() < 4
+            || !(b.len() - 4).is_multiple_of(8)
+            || u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) != VERSION
+        {
             return Err(bad);
         }
         let entries: Vec<Entry> = b[4..]
