@@ -718,7 +718,7 @@ impl Filesystem for FuseAdapter {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -728,8 +728,14 @@ impl Filesystem for FuseAdapter {
     ) {
         let _s = debug_span!("fallocate", ino = ino.0, offset, length, mode).entered();
         let _t = latency::timer(Area::Fuse, "fallocate");
-        match self.core.fallocate(fh.0, offset, length, mode) {
-            Ok(()) => reply.ok(),
+        let caller = Caller { uid: req.uid(), gid: req.gid(), pid: req.pid() };
+        match self.core.fallocate(fh.0, offset, length, mode, &caller) {
+            Ok(mode_changed) => {
+                if mode_changed {
+                    self.refresh_attrs(ino.0);
+                }
+                reply.ok()
+            }
             Err(e) => reply.error(errno("fallocate", e)),
         }
     }

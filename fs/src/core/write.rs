@@ -38,7 +38,7 @@ use converged_metadata::{ChunkRecord, Durability, MetaError, Seal};
 use converged_transport::ChunkRef;
 
 use super::open::OpenInode;
-use super::{chunk_range, ts_from, Core};
+use super::{chunk_range, ts_from, Caller, Core};
 use crate::chunkstore::{block_crcs, read_exact_at};
 use crate::cluster::DurabilityMode;
 use crate::error::{FsError, FsResult};
@@ -496,8 +496,11 @@ impl Core {
         Ok(data.len() as u32)
     }
 
-    pub fn fallocate(&self, fh: u64, offset: u64, length: u64, mode: i32) -> FsResult<()> {
-        let (_, writable, oi) = self.open.handle(fh)?;
+    /// fallocate by `caller`. Returns whether the file's mode changed (a
+    /// set-ID bit cleared: see [`Core::drop_setid`]), so the kernel's
+    /// attributes are stale.
+    pub fn fallocate(&self, fh: u64, offset: u64, length: u64, mode: i32, caller: &Caller) -> FsResult<bool> {
+        let (ino, writable, oi) = self.open.handle(fh)?;
         if !writable {
             return Err(FsError::io("fallocate", std::io::Error::from_raw_os_error(libc::EBADF)));
         }
@@ -511,7 +514,21 @@ impl Core {
             return Err(FsError::io("fallocate backing file", std::io::Error::last_os_error()));
         }
         oi.state.lock().write.mark_dirty(chunk_range(offset, length, self.ns.chunk_size()));
-        Ok(())
+        self.drop_setid(ino, caller)
+    }
+
+    /// After `caller` changed a file's bytes: its set-ID bits as the kernel
+    /// would leave them (root keeps them). Returns whether they changed.
+    pub(crate) fn drop_setid(&self, ino: Ino, caller: &Caller) -> FsResult<bool> {
+        if caller.uid == 0 {
+            return Ok(false);
+        }
+        let inode = self.ns.getattr(ino)?;
+        if inode.perm & (libc::S_ISUID | libc::S_ISGID) as u16 == 0 {
+            return Ok(false);
+        }
+        let member_of = caller.in_group(inode.gid).then_some(inode.gid);
+        Ok(self.ns.clear_setid(ino, member_of)?)
     }
 
     /// copy_file_range: `len` bytes of one handle's file from `off_in`,

@@ -61,6 +61,32 @@ impl Namespace {
     }
 }
 
+impl Namespace {
+    /// A change of a file's bytes by someone without CAP_FSETID: set-user-ID
+    /// goes, and set-group-ID when the file is group-executable or the
+    /// caller is outside its group (the kernel's should_remove_suid; its
+    /// FUSE side applies the group rule only to group-executable files).
+    /// `member_of`: a group the caller was found to be in. One transaction;
+    /// returns whether the mode changed.
+    pub fn clear_setid(&self, ino: Ino, member_of: Option<u32>) -> MetaResult<bool> {
+        self.write(Durability::Buffered, |txn| {
+            let mut inode = get_inode(txn, ino)?;
+            let (suid, sgid, xgrp) = (libc::S_ISUID as u16, libc::S_ISGID as u16, libc::S_IXGRP as u16);
+            let mut perm = inode.perm & !suid;
+            if perm & sgid != 0 && (perm & xgrp != 0 || member_of != Some(inode.gid)) {
+                perm &= !sgid;
+            }
+            if perm == inode.perm {
+                return Ok(false);
+            }
+            inode.perm = perm;
+            inode.ctime = Timespec::now();
+            put_inode(txn, &inode);
+            Ok(true)
+        })
+    }
+}
+
 /// When a read updates atime (the mount's atime option).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AtimeRule {
