@@ -728,21 +728,8 @@ fn copy_file_range_copies_through_the_daemon() {
     let mut m = Mount::new();
     let data = pattern((100 << 20) + 12345, 5);
     fs::write(m.path("src"), &data).unwrap();
-    let copy = |from: &str, off_in: i64, to: &str, off_out: i64, len: usize| -> usize {
-        let src = File::open(m.path(from)).unwrap();
-        let dst = OpenOptions::new().create(true).truncate(false).write(true).open(m.path(to)).unwrap();
-        let (mut oi, mut oo, mut total) = (off_in, off_out, 0usize);
-        while total < len {
-            // SAFETY: two open descriptors and offsets we own.
-            let n =
-                unsafe { libc::copy_file_range(src.as_raw_fd(), &mut oi, dst.as_raw_fd(), &mut oo, len - total, 0) };
-            assert!(n >= 0, "copy_file_range: {}", std::io::Error::last_os_error());
-            if n == 0 {
-                break;
-            }
-            total += n as usize;
-        }
-        total
+    let copy = |from: &str, off_in: i64, to: &str, off_out: i64, len: usize| {
+        copy_range(&m.path(from), off_in, &m.path(to), off_out, len)
     };
     assert_eq!(copy("src", 0, "dst", 0, data.len()), data.len());
     fs::write(m.path("mid"), vec![b'x'; 3 << 20]).unwrap();
@@ -769,53 +756,26 @@ fn copy_file_range_copies_through_the_daemon() {
 /// handle is stale (ESTALE), and a later file never answers to it.
 #[test]
 fn file_handles_outlive_the_kernels_cache_and_go_stale_when_the_file_goes() {
-    #[repr(C)]
-    struct Handle {
-        bytes: u32,
-        kind: i32,
-        f: [u8; 128],
-    }
-    let handle_of = |p: &std::path::Path| -> Handle {
-        let mut h = Handle { bytes: 128, kind: 0, f: [0; 128] };
-        let mut mount_id = 0;
-        let c = cstr(p);
-        // SAFETY: a buffer laid out as struct file_handle with 128 bytes of room.
-        let rc = unsafe {
-            libc::name_to_handle_at(libc::AT_FDCWD, c.as_ptr(), &mut h as *mut Handle as *mut _, &mut mount_id, 0)
-        };
-        assert_eq!(rc, 0, "name_to_handle_at {}: {}", p.display(), std::io::Error::last_os_error());
-        h
-    };
-    let open_by = |root: &std::path::Path, h: &mut Handle, flags: i32| -> Result<File, i32> {
-        let root = File::open(root).unwrap();
-        // SAFETY: the handle buffer filled by name_to_handle_at.
-        let fd = unsafe { libc::open_by_handle_at(root.as_raw_fd(), h as *mut Handle as *mut _, flags) };
-        if fd < 0 {
-            return Err(errno());
-        }
-        // SAFETY: a descriptor we just opened and own.
-        Ok(unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) })
-    };
     let mut m = Mount::new();
     fs::create_dir(m.path("d")).unwrap();
     fs::write(m.path("d/f"), b"by handle").unwrap();
-    let mut fh = handle_of(&m.path("d/f"));
-    let mut dh = handle_of(&m.path("d"));
+    let mut fh = FileHandleBuf::of(&m.path("d/f"));
+    let mut dh = FileHandleBuf::of(&m.path("d"));
     drop_caches();
     let mut got = String::new();
-    open_by(&m.mnt, &mut fh, libc::O_RDONLY).unwrap().read_to_string(&mut got).unwrap();
+    fh.open(&m.mnt, libc::O_RDONLY).unwrap().read_to_string(&mut got).unwrap();
     assert_eq!(got, "by handle");
     m.umount();
     m.mount();
     let mut got = String::new();
-    open_by(&m.mnt, &mut fh, libc::O_RDONLY).unwrap().read_to_string(&mut got).unwrap();
+    fh.open(&m.mnt, libc::O_RDONLY).unwrap().read_to_string(&mut got).unwrap();
     assert_eq!(got, "by handle", "after a remount");
-    let dir = open_by(&m.mnt, &mut dh, libc::O_RDONLY | libc::O_DIRECTORY).unwrap();
+    let dir = dh.open(&m.mnt, libc::O_RDONLY | libc::O_DIRECTORY).unwrap();
     assert!(dir.metadata().unwrap().is_dir());
     fs::remove_file(m.path("d/f")).unwrap();
     fs::write(m.path("d/g"), b"another").unwrap();
     drop_caches();
-    assert_eq!(open_by(&m.mnt, &mut fh, libc::O_RDONLY).err(), Some(libc::ESTALE), "an unlinked file's handle");
+    assert_eq!(fh.open(&m.mnt, libc::O_RDONLY).err(), Some(libc::ESTALE), "an unlinked file's handle");
 }
 
 /// fallocate by a user outside a set-group-ID file's group clears both

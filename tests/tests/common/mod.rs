@@ -209,3 +209,58 @@ pub fn scrape(addr: &str) -> String {
 pub fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))?.split(' ').nth(1)?.parse().ok()
 }
+
+/// A `struct file_handle` with room for the handle (name_to_handle_at).
+#[repr(C)]
+pub struct FileHandleBuf {
+    bytes: u32,
+    kind: i32,
+    f: [u8; 128],
+}
+
+impl FileHandleBuf {
+    pub fn of(p: &Path) -> Self {
+        let mut h = FileHandleBuf { bytes: 128, kind: 0, f: [0; 128] };
+        let mut mount_id = 0;
+        let c = cstr(p);
+        // SAFETY: a buffer laid out as struct file_handle with 128 bytes of room.
+        let rc = unsafe {
+            libc::name_to_handle_at(libc::AT_FDCWD, c.as_ptr(), &mut h as *mut Self as *mut _, &mut mount_id, 0)
+        };
+        assert_eq!(rc, 0, "name_to_handle_at {}: {}", p.display(), std::io::Error::last_os_error());
+        h
+    }
+
+    /// open_by_handle_at on the mount at `root`: the file, or the errno.
+    pub fn open(&mut self, root: &Path, flags: i32) -> Result<std::fs::File, i32> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let root = std::fs::File::open(root).unwrap();
+        // SAFETY: the handle buffer filled by name_to_handle_at.
+        let fd = unsafe { libc::open_by_handle_at(root.as_raw_fd(), self as *mut Self as *mut _, flags) };
+        if fd < 0 {
+            return Err(errno());
+        }
+        // SAFETY: a descriptor we just opened and own.
+        Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+    }
+}
+
+/// copy_file_range of `len` bytes from `from` at `off_in` to `to` (created
+/// if missing) at `off_out`, called again for what is left as cp does; the
+/// bytes copied (fewer at the source's end).
+pub fn copy_range(from: &Path, off_in: i64, to: &Path, off_out: i64, len: usize) -> usize {
+    use std::os::fd::AsRawFd;
+    let src = std::fs::File::open(from).unwrap();
+    let dst = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(to).unwrap();
+    let (mut oi, mut oo, mut total) = (off_in, off_out, 0usize);
+    while total < len {
+        // SAFETY: two open descriptors and offsets we own.
+        let n = unsafe { libc::copy_file_range(src.as_raw_fd(), &mut oi, dst.as_raw_fd(), &mut oo, len - total, 0) };
+        assert!(n >= 0, "copy_file_range: {}", std::io::Error::last_os_error());
+        if n == 0 {
+            break;
+        }
+        total += n as usize;
+    }
+    total
+}

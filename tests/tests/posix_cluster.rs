@@ -1,0 +1,49 @@
+//! The POSIX surface across nodes: copy_file_range, file handles and
+//! atime, on three daemons over a 3-member etcd (ACLs: acl.rs).
+
+mod common;
+
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+
+use common::cluster::{eventually, Cluster};
+use common::*;
+
+/// A file written on n1 is copied with copy_file_range on n2 (its chunks
+/// fetched from n1) and the copy reads whole on n3; a file handle made on
+/// n1 opens the file on n2, and goes stale there once n1 unlinks it; a
+/// read on n2 moves atime as n1 sees it (relatime).
+#[test]
+fn copies_handles_and_atime_work_across_nodes() {
+    let Some(c) = Cluster::start(3, &[]) else { return };
+    let data = pattern((70 << 20) + 999, 31);
+    fs::write(c.node(0).path("src"), &data).unwrap();
+
+    let n = copy_range(&c.node(1).path("src"), 0, &c.node(1).path("copy"), 0, data.len());
+    assert_eq!(n, data.len());
+    drop_caches();
+    assert!(fs::read(c.node(2).path("copy")).unwrap() == data, "the copy made on n2 reads whole on n3");
+    let stats = common::cluster::xattr_value(&c.node(1).mnt, "user.converged.stats");
+    assert!(stats.contains("copy_file_range"), "n2's daemon served the copy: {stats}");
+
+    fs::write(c.node(0).path("h"), b"by handle").unwrap();
+    let mut h = FileHandleBuf::of(&c.node(0).path("h"));
+    let mut got = String::new();
+    h.open(&c.node(1).mnt, libc::O_RDONLY).unwrap().read_to_string(&mut got).unwrap();
+    assert_eq!(got, "by handle", "n1's handle opened on n2");
+    fs::remove_file(c.node(0).path("h")).unwrap();
+    drop_caches();
+    eventually(10, "the handle is stale on n2 once n1 unlinked the file", || {
+        h.open(&c.node(1).mnt, libc::O_RDONLY).err() == Some(libc::ESTALE)
+    });
+
+    fs::write(c.node(0).path("a"), b"read me").unwrap();
+    let before = fs::metadata(c.node(0).path("a")).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    fs::read(c.node(1).path("a")).unwrap();
+    eventually(10, "n1 sees the atime n2's read set", || {
+        let now = fs::metadata(c.node(0).path("a")).unwrap();
+        (now.atime(), now.atime_nsec()) > (before.atime(), before.atime_nsec())
+    });
+}
