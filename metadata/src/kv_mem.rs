@@ -354,16 +354,7 @@ mod tests {
 
     #[test]
     fn two_namespaces_over_two_handles_are_two_nodes() {
-        let file = NewNode {
-            kind: FileKind::Regular,
-            perm: 0o644,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            target: None,
-            unsealed: false,
-            umask: 0,
-        };
+        let file = NewNode::plain(FileKind::Regular, 0o644);
         let akv = MemKv::cluster();
         let bkv = akv.node_handle();
         akv.membership().unwrap().register(&info("a"), LONG).unwrap();

@@ -253,6 +253,13 @@ pub struct NewNode<'a> {
     pub umask: u16,
 }
 
+impl NewNode<'static> {
+    /// A node owned by root with `perm`, no umask, created closed.
+    pub fn plain(kind: FileKind, perm: u16) -> Self {
+        NewNode { kind, perm, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false, umask: 0 }
+    }
+}
+
 /// Flags of `setxattr`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum XattrMode {

@@ -22,14 +22,19 @@ fn umount(mnt: &Path) {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-#[test]
-fn mount_t_converged_fuse_converged_and_fstab() {
+/// The helpers installed, and an empty data dir and mount point (removed with the guard).
+fn fresh_dirs() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
     install_helpers();
     let t = tempfile::tempdir().unwrap();
-    let data = t.path().join("data");
-    let mnt = t.path().join("mnt");
+    let (data, mnt) = (t.path().join("data"), t.path().join("mnt"));
     fs::create_dir(&data).unwrap();
     fs::create_dir(&mnt).unwrap();
+    (t, data, mnt)
+}
+
+#[test]
+fn mount_t_converged_fuse_converged_and_fstab() {
+    let (t, data, mnt) = fresh_dirs();
     let dd = format!("data_dir={}", data.display());
 
     // The boot path never makes a volume of an empty data dir (a disk that did not mount)...
@@ -85,12 +90,7 @@ fn mount_t_converged_fuse_converged_and_fstab() {
 /// while a file is open for writing.
 #[test]
 fn remount_ro_and_rw_in_place() {
-    install_helpers();
-    let t = tempfile::tempdir().unwrap();
-    let data = t.path().join("data");
-    let mnt = t.path().join("mnt");
-    fs::create_dir(&data).unwrap();
-    fs::create_dir(&mnt).unwrap();
+    let (_t, data, mnt) = fresh_dirs();
     // allow_dev: mount(8) drops `dev` before it calls the helper.
     let dd = format!("data_dir={},new_node,allow_dev", data.display());
     let st = Command::new("mount").args(["-t", "converged", "converged:named"]).arg(&mnt).args(["-o", &dd]).status();

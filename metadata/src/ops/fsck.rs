@@ -284,16 +284,7 @@ impl Namespace {
         match self.lookup(ROOT_INO, LOST_FOUND) {
             Ok(i) => Ok(i.ino),
             Err(MetaError::NotFound) => {
-                let node = NewNode {
-                    kind: FileKind::Directory,
-                    perm: 0o700,
-                    uid: 0,
-                    gid: 0,
-                    rdev: 0,
-                    target: None,
-                    unsealed: false,
-                    umask: 0,
-                };
+                let node = NewNode::plain(FileKind::Directory, 0o700);
                 match self.mknod(ROOT_INO, LOST_FOUND, &node) {
                     Ok(i) => Ok(i.ino),
                     Err(MetaError::Exists) => Ok(self.lookup(ROOT_INO, LOST_FOUND)?.ino),
