@@ -15,6 +15,10 @@
 #                       (default /var/tmp/converged-xfstests; emptied first)
 #   XFSTESTS_TIME_LIMIT seconds one test may run before it is killed and
 #                       counted as failed (default 900)
+#   XFSTESTS_DISK_SIZE  size of each of the two loop-mounted ext4 images the
+#                       test and scratch data dirs live on (default 6G; sparse),
+#                       so that tests that fill their filesystem fill those,
+#                       not the host's disk
 #
 # Each test runs as its own `./check` under a time limit, so a hang costs
 # one test, not the run: its mounts are torn down and the next one starts
@@ -24,7 +28,7 @@
 set -euo pipefail
 
 usage() {
-	sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
 	exit "${1:-1}"
 }
 [ $# -ge 1 ] || usage 1
@@ -41,9 +45,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(dirname "$HERE")
 WORK=${XFSTESTS_WORK:-/var/tmp/converged-xfstests}
 LIMIT=${XFSTESTS_TIME_LIMIT:-900}
+DISK_SIZE=${XFSTESTS_DISK_SIZE:-6G}
 
 missing=()
-for tool in make autoconf libtoolize xfs_io fio setfacl attr bc; do
+for tool in make autoconf libtoolize xfs_io fio setfacl attr bc mkfs.ext4; do
 	command -v "$tool" >/dev/null || missing+=("$tool")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -79,10 +84,22 @@ teardown() {
 	pkill -9 -f -- "--data-dir $WORK/" 2>/dev/null || true
 	for _ in $(seq 50); do pgrep -f -- "--data-dir $WORK/" >/dev/null || break; sleep 0.1; done
 }
+# The data dirs' own disks, unmounted at the end.
+unmount_disks() {
+	for d in test scratch; do
+		if findmnt -rn "$WORK/$d" >/dev/null 2>&1; then umount "$WORK/$d" || umount -l "$WORK/$d"; fi
+	done
+}
 mkdir -p "$WORK"
 teardown
-rm -rf "${WORK:?}"/{bin,wrap,test,scratch,mnt,results,logs,summary.txt,local.config}
+unmount_disks
+rm -rf "${WORK:?}"/{bin,wrap,test,scratch,test.img,scratch.img,mnt,results,logs,summary.txt,local.config}
 mkdir -p "$WORK"/{bin,wrap,test,scratch,mnt/test,mnt/scratch,results,logs}
+for d in test scratch; do
+	truncate -s "$DISK_SIZE" "$WORK/$d.img"
+	mkfs.ext4 -q -F "$WORK/$d.img"
+	mount -o loop "$WORK/$d.img" "$WORK/$d"
+done
 cp "$CONVERGED_BIN_DIR/converged" "$CONVERGED_BIN_DIR/mount-converged" "$WORK/bin/"
 ln -sf "$WORK/bin/mount-converged" /sbin/mount.converged
 ln -sf "$WORK/bin/mount-converged" /sbin/mount.fuse.converged
@@ -186,6 +203,7 @@ for t in $list; do
 	printf '[%d/%d] %-14s %s\n' "$n" "$total" "$t" "$verdict"
 done
 teardown
+unmount_disks
 elapsed=$(($(date +%s) - started))
 
 {
