@@ -304,7 +304,7 @@ impl Filesystem for FuseAdapter {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -331,7 +331,13 @@ impl Filesystem for FuseAdapter {
             mtime: mtime.map(from_time),
             ctime: ctime.map(from_system_time),
         };
-        match self.core.setattr(ino.0, &set) {
+        let caller = Caller { uid: req.uid(), gid: req.gid(), pid: req.pid() };
+        let result = self.core.setattr(ino.0, &set).and_then(|i| match size.is_some() {
+            // A truncate changes the bytes: set-ID bits as after a write.
+            true if self.core.drop_setid(ino.0, &caller)? => self.core.getattr(ino.0),
+            _ => Ok(i),
+        });
+        match result {
             Ok(i) => reply.attr(&self.attr_ttl(&i), &attr(&i)),
             Err(e) => reply.error(errno("setattr", e)),
         }

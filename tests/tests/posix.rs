@@ -778,12 +778,12 @@ fn file_handles_outlive_the_kernels_cache_and_go_stale_when_the_file_goes() {
     assert_eq!(fh.open(&m.mnt, libc::O_RDONLY).err(), Some(libc::ESTALE), "an unlinked file's handle");
 }
 
-/// fallocate by a user outside a set-group-ID file's group clears both
+/// fallocate or truncate by a user outside a set-group-ID file's group clears both
 /// set-ID bits, even on a file that is not group-executable (the kernel's
 /// FUSE side clears set-group-ID only then); by root, both stay
 /// (xfstests generic/683 to 685).
 #[test]
-fn fallocate_by_a_user_outside_the_group_clears_set_id_bits() {
+fn fallocate_or_truncate_by_a_user_outside_the_group_clears_set_id_bits() {
     let m = Mount::with_args(&["--suid"]);
     for dir in [m.root.path(), &m.mnt] {
         fs::set_permissions(dir, fs::Permissions::from_mode(0o777)).unwrap();
@@ -795,11 +795,19 @@ fn fallocate_by_a_user_outside_the_group_clears_set_id_bits() {
         let out = cmd.arg(&f).output().unwrap();
         assert!(out.status.success(), "fallocate as {uid}: {}", String::from_utf8_lossy(&out.stderr));
     };
+    let truncate_as = |uid: &str| {
+        let mut cmd = std::process::Command::new("setpriv");
+        cmd.args(["--reuid", uid, "--regid", uid, "--clear-groups", "truncate", "-s", "4096"]);
+        let out = cmd.arg(&f).output().unwrap();
+        assert!(out.status.success(), "truncate as {uid}: {}", String::from_utf8_lossy(&out.stderr));
+    };
     for (mode, user, left) in [(0o6666, "65534", 0o666), (0o6676, "65534", 0o676), (0o6666, "0", 0o6666)] {
-        let _ = fs::remove_file(&f);
-        fs::write(&f, vec![1u8; 192 << 10]).unwrap();
-        fs::set_permissions(&f, fs::Permissions::from_mode(mode)).unwrap();
-        falloc_as(user);
-        assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, left, "{mode:o} after fallocate by uid {user}");
+        for (what, change) in [("fallocate", &falloc_as as &dyn Fn(&str)), ("truncate", &truncate_as)] {
+            let _ = fs::remove_file(&f);
+            fs::write(&f, vec![1u8; 192 << 10]).unwrap();
+            fs::set_permissions(&f, fs::Permissions::from_mode(mode)).unwrap();
+            change(user);
+            assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, left, "{mode:o} after {what} by uid {user}");
+        }
     }
 }

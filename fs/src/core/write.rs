@@ -519,7 +519,7 @@ impl Core {
 
     /// After `caller` changed a file's bytes: its set-ID bits as the kernel
     /// would leave them (root keeps them). Returns whether they changed.
-    pub(crate) fn drop_setid(&self, ino: Ino, caller: &Caller) -> FsResult<bool> {
+    pub fn drop_setid(&self, ino: Ino, caller: &Caller) -> FsResult<bool> {
         if caller.uid == 0 {
             return Ok(false);
         }
