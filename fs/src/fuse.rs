@@ -397,7 +397,7 @@ impl Filesystem for FuseAdapter {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -408,6 +408,8 @@ impl Filesystem for FuseAdapter {
         let _s = debug_span!("rename", parent = parent.0, name = ?name, newparent = newparent.0, newname = ?newname)
             .entered();
         let _t = latency::timer(Area::Fuse, "rename");
+        let whiteout = flags.contains(RenameFlags::RENAME_WHITEOUT);
+        let flags = flags - RenameFlags::RENAME_WHITEOUT;
         let mode = if flags.contains(RenameFlags::RENAME_EXCHANGE) {
             RenameMode::Exchange
         } else if flags.contains(RenameFlags::RENAME_NOREPLACE) {
@@ -417,7 +419,8 @@ impl Filesystem for FuseAdapter {
         } else {
             return reply.error(Errno::EINVAL);
         };
-        match self.core.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), mode) {
+        let owner = whiteout.then(|| (req.uid(), req.gid()));
+        match self.core.rename_leaving(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), mode, owner) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rename", e)),
         }

@@ -152,7 +152,7 @@ fn renameat2(from: &std::path::Path, to: &std::path::Path, flags: u32) -> i32 {
 }
 
 #[test]
-fn rename_replace_noreplace_exchange() {
+fn rename_replace_noreplace_exchange_whiteout() {
     let m = Mount::new();
     fs::write(m.path("a"), b"A").unwrap();
     fs::write(m.path("b"), b"B").unwrap();
@@ -181,6 +181,19 @@ fn rename_replace_noreplace_exchange() {
     fs::write(m.path("ckpt"), b"old").unwrap();
     fs::rename(m.path("ckpt.tmp"), m.path("ckpt")).unwrap();
     assert_eq!(fs::read(m.path("ckpt")).unwrap(), pattern(1 << 20, 9));
+    // RENAME_WHITEOUT (overlayfs's): the file moves, a 0:0 character device
+    // stays at its old name, both across a remount.
+    fs::write(m.path("w"), b"W").unwrap();
+    assert_eq!(renameat2(&m.path("w"), &m.path("w2"), libc::RENAME_WHITEOUT), 0);
+    assert_eq!(renameat2(&m.path("w2"), &m.path("b"), libc::RENAME_WHITEOUT | libc::RENAME_NOREPLACE), libc::EEXIST);
+    assert_eq!(renameat2(&m.path("w2"), &m.path("b"), libc::RENAME_WHITEOUT | libc::RENAME_EXCHANGE), libc::EINVAL);
+    let mut m = m;
+    m.umount();
+    m.mount();
+    assert_eq!(fs::read(m.path("w2")).unwrap(), b"W");
+    let md = fs::symlink_metadata(m.path("w")).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_char_device(&md.file_type()), "a whiteout at the old name");
+    assert_eq!((md.rdev(), md.mode() & 0o7777), (0, 0));
 }
 
 #[test]

@@ -515,6 +515,20 @@ impl Core {
     /// name holds one whole version: the old one, whose backing file goes
     /// only after the rename is durable, or the new one.
     pub fn rename(&self, parent: Ino, name: &[u8], newparent: Ino, newname: &[u8], mode: RenameMode) -> FsResult<()> {
+        self.rename_leaving(parent, name, newparent, newname, mode, None)
+    }
+
+    /// rename; with `whiteout` (its owner's uid and gid), RENAME_WHITEOUT:
+    /// a whiteout is left at the old name in the same transaction.
+    pub fn rename_leaving(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        newparent: Ino,
+        newname: &[u8],
+        mode: RenameMode,
+        whiteout: Option<(u32, u32)>,
+    ) -> FsResult<()> {
         if mode != RenameMode::Exchange {
             if let (Ok(src), Ok(dst)) = (self.ns.lookup(parent, name), self.ns.lookup(newparent, newname)) {
                 if src.kind == FileKind::Regular && dst.kind == FileKind::Regular && src.ino != dst.ino {
@@ -522,7 +536,18 @@ impl Core {
                 }
             }
         }
-        if let Some(victim) = self.ns.rename(parent, name, newparent, newname, mode)? {
+        let victim = match whiteout {
+            None => self.ns.rename(parent, name, newparent, newname, mode)?,
+            Some(owner) => {
+                let noreplace = match mode {
+                    RenameMode::Replace => false,
+                    RenameMode::NoReplace => true,
+                    RenameMode::Exchange => return Err(FsError::Invalid("RENAME_WHITEOUT with RENAME_EXCHANGE")),
+                };
+                self.ns.rename_with_whiteout(parent, name, newparent, newname, noreplace, owner)?
+            }
+        };
+        if let Some(victim) = victim {
             self.forget_orphan(victim)?;
         }
         if let Some(t) = self.tier.get() {

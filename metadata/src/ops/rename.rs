@@ -1,11 +1,11 @@
-//! rename, with RENAME_NOREPLACE and RENAME_EXCHANGE, as one transaction.
+//! rename, with RENAME_NOREPLACE, RENAME_EXCHANGE and RENAME_WHITEOUT, as one transaction.
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvRead};
+use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace};
 use crate::ops::remove::{drop_link, Unlinked};
 use crate::schema;
-use crate::types::{Dentry, Ino, RenameMode, Timespec, ROOT_INO};
+use crate::types::{Dentry, FileKind, Ino, Inode, RenameMode, Timespec, ROOT_INO};
 
 /// True when `dir` is `ancestor` or lies below it.
 fn is_within(txn: &mut (impl KvRead + ?Sized), mut dir: Ino, ancestor: Ino) -> MetaResult<bool> {
@@ -34,7 +34,65 @@ impl Namespace {
     ) -> MetaResult<Option<Unlinked>> {
         check_name(name)?;
         check_name(newname)?;
+        self.write(Durability::Buffered, |txn| self.rename_in(txn, parent, name, newparent, newname, mode))
+    }
+
+    /// RENAME_WHITEOUT (overlayfs's): the rename, and in the same
+    /// transaction a whiteout (a character device 0:0, owned by `owner`)
+    /// at the old name.
+    pub fn rename_with_whiteout(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        newparent: Ino,
+        newname: &[u8],
+        noreplace: bool,
+        owner: (u32, u32),
+    ) -> MetaResult<Option<Unlinked>> {
+        check_name(name)?;
+        check_name(newname)?;
+        let ino = self.alloc_ino()?;
+        let mode = if noreplace { RenameMode::NoReplace } else { RenameMode::Replace };
         self.write(Durability::Buffered, |txn| {
+            let victim = self.rename_in(txn, parent, name, newparent, newname, mode)?;
+            if get_dentry(txn, parent, name)?.is_some() {
+                // Two names of one inode: nothing moved, nothing to white out.
+                return Ok(victim);
+            }
+            let now = Timespec::now();
+            let whiteout = Inode {
+                ino,
+                kind: FileKind::CharDevice,
+                perm: 0,
+                uid: owner.0,
+                gid: owner.1,
+                nlink: 1,
+                size: 0,
+                atime: now,
+                mtime: now,
+                ctime: now,
+                rdev: 0,
+                parent,
+                name: name.to_vec(),
+                chunk_size: 0,
+                target: None,
+            };
+            put_inode(txn, &whiteout);
+            put_dentry(txn, parent, name, &Dentry { ino, kind: FileKind::CharDevice });
+            Ok(victim)
+        })
+    }
+
+    fn rename_in(
+        &self,
+        txn: &mut dyn KvWrite,
+        parent: Ino,
+        name: &[u8],
+        newparent: Ino,
+        newname: &[u8],
+        mode: RenameMode,
+    ) -> MetaResult<Option<Unlinked>> {
+        {
             get_dir(txn, parent)?;
             get_dir(txn, newparent)?;
             let src = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
@@ -124,7 +182,7 @@ impl Namespace {
             put_inode(txn, &src_inode);
             touch_parents(txn, parent, newparent, now)?;
             Ok(victim.filter(|v: &Unlinked| v.orphaned))
-        })
+        }
     }
 }
 
