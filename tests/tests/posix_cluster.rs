@@ -47,3 +47,22 @@ fn copies_handles_and_atime_work_across_nodes() {
         (now.atime(), now.atime_nsec()) > (before.atime(), before.atime_nsec())
     });
 }
+
+/// SEEK_DATA and SEEK_HOLE on n2, where the file's chunks are not (they are
+/// on n1): no hole where they are held elsewhere, or cp and tar --sparse
+/// would copy zeros there.
+#[test]
+fn seek_data_finds_no_hole_where_chunks_are_held_elsewhere() {
+    // One copy, on the writer: n2 holds none of the file.
+    let Some(c) = Cluster::start(2, &["--replicas", "1"]) else { return };
+    let s = pattern(70 << 20, 32);
+    fs::write(c.node(0).path("s"), &s).unwrap();
+    let f = fs::File::open(c.node(1).path("s")).unwrap();
+    // SAFETY: lseek on a descriptor we own.
+    let (data, hole) = unsafe {
+        use std::os::fd::AsRawFd;
+        (libc::lseek(f.as_raw_fd(), 0, libc::SEEK_DATA), libc::lseek(f.as_raw_fd(), 0, libc::SEEK_HOLE))
+    };
+    assert_eq!((data, hole), (0, s.len() as i64), "SEEK_DATA and SEEK_HOLE from 0 on n2");
+    drop(f);
+}

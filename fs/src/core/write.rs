@@ -565,8 +565,28 @@ impl Core {
         Ok(done as u32)
     }
 
+    /// SEEK_DATA / SEEK_HOLE (the kernel does the other whences itself).
+    /// The backing file's holes are the file's only on a single node
+    /// without an object tier: in a cluster chunks held by other nodes,
+    /// and with a tier evicted chunks, are holes in the backing file here
+    /// but data in the file, and a copy tool trusting them (cp, tar
+    /// --sparse) would write zeros. There the file is answered as having
+    /// no holes: data at every offset before its end.
     pub fn lseek(&self, fh: u64, offset: i64, whence: i32) -> FsResult<i64> {
-        let (_, _, oi) = self.open.handle(fh)?;
+        let (ino, _, oi) = self.open.handle(fh)?;
+        if self.cluster.get().is_some() || self.tier.get().is_some() {
+            let size = self.getattr(ino)?.size as i64;
+            let einval = || FsError::io("lseek", std::io::Error::from_raw_os_error(libc::EINVAL));
+            return match whence {
+                libc::SEEK_DATA | libc::SEEK_HOLE if offset < 0 => Err(einval()),
+                libc::SEEK_DATA | libc::SEEK_HOLE if offset >= size => {
+                    Err(FsError::io("lseek", std::io::Error::from_raw_os_error(libc::ENXIO)))
+                }
+                libc::SEEK_DATA => Ok(offset),
+                libc::SEEK_HOLE => Ok(size),
+                _ => Err(einval()),
+            };
+        }
         // SAFETY: lseek on our own fd; the backing file's offset is never used for I/O.
         let rc = unsafe { libc::lseek(oi.file.as_raw_fd(), offset, whence) };
         if rc < 0 {
