@@ -99,6 +99,50 @@ fn holes_read_as_zeros_and_files_over_4gib() {
     assert_eq!(&t, b"tail");
 }
 
+/// A write 64 GiB into an empty file records the chunk written, not the
+/// 1,024 chunks of hole before it (which once filled the metadata with
+/// checksums of zeros: a write at 16 TiB filled a 2 GiB disk, xfstests
+/// generic/308); the hole reads as zeros after a remount, and a chunk punched
+/// out of the middle of written data still reads as zeros.
+#[test]
+fn a_write_far_past_the_end_records_only_the_chunks_written() {
+    let mut m = Mount::new();
+    let far = 64u64 << 30;
+    let f = OpenOptions::new().create(true).truncate(true).write(true).open(m.path("far")).unwrap();
+    f.write_all_at(b"far away", far).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let out = converged().arg("status").arg(m.path("far")).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let records = text.lines().skip_while(|l| !l.starts_with("chunks")).skip(1).take_while(|l| l.starts_with("  "));
+    assert_eq!(records.count(), 1, "one chunk record: {text}");
+    m.umount();
+    m.mount();
+    let f = File::open(m.path("far")).unwrap();
+    let mut t = [1u8; 8];
+    f.read_exact_at(&mut t, far).unwrap();
+    assert_eq!(&t, b"far away");
+    f.read_exact_at(&mut t, 1 << 30).unwrap();
+    assert_eq!(t, [0u8; 8], "the hole reads as zeros");
+    drop(f);
+    // A whole chunk punched out of written data reads as zeros, not as the old bytes.
+    let mut w = OpenOptions::new().create(true).truncate(true).write(true).open(m.path("punched")).unwrap();
+    w.write_all(&pattern(192 << 20, 3)).unwrap();
+    drop(w);
+    let w = OpenOptions::new().write(true).open(m.path("punched")).unwrap();
+    // SAFETY: fallocate on a descriptor we own.
+    let rc = unsafe {
+        libc::fallocate(w.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 64 << 20, 64 << 20)
+    };
+    assert_eq!(rc, 0, "punch: {}", std::io::Error::last_os_error());
+    drop(w);
+    m.umount();
+    m.mount();
+    let got = fs::read(m.path("punched")).unwrap();
+    assert!(got[64 << 20..128 << 20].iter().all(|b| *b == 0), "the punched chunk reads as zeros");
+    assert!(got[..64 << 20] == pattern(192 << 20, 3)[..64 << 20]);
+}
+
 #[test]
 fn open_flags_append_trunc_excl() {
     let m = Mount::new();

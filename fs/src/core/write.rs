@@ -51,6 +51,21 @@ const LEASE_WAIT: Duration = Duration::from_secs(2);
 
 /// The most bytes one copy_file_range request copies.
 pub const COPY_PER_CALL: u64 = 64 << 20;
+/// The offset of the first data at or after `from` in `file` (SEEK_DATA),
+/// None when only a hole follows. A filesystem that cannot tell answers
+/// `from` (all data).
+fn data_at_or_after(file: &File, from: u64) -> Option<u64> {
+    // SAFETY: lseek on our own fd; the backing file's offset is never used for I/O.
+    let r = unsafe { libc::lseek(file.as_raw_fd(), from as i64, libc::SEEK_DATA) };
+    if r >= 0 {
+        return Some(r as u64);
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::ENXIO) => None,
+        _ => Some(from),
+    }
+}
+
 /// Size and mtime of a backing file: what a publish saw, to skip the next
 /// one (and the final seal) when nothing changed since.
 pub(super) type Stamp = (u64, Timespec);
@@ -756,9 +771,28 @@ impl Core {
             }
             record.replicas.extend(copies);
         };
+        // The backing file's next data at or after an offset (None: only a
+        // hole follows), asked once per run of holes.
+        let mut next_data: Option<Option<u64>> = None;
         for index in which {
             let start = index as u64 * cs;
             let len = (size - start).min(cs);
+            if !old.contains_key(&index) {
+                // A chunk that is a hole in the backing file and had no
+                // record stays a hole: no record, nothing to checksum. (A
+                // hole over a recorded chunk is recorded as zeros, so the
+                // old bytes do not show through.) A file written at 16 TiB
+                // would otherwise record 262,144 chunks of zeros.
+                let nd = match next_data {
+                    Some(Some(d)) if d >= start => Some(d),
+                    Some(None) => None,
+                    _ => data_at_or_after(file, start),
+                };
+                next_data = Some(nd);
+                if nd.is_none_or(|d| d >= start + len) {
+                    continue;
+                }
+            }
             // Bytes that leave the backing file are read once, and
             // checksummed as they are sent or kept.
             let data = match replicate_now.is_some() || keep_here {
