@@ -28,7 +28,8 @@
 set -euo pipefail
 
 usage() {
-	sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+	# The comment block at the top of this file.
+	awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
 	exit "${1:-1}"
 }
 [ $# -ge 1 ] || usage 1
@@ -101,8 +102,30 @@ for d in test scratch; do
 	mount -o loop "$WORK/$d.img" "$WORK/$d"
 done
 cp "$CONVERGED_BIN_DIR/converged" "$CONVERGED_BIN_DIR/mount-converged" "$WORK/bin/"
-ln -sf "$WORK/bin/mount-converged" /sbin/mount.converged
-ln -sf "$WORK/bin/mount-converged" /sbin/mount.fuse.converged
+# The helpers mount(8) finds, put back as they were when the run ends.
+declare -A had_helper
+for h in /sbin/mount.converged /sbin/mount.fuse.converged; do
+	if [ -L "$h" ]; then
+		had_helper[$h]="link:$(readlink "$h")"
+	elif [ -e "$h" ]; then
+		mv "$h" "$WORK/saved-${h##*/}"
+		had_helper[$h]="file:$WORK/saved-${h##*/}"
+	else
+		had_helper[$h]=""
+	fi
+	ln -sf "$WORK/bin/mount-converged" "$h"
+done
+restore_helpers() {
+	for h in "${!had_helper[@]}"; do
+		case "${had_helper[$h]}" in
+		link:*) ln -sf "${had_helper[$h]#link:}" "$h" ;;
+		file:*) mv -f "${had_helper[$h]#file:}" "$h" ;;
+		*) rm -f "$h" ;;
+		esac
+	done
+}
+trap restore_helpers EXIT
+trap 'exit 130' INT TERM
 
 # The users the tests switch to.
 getent group fsgqa >/dev/null || groupadd fsgqa
