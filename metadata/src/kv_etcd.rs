@@ -107,7 +107,9 @@ fn hint(access: &crate::EtcdAccess, e: &etcd_client::Error) -> &'static str {
         ),
         _ => false,
     };
-    match (transport, access.tls, access.cert.is_some()) {
+    // Nothing listening is not a refusal: no hint about certificates then.
+    let down = explain(e).to_lowercase().contains("connection refused");
+    match (transport && !down, access.tls, access.cert.is_some()) {
         (true, true, false) => {
             " (no client certificate was given: an etcd started with --client-cert-auth refuses the TLS \
              connection; add cert=/path&key=/path to the URI)"

@@ -436,6 +436,27 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
         p("client.key"),
         p("password")
     );
+    // Refusals are final: under a long --meta-wait (as a boot mount has) a
+    // refused certificate or password must fail the mount, not be waited out.
+    let refused_under_wait = |uri: String, why: &[&str]| {
+        let started = Instant::now();
+        let out = converged()
+            .arg("mount")
+            .arg(&mnt)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--meta", &uri, "--meta-wait", "10m"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "mounted with {uri}");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "a refusal was waited on as if etcd were down ({:?}): {err}",
+            started.elapsed()
+        );
+        assert!(why.iter().any(|w| err.to_lowercase().contains(w)), "unclear refusal for {uri}: {err}");
+    };
     let refused = |uri: String, why: &[&str]| {
         let out = mount(&uri);
         let err = String::from_utf8_lossy(&out.stderr).to_string();
@@ -454,6 +475,11 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
     refused(format!("etcd://127.0.0.1:{port}/sec"), &["transport", "connection", "h2", "protocol"]);
     // The right certificate, the wrong password.
     refused(full.replace(&p("password"), &p("wrong-password")), &["authentication failed", "password"]);
+    refused_under_wait(
+        format!("{base}?ca={}&user=trainer&password_file={}", p("ca.pem"), p("password")),
+        &["certificate", "handshake", "tls"],
+    );
+    refused_under_wait(full.replace(&p("password"), &p("wrong-password")), &["authentication failed", "password"]);
 
     let out = mount(&full);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -570,6 +596,17 @@ fn the_grafana_dashboard_uses_only_metrics_the_daemon_serves() {
         missing.is_empty()
     });
     assert!(missing.is_empty(), "{missing:?}");
+    // Served with samples, not only declared: the file's backfill timed its
+    // object-store calls, and its create its FUSE operation and transactions.
+    for (name, label) in [
+        ("converged_object_store_seconds", ""),
+        ("converged_fuse_op_seconds", "op=\"create\""),
+        ("converged_meta_txn_seconds", ""),
+    ] {
+        eventually(30, &format!("{name}{{{label}}} has samples"), || {
+            histogram_count(&scrape(&addr), name, label) > 0.0
+        });
+    }
 }
 
 #[test]

@@ -295,6 +295,13 @@ impl Core {
             errno: libc::EAGAIN,
             msg: format!("metadata: {e}"),
         };
+        if self.cfg.read_only {
+            // Unregistered: placement never names it, and its disk stays as it was.
+            return Err(converged_transport::ServiceError {
+                errno: libc::EROFS,
+                msg: format!("write of chunk {} of inode {} refused: this node is mounted read-only", c.index, c.ino),
+            });
+        }
         if self.ns.lease_holder(c.ino).map_err(meta)?.is_some_and(|holder| caller.is(&holder)) {
             return Ok(());
         }
@@ -318,6 +325,13 @@ impl Core {
     /// its chunk records in the same transaction, is committed: the only
     /// time a node sends a delete). Read past the node-local cache.
     pub(crate) fn peer_may_delete(&self, ino: Ino) -> Result<(), converged_transport::ServiceError> {
+        if self.cfg.read_only {
+            // Its copies are dropped by its sweep once it mounts read-write.
+            return Err(converged_transport::ServiceError {
+                errno: libc::EROFS,
+                msg: format!("delete of inode {ino} refused: this node is mounted read-only"),
+            });
+        }
         match self.ns.layout(ino) {
             Err(converged_metadata::MetaError::NotFound) => Ok(()),
             Ok(_) => Err(converged_transport::ServiceError {
