@@ -244,6 +244,19 @@ impl FuseAdapter {
             Err(e) => reply.error(errno("mknod", e)),
         }
     }
+
+    /// The reply to create and tmpfile: the new inode, open, by passthrough
+    /// when the kernel takes the backing file.
+    fn reply_created(&self, inode: &converged_metadata::types::Inode, opened: &Opened, reply: ReplyCreate) {
+        let a = attr(inode);
+        let ttl = self.attr_ttl(inode);
+        match self.backing_id(inode.ino, opened, |f| reply.open_backing(f)) {
+            Some(id) => {
+                reply.created_passthrough(&ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
+            }
+            None => reply.created(&ttl, &a, Generation(0), FileHandle(opened.fh), fopen_flags(opened)),
+        }
+    }
 }
 
 impl Filesystem for FuseAdapter {
@@ -465,23 +478,19 @@ impl Filesystem for FuseAdapter {
         let _s = debug_span!("create", parent = parent.0, name = ?name, mode, flags).entered();
         let _t = latency::timer(Area::Fuse, "create");
         let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode, umask) };
-        let (inode, opened) = match self.core.create(parent.0, name.as_bytes(), &node) {
-            Ok(r) => r,
-            Err(e) => return reply.error(errno("create", e)),
-        };
-        let a = attr(&inode);
-        match self.backing_id(inode.ino, &opened, |f| reply.open_backing(f)) {
-            Some(id) => reply.created_passthrough(
-                &self.attr_ttl(&inode),
-                &a,
-                Generation(0),
-                FileHandle(opened.fh),
-                FopenFlags::empty(),
-                &id,
-            ),
-            None => {
-                reply.created(&self.attr_ttl(&inode), &a, Generation(0), FileHandle(opened.fh), fopen_flags(&opened))
-            }
+        match self.core.create(parent.0, name.as_bytes(), &node) {
+            Ok((inode, opened)) => self.reply_created(&inode, &opened, reply),
+            Err(e) => reply.error(errno("create", e)),
+        }
+    }
+
+    fn tmpfile(&self, req: &Request, parent: INodeNo, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
+        let _s = debug_span!("tmpfile", parent = parent.0, mode, flags).entered();
+        let _t = latency::timer(Area::Fuse, "tmpfile");
+        let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode, umask) };
+        match self.core.tmpfile(parent.0, &node) {
+            Ok((inode, opened)) => self.reply_created(&inode, &opened, reply),
+            Err(e) => reply.error(errno("tmpfile", e)),
         }
     }
 

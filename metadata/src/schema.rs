@@ -18,7 +18,8 @@
 //! |                            |                      | current once `Q` holds its token             |
 //! | `Q` ino                    | token (u64 BE)       | the batched layout that is current: its `P`  |
 //! |                            |                      | records win over `C` until moved there       |
-//! | `O` ino                    | node id              | orphan: unlinked while open on that node     |
+//! | `O` ino                    | node id              | orphan: unlinked while open on that node, or |
+//! |                            |                      | an O_TMPFILE file not yet linked             |
 //! | `U` ino                    | node id, NUL, epoch  | unsealed: open for writing on that node; its |
 //! |                            | (u64 BE)             | checksums are stale; the file's write lease, |
 //! |                            |                      | taken at that epoch                          |

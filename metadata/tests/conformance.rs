@@ -26,6 +26,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("kv_scan_is_ordered_bounded_and_sees_pending_writes", kv_scan_is_ordered_bounded_and_sees_pending_writes),
     ("namespace_create_lookup_link_unlink", namespace_create_lookup_link_unlink),
     ("namespace_rename_rules", namespace_rename_rules),
+    ("tmpfiles_are_orphans_until_linked", tmpfiles_are_orphans_until_linked),
     ("namespace_setattr_xattr_and_seal", namespace_setattr_xattr_and_seal),
     ("large_directories_list_in_pages", large_directories_list_in_pages),
     ("large_layouts_seal_in_batches", large_layouts_seal_in_batches),
@@ -180,6 +181,40 @@ fn namespace_create_lookup_link_unlink(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(errno(ns.unlink(ROOT, b"d")), libc::EISDIR, "{name}");
     ns.rmdir(ROOT, b"d").unwrap();
     assert_eq!(ns.getattr(ROOT).unwrap().nlink, 2, "{name}");
+}
+
+/// O_TMPFILE: an inode with no name, this node's orphan (purged at a crash
+/// recovery) until its first link, which names it like any file; an
+/// unlinked orphan gets no name back.
+fn tmpfiles_are_orphans_until_linked(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv);
+    let d = ns.mknod(ROOT, b"d", &dir()).unwrap();
+    let before = ns.getattr(d.ino).unwrap();
+    let t = ns.tmpfile(d.ino, &NewNode { unsealed: true, ..file(0o640) }).unwrap();
+    assert_eq!(ns.getattr(t.ino).unwrap().nlink, 0, "{name}");
+    assert_eq!(ns.orphans().unwrap(), vec![t.ino], "{name}: a crash now purges it");
+    assert!(ns.readdir(d.ino).unwrap().iter().all(|(_, e)| e.ino != t.ino), "{name}: no name in its directory");
+    assert_eq!(ns.getattr(d.ino).unwrap().mtime, before.mtime, "{name}: the directory is not changed");
+    assert_eq!(errno(ns.tmpfile(d.ino, &dir())), libc::EINVAL, "{name}");
+
+    // Its first link names it: no longer an orphan, a file like any other.
+    let linked = ns.link(t.ino, d.ino, b"ckpt").unwrap();
+    assert_eq!((linked.nlink, linked.parent, linked.name.as_slice()), (1, d.ino, &b"ckpt"[..]), "{name}");
+    assert_eq!(ns.lookup(d.ino, b"ckpt").unwrap().ino, t.ino, "{name}");
+    assert!(ns.orphans().unwrap().is_empty(), "{name}");
+    assert!(!ns.purge(t.ino).unwrap(), "{name}: a last close racing the link keeps the file");
+    assert_eq!(ns.lookup(d.ino, b"ckpt").unwrap().ino, t.ino, "{name}");
+
+    // Unlinked while open, it is an ordinary orphan: no name back.
+    assert!(ns.unlink(d.ino, b"ckpt").unwrap().orphaned, "{name}");
+    assert_eq!(errno(ns.link(t.ino, ROOT, b"again")), libc::ENOENT, "{name}");
+    assert!(ns.purge(t.ino).unwrap(), "{name}");
+
+    // A tmpfile never linked goes with its purge.
+    let t2 = ns.tmpfile(ROOT, &file(0o600)).unwrap();
+    assert!(ns.purge(t2.ino).unwrap(), "{name}");
+    assert_eq!(errno(ns.getattr(t2.ino)), libc::ENOENT, "{name}");
+    assert!(ns.orphans().unwrap().is_empty(), "{name}");
 }
 
 fn namespace_rename_rules(name: &str, kv: Arc<dyn KvEngine>) {

@@ -8,7 +8,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 
-use common::cluster::xattr_value;
+use common::cluster::{eventually, same, xattr_value};
 use common::*;
 
 #[test]
@@ -864,4 +864,42 @@ fn fallocate_or_truncate_by_a_user_outside_the_group_clears_set_id_bits() {
             assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, left, "{mode:o} after {what} by uid {user}");
         }
     }
+}
+
+#[test]
+fn o_tmpfile_is_unnamed_until_linked_and_gone_if_never_linked() {
+    let mut m = Mount::new();
+    fs::create_dir(m.path("ckpt")).unwrap();
+    let want = pattern(3 << 20, 41);
+    let f = open_tmpfile(&m.path("ckpt"), 0).expect("O_TMPFILE");
+    f.write_all_at(&want, 0).unwrap();
+    let st = f.metadata().unwrap();
+    assert_eq!((st.nlink(), st.len(), st.mode() & 0o777), (0, want.len() as u64, 0o640));
+    assert_eq!(fs::read_dir(m.path("ckpt")).unwrap().count(), 0, "an unnamed file shows in no directory");
+    // Published whole under a name, then read back by name and after a remount.
+    link_open_file(&f, &m.path("ckpt/model.pt")).unwrap();
+    assert_eq!(f.metadata().unwrap().nlink(), 1);
+    f.sync_all().unwrap();
+    drop(f);
+    same(&fs::read(m.path("ckpt/model.pt")).unwrap(), &want, "the linked tmpfile");
+    assert_eq!(link_open_file(&open_tmpfile(&m.path("ckpt"), libc::O_EXCL).unwrap(), &m.path("x")), Err(libc::ENOENT));
+
+    // Never linked: nothing left at its last close, or after a crash with it open.
+    let g = open_tmpfile(&m.path("ckpt"), 0).unwrap();
+    g.write_all_at(b"scratch", 0).unwrap();
+    let gone = m.data.join("chunks").join(format!("{:016x}", g.metadata().unwrap().ino()));
+    assert!(gone.exists());
+    drop(g);
+    eventually(10, "a tmpfile closed unlinked is purged", || !gone.exists());
+    let h = open_tmpfile(&m.path("ckpt"), 0).unwrap();
+    h.write_all_at(&want[..1 << 20], 0).unwrap();
+    h.sync_all().unwrap();
+    let crashed = m.data.join("chunks").join(format!("{:016x}", h.metadata().unwrap().ino()));
+    m.crash();
+    drop(h);
+    m.mount();
+    same(&fs::read(m.path("ckpt/model.pt")).unwrap(), &want, "the linked tmpfile after a crash");
+    let names: Vec<_> = fs::read_dir(m.path("ckpt")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["model.pt"]);
+    eventually(10, "the tmpfile open at the crash is purged at the next mount", || !crashed.exists());
 }

@@ -1,5 +1,5 @@
-//! The POSIX surface across nodes: copy_file_range, file handles and
-//! atime, on three daemons over a 3-member etcd (ACLs: acl.rs).
+//! The POSIX surface across nodes: copy_file_range, O_TMPFILE, file handles
+//! and atime, on three daemons over a 3-member etcd (ACLs: acl.rs).
 
 mod common;
 
@@ -11,7 +11,8 @@ use common::cluster::{eventually, Cluster};
 use common::*;
 
 /// A file written on n1 is copied with copy_file_range on n2 (its chunks
-/// fetched from n1) and the copy reads whole on n3; a file handle made on
+/// fetched from n1) and the copy reads whole on n3; a tmpfile written and
+/// linked on n2 reads whole on n3; a file handle made on
 /// n1 opens the file on n2, and goes stale there once n1 unlinks it; a
 /// read on n2 moves atime as n1 sees it (relatime).
 #[test]
@@ -37,6 +38,16 @@ fn copies_handles_and_atime_work_across_nodes() {
     eventually(10, "the handle is stale on n2 once n1 unlinked the file", || {
         h.open(&c.node(1).mnt, libc::O_RDONLY).err() == Some(libc::ESTALE)
     });
+
+    // O_TMPFILE on n2, named by linkat there: whole on n3 at once.
+    let t = open_tmpfile(&c.node(1).mnt, 0).expect("O_TMPFILE");
+    let ckpt = pattern((65 << 20) + 7, 33);
+    std::os::unix::fs::FileExt::write_all_at(&t, &ckpt, 0).unwrap();
+    link_open_file(&t, &c.node(1).path("ckpt.pt")).unwrap();
+    t.sync_all().unwrap();
+    drop(t);
+    drop_caches();
+    assert!(fs::read(c.node(2).path("ckpt.pt")).unwrap() == ckpt, "n2's linked tmpfile reads whole on n3");
 
     fs::write(c.node(0).path("a"), b"read me").unwrap();
     let before = fs::metadata(c.node(0).path("a")).unwrap();

@@ -467,8 +467,17 @@ impl Core {
         Ok(self.ns.mknod(parent, name, node)?)
     }
 
+    /// A new name for `ino`; for a tmpfile open here, its first: from then
+    /// on its last close seals it instead of purging it. (A last close
+    /// racing the link finds the name in the purge's transaction and keeps
+    /// the file: `Namespace::purge` drops only inodes still without one.)
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &[u8]) -> FsResult<Attr> {
-        self.ns.link(ino, newparent, newname)?;
+        let inode = self.ns.link(ino, newparent, newname)?;
+        if inode.nlink == 1 {
+            if let Some(oi) = self.open.get(ino) {
+                oi.state.lock().orphaned = false;
+            }
+        }
         self.getattr(ino)
     }
 

@@ -337,6 +337,17 @@ impl Core {
         Ok((inode, opened))
     }
 
+    /// Create an unnamed regular file in `parent` and open it (`O_TMPFILE`):
+    /// an orphan from its creation, purged at its last close unless a
+    /// `link` names it first ([`Core::link`]).
+    pub fn tmpfile(&self, parent: Ino, node: &NewNode<'_>) -> FsResult<(super::Attr, Opened)> {
+        let before = self.seals.snapshot();
+        let inode = self.ns.tmpfile(parent, node)?;
+        let created = node.unsealed.then_some(before);
+        let opened = self.open_inner(inode.ino, node.unsealed, created.as_ref(), true)?;
+        Ok((inode, opened))
+    }
+
     /// Open `ino`; `writable` for O_WRONLY / O_RDWR.
     pub fn open(&self, ino: Ino, writable: bool) -> FsResult<Opened> {
         self.open_inner(ino, writable, None, true)

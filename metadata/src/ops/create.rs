@@ -1,4 +1,5 @@
-//! mknod, mkdir, create and symlink: a new inode and its dentry, one transaction.
+//! mknod, mkdir, create and symlink: a new inode and its dentry, one transaction;
+//! and tmpfile (`O_TMPFILE`): a new inode with no dentry, an orphan from the start.
 
 use crate::acl;
 use crate::error::{MetaError, MetaResult};
@@ -10,6 +11,24 @@ use crate::types::{Dentry, FileKind, Ino, Inode, NewNode, Timespec, REPLICAS_XAT
 impl Namespace {
     pub fn mknod(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> MetaResult<Inode> {
         check_name(name)?;
+        self.new_node(parent, Some(name), node)
+    }
+
+    /// A regular file in `parent` with no name (`open(2)` with `O_TMPFILE`):
+    /// link count 0 and this node's orphan mark, so that it goes at its last
+    /// close here, or at this node's next mount after a crash, unless a
+    /// `link` names it first. It takes `parent`'s default ACL, set-group-ID
+    /// group and replica policy as a file created there would; `parent`
+    /// itself is not changed.
+    pub fn tmpfile(&self, parent: Ino, node: &NewNode<'_>) -> MetaResult<Inode> {
+        if node.kind != FileKind::Regular {
+            return Err(MetaError::Invalid("O_TMPFILE makes regular files only"));
+        }
+        self.new_node(parent, None, node)
+    }
+
+    /// A new inode in `parent`, under `name`, or unnamed (a tmpfile).
+    fn new_node(&self, parent: Ino, name: Option<&[u8]>, node: &NewNode<'_>) -> MetaResult<Inode> {
         if let Some(t) = node.target {
             if t.is_empty() {
                 return Err(MetaError::NotFound);
@@ -35,8 +54,10 @@ impl Namespace {
                 // The directory was removed while a caller still held it.
                 return Err(MetaError::NotFound);
             }
-            if get_dentry(txn, parent, name)?.is_some() {
-                return Err(MetaError::Exists);
+            if let Some(name) = name {
+                if get_dentry(txn, parent, name)?.is_some() {
+                    return Err(MetaError::Exists);
+                }
             }
             let now = Timespec::now();
             let is_dir = node.kind == FileKind::Directory;
@@ -69,14 +90,20 @@ impl Namespace {
                 perm,
                 uid: node.uid,
                 gid,
-                nlink: if is_dir { 2 } else { 1 },
+                nlink: match (name, is_dir) {
+                    (None, _) => 0,
+                    (Some(_), true) => 2,
+                    (Some(_), false) => 1,
+                },
                 size: node.target.map_or(0, |t| t.len() as u64),
                 atime: now,
                 mtime: now,
                 ctime: now,
                 rdev: node.rdev,
                 parent,
-                name: name.to_vec(),
+                // A tmpfile's empty name says it was never linked: the one
+                // orphan a `link` may name (see ops/link.rs).
+                name: name.map(<[u8]>::to_vec).unwrap_or_default(),
                 chunk_size: if node.kind == FileKind::Regular { chunk_size } else { 0 },
                 target: node.target.map(|t| t.to_vec()),
             };
@@ -93,6 +120,10 @@ impl Namespace {
             if let (Some(d), true) = (&default_acl, is_dir) {
                 txn.put(&schema::xattr(ino, acl::DEFAULT), d);
             }
+            let Some(name) = name else {
+                txn.put(&schema::orphan(ino), self.node.as_bytes());
+                return Ok(inode);
+            };
             put_dentry(txn, parent, name, &Dentry { ino, kind: node.kind });
             if is_dir {
                 dir.nlink += 1;

@@ -1,8 +1,9 @@
-//! link: a second name for an existing inode.
+//! link: a second name for an existing inode, or the first for a tmpfile.
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
 use crate::namespace::{check_name, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace, LINK_MAX};
+use crate::schema;
 use crate::types::{Dentry, Ino, Inode, Timespec};
 
 impl Namespace {
@@ -13,7 +14,12 @@ impl Namespace {
             if inode.is_dir() {
                 return Err(MetaError::NotPermitted("hard link to a directory"));
             }
-            if inode.nlink == 0 {
+            // An orphan gets no name back (the kernel allows `linkat` of an
+            // open file only for O_TMPFILE ones), except a tmpfile never
+            // linked (its name empty): it becomes a file like any other,
+            // its orphan mark gone in the same transaction.
+            let tmpfile = inode.nlink == 0 && inode.name.is_empty();
+            if inode.nlink == 0 && !tmpfile {
                 return Err(MetaError::NotFound);
             }
             if inode.nlink >= LINK_MAX {
@@ -26,6 +32,12 @@ impl Namespace {
             let now = Timespec::now();
             inode.nlink += 1;
             inode.ctime = now;
+            if tmpfile {
+                // Its path from now on (the object key of its backfill).
+                inode.parent = newparent;
+                inode.name = newname.to_vec();
+                txn.delete(&schema::orphan(ino));
+            }
             dir.mtime = now;
             dir.ctime = now;
             put_dentry(txn, newparent, newname, &Dentry { ino, kind: inode.kind });

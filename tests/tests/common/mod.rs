@@ -264,3 +264,30 @@ pub fn copy_range(from: &Path, off_in: i64, to: &Path, off_out: i64, len: usize)
     }
     total
 }
+
+/// open(2) with O_TMPFILE in `dir`; the file or the errno.
+pub fn open_tmpfile(dir: &std::path::Path, extra: i32) -> Result<std::fs::File, i32> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: open(2) on a NUL-terminated path.
+    let fd = unsafe { libc::open(cstr(dir).as_ptr(), libc::O_TMPFILE | libc::O_RDWR | extra, 0o640) };
+    if fd < 0 {
+        return Err(errno());
+    }
+    // SAFETY: a descriptor just opened, owned by nobody else.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// linkat(2) of an open file through /proc/self/fd: how a file built
+/// unnamed with O_TMPFILE is published whole under a name.
+pub fn link_open_file(f: &std::fs::File, to: &std::path::Path) -> Result<(), i32> {
+    let from = cstr(std::path::Path::new(&format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(f))));
+    // SAFETY: linkat(2) on NUL-terminated paths.
+    let r = unsafe {
+        libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, cstr(to).as_ptr(), libc::AT_SYMLINK_FOLLOW)
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(errno())
+    }
+}
