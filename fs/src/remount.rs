@@ -86,17 +86,36 @@ pub fn remount(a: &RemountArgs) -> anyhow::Result<()> {
         return Err(std::io::Error::last_os_error()).with_context(|| format!("statvfs {}", mp.display()));
     }
     let f = flags(st.f_flag, a);
-    // SAFETY: mount(2) with valid C strings; FUSE ignores the data of a remount.
-    let r = unsafe { libc::mount(std::ptr::null(), c.as_ptr(), std::ptr::null(), f, std::ptr::null()) };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EBUSY) {
-            bail!("remount {}: a file is open for writing there, so it cannot become read-only", mp.display());
+    // The kernel refuses read-only (EBUSY) while a file is open for writing
+    // or an unlinked file is still in use. FUSE sends a release after
+    // close(2) has returned and holds the inode until the daemon answers, so
+    // a file just closed (an unlinked one purged by its release) can be
+    // busy for a moment: retried for that moment, then refused.
+    let deadline = std::time::Instant::now() + RELEASES_IN_FLIGHT;
+    loop {
+        // SAFETY: mount(2) with valid C strings; FUSE ignores the data of a remount.
+        let r = unsafe { libc::mount(std::ptr::null(), c.as_ptr(), std::ptr::null(), f, std::ptr::null()) };
+        if r == 0 {
+            return Ok(());
         }
-        return Err(e).with_context(|| format!("remount {}", mp.display()));
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EBUSY) {
+            return Err(e).with_context(|| format!("remount {}", mp.display()));
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "remount {}: a file is open for writing there (or an unlinked file is still open), so it cannot \
+                 become read-only",
+                mp.display()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    Ok(())
 }
+
+/// How long a remount to read-only waits out releases the kernel has not
+/// yet had answered.
+const RELEASES_IN_FLIGHT: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[cfg(test)]
 mod tests {
