@@ -102,6 +102,8 @@ for d in test scratch; do
 	mount -o loop "$WORK/$d.img" "$WORK/$d"
 done
 cp "$CONVERGED_BIN_DIR/converged" "$CONVERGED_BIN_DIR/mount-converged" "$WORK/bin/"
+# What the summary names: the tree as it was when the binaries were taken.
+tree=$(git -C "$REPO" describe --always --dirty 2>/dev/null || echo '?')
 # The helpers mount(8) finds, put back as they were when the run ends.
 declare -A had_helper
 for h in /sbin/mount.converged /sbin/mount.fuse.converged; do
@@ -130,7 +132,8 @@ trap 'exit 130' INT TERM
 # The users the tests switch to.
 getent group fsgqa >/dev/null || groupadd fsgqa
 getent passwd fsgqa >/dev/null || useradd -m -g fsgqa fsgqa
-getent passwd fsgqa2 >/dev/null || useradd -m -g fsgqa fsgqa2
+getent group fsgqa2 >/dev/null || groupadd fsgqa2
+getent passwd fsgqa2 >/dev/null || useradd -m -g fsgqa -G fsgqa2 fsgqa2
 getent passwd 123456-fsgqa >/dev/null || useradd --badname -m -g fsgqa 123456-fsgqa
 
 # xfstests compares the type `df -T` shows with $FSTYP: show `fuse` for
@@ -230,7 +233,7 @@ unmount_disks
 elapsed=$(($(date +%s) - started))
 
 {
-	echo "xfstests $(git -C "$XFS" describe --always 2>/dev/null || echo '?') on converged $(git -C "$REPO" describe --always --dirty 2>/dev/null || echo '?'), $(uname -r)"
+	echo "xfstests $(git -C "$XFS" describe --always 2>/dev/null || echo '?') on converged $tree (binaries from $CONVERGED_BIN_DIR), $(uname -r)"
 	echo "selection: ${groups[*]+-g ${groups[*]}} ${tests[*]+${tests[*]}}"
 	echo "pass ${#pass[@]}, fail ${#fail[@]}, not run ${#notrun[@]}, excluded ${#skipped[@]}, of $total; $((elapsed / 60)) min $((elapsed % 60)) s"
 	[ ${#fail[@]} -eq 0 ] || printf 'failed: %s\n' "${fail[@]}"
