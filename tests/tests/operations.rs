@@ -242,9 +242,33 @@ fn mounts_are_nosuid_and_nodev_unless_asked_and_data_dir_files_are_private() {
     let asked = euid_via_setuid_copy(&["--suid"]);
     assert!(asked.starts_with("0 "), "--suid should honour the setuid bit: {asked}");
 
+    // A device node made on the mount (here /dev/null's numbers) opens only with --dev.
+    let open_device = |extra: &[&str]| -> std::io::Result<()> {
+        let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).args(extra).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let dev = mnt.join("null");
+        if !dev.exists() {
+            // SAFETY: mknod(2) on a NUL-terminated path.
+            let r = unsafe { libc::mknod(cstr(&dev).as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+            assert_eq!(r, 0, "mknod: {}", std::io::Error::last_os_error());
+        }
+        let r = fs::OpenOptions::new().write(true).open(&dev).map(drop);
+        stop_mount(&mnt);
+        r
+    };
+    let refused = open_device(&[]).expect_err("a device node opened on a default (nodev) mount");
+    assert_eq!(refused.raw_os_error(), Some(libc::EACCES), "{refused}");
+    open_device(&["--dev"]).expect("--dev should let a device node open");
+
     for name in ["meta.redb", "converged.lock", "converged.log", "identity", "chunks"] {
         let mode = fs::metadata(data.join(name)).unwrap().mode() & 0o777;
         assert_eq!(mode & 0o077, 0, "{name} is {mode:o}: readable by others");
+    }
+    // The files inside the chunk store too: a copy of the setuid binary's bytes is there.
+    for e in fs::read_dir(data.join("chunks")).unwrap() {
+        let e = e.unwrap();
+        let mode = e.metadata().unwrap().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "chunks/{:?} is {mode:o}: readable by others", e.file_name());
     }
 }
 

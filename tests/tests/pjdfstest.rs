@@ -111,6 +111,9 @@ fn pjdfstest_erofs_cases_pass_with_remounts() {
     let ran: Vec<&str> = text.lines().filter(|l| l.contains("::erofs")).collect();
     let listed = std::fs::read_to_string(manifest.join("pjdfstest-excludes.txt")).unwrap();
     let expected = listed.lines().filter(|l| l.contains("::erofs")).count();
-    assert!(expected > 0 && ran.len() == expected, "expected the {expected} EROFS cases listed in the excludes:\n{text}");
+    assert!(
+        expected > 0 && ran.len() == expected,
+        "expected the {expected} EROFS cases listed in the excludes:\n{text}"
+    );
     assert!(ran.iter().all(|l| l.trim_end().ends_with(" ok")), "EROFS cases failed or skipped:\n{text}");
 }
