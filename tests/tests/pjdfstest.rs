@@ -20,6 +20,27 @@ fn pjdfstest_bin() -> Option<std::path::PathBuf> {
     candidates.into_iter().flatten().find(|p: &std::path::PathBuf| p.exists())
 }
 
+/// pjdfstest with configuration `conf` on `m` (the cases whose names
+/// contain `only`, or all): its output and its summary line.
+fn run(bin: &Path, conf: &Path, m: &Mount, only: Option<&str>) -> (String, String) {
+    let secondary = m.root.path().join("secondary");
+    std::fs::create_dir_all(&secondary).unwrap();
+    let out = Command::new(bin)
+        .arg("-c")
+        .arg(conf)
+        .arg("-p")
+        .arg(&m.mnt)
+        .arg("-s")
+        .arg(&secondary)
+        .args(only)
+        .current_dir(&m.mnt)
+        .output()
+        .expect("run pjdfstest");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let summary = text.lines().find(|l| l.starts_with("Summary:")).unwrap_or("no summary line").to_string();
+    (text, summary)
+}
+
 #[test]
 fn pjdfstest_passes_except_listed_cases() {
     let Some(bin) = pjdfstest_bin() else {
@@ -28,21 +49,8 @@ fn pjdfstest_passes_except_listed_cases() {
         return;
     };
     let m = Mount::new();
-    let secondary = m.root.path().join("secondary");
-    std::fs::create_dir(&secondary).unwrap();
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(bin)
-        .arg("-c")
-        .arg(manifest.join("pjdfstest/pjdfstest.toml"))
-        .arg("-p")
-        .arg(&m.mnt)
-        .arg("-s")
-        .arg(&secondary)
-        .current_dir(&m.mnt)
-        .output()
-        .expect("run pjdfstest");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    let summary = text.lines().find(|l| l.starts_with("Summary:")).unwrap_or("no summary line").to_string();
+    let (text, summary) = run(&bin, &manifest.join("pjdfstest/pjdfstest.toml"), &m, None);
     eprintln!("pjdfstest on converged: {summary}");
     println!("pjdfstest on converged: {summary}");
 
@@ -87,26 +95,12 @@ fn pjdfstest_erofs_cases_pass_with_remounts() {
     };
     install_helpers();
     let m = Mount::new();
-    let secondary = m.root.path().join("secondary");
-    std::fs::create_dir(&secondary).unwrap();
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let conf = std::fs::read_to_string(manifest.join("pjdfstest/pjdfstest.toml")).unwrap();
     assert!(conf.contains("allow_remount = false"), "the full run's configuration changed: update this test");
     let remounts = m.root.path().join("pjdfstest-remount.toml");
     std::fs::write(&remounts, conf.replace("allow_remount = false", "allow_remount = true")).unwrap();
-    let out = Command::new(bin)
-        .arg("-c")
-        .arg(&remounts)
-        .arg("-p")
-        .arg(&m.mnt)
-        .arg("-s")
-        .arg(&secondary)
-        .arg("erofs")
-        .current_dir(&m.mnt)
-        .output()
-        .expect("run pjdfstest");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    let summary = text.lines().find(|l| l.starts_with("Summary:")).unwrap_or("no summary line").to_string();
+    let (text, summary) = run(&bin, &remounts, &m, Some("erofs"));
     println!("pjdfstest EROFS cases on converged: {summary}");
     let ran: Vec<&str> = text.lines().filter(|l| l.contains("::erofs")).collect();
     let listed = std::fs::read_to_string(manifest.join("pjdfstest-excludes.txt")).unwrap();
