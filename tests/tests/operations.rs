@@ -450,9 +450,18 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
 
     let (_t, data, mnt) = dirs();
     let base = format!("etcds://127.0.0.1:{port}/sec");
-    let mount = |uri: &str| {
-        converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).args(["--meta", uri]).output().unwrap()
+    let mount_with = |uri: &str, extra: &[&str]| {
+        converged()
+            .arg("mount")
+            .arg(&mnt)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--meta", uri])
+            .args(extra)
+            .output()
+            .unwrap()
     };
+    let mount = |uri: &str| mount_with(uri, &[]);
     let full = format!(
         "{base}?ca={}&cert={}&key={}&user=trainer&password_file={}",
         p("ca.pem"),
@@ -464,14 +473,7 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
     // refused certificate or password must fail the mount, not be waited out.
     let refused_under_wait = |uri: String, why: &[&str]| {
         let started = Instant::now();
-        let out = converged()
-            .arg("mount")
-            .arg(&mnt)
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["--meta", &uri, "--meta-wait", "10m"])
-            .output()
-            .unwrap();
+        let out = mount_with(&uri, &["--meta-wait", "10m"]);
         let err = String::from_utf8_lossy(&out.stderr).to_string();
         assert!(!out.status.success(), "mounted with {uri}");
         assert!(

@@ -295,13 +295,7 @@ impl Core {
             errno: libc::EAGAIN,
             msg: format!("metadata: {e}"),
         };
-        if self.cfg.read_only {
-            // Unregistered: placement never names it, and its disk stays as it was.
-            return Err(converged_transport::ServiceError {
-                errno: libc::EROFS,
-                msg: format!("write of chunk {} of inode {} refused: this node is mounted read-only", c.index, c.ino),
-            });
-        }
+        self.refuse_peers_if_read_only(|| format!("write of chunk {} of inode {}", c.index, c.ino))?;
         if self.ns.lease_holder(c.ino).map_err(meta)?.is_some_and(|holder| caller.is(&holder)) {
             return Ok(());
         }
@@ -320,18 +314,25 @@ impl Core {
         })
     }
 
+    /// A read-only node changes nothing on its disk for peers: it is not
+    /// registered, so placement never names it, and copies it may still
+    /// hold are dropped by its sweep once it mounts read-write.
+    fn refuse_peers_if_read_only(&self, what: impl Fn() -> String) -> Result<(), converged_transport::ServiceError> {
+        match self.cfg.read_only {
+            false => Ok(()),
+            true => Err(converged_transport::ServiceError {
+                errno: libc::EROFS,
+                msg: format!("{} refused: this node is mounted read-only", what()),
+            }),
+        }
+    }
+
     /// Whether a peer may have this node drop its copies of `ino`: only
     /// once the file is gone from the metadata (its purge, which removed
     /// its chunk records in the same transaction, is committed: the only
     /// time a node sends a delete). Read past the node-local cache.
     pub(crate) fn peer_may_delete(&self, ino: Ino) -> Result<(), converged_transport::ServiceError> {
-        if self.cfg.read_only {
-            // Its copies are dropped by its sweep once it mounts read-write.
-            return Err(converged_transport::ServiceError {
-                errno: libc::EROFS,
-                msg: format!("delete of inode {ino} refused: this node is mounted read-only"),
-            });
-        }
+        self.refuse_peers_if_read_only(|| format!("delete of inode {ino}"))?;
         match self.ns.layout(ino) {
             Err(converged_metadata::MetaError::NotFound) => Ok(()),
             Ok(_) => Err(converged_transport::ServiceError {

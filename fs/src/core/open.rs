@@ -328,21 +328,27 @@ impl Core {
     /// Create a regular file and open it (open with O_CREAT). A file created
     /// for writing starts unsealed in the creating transaction.
     pub fn create(&self, parent: Ino, name: &[u8], node: &NewNode<'_>) -> FsResult<(super::Attr, Opened)> {
-        // Which writing sessions ended before the create: its write lease
-        // is the creator's only while none of this inode ended since.
-        let before = self.seals.snapshot();
-        let inode = self.ns.mknod(parent, name, node)?;
-        let created = node.unsealed.then_some(before);
-        let opened = self.open_inner(inode.ino, node.unsealed, created.as_ref(), true)?;
-        Ok((inode, opened))
+        self.create_open(node, || self.ns.mknod(parent, name, node))
     }
 
     /// Create an unnamed regular file in `parent` and open it (`O_TMPFILE`):
     /// an orphan from its creation, purged at its last close unless a
     /// `link` names it first ([`Core::link`]).
     pub fn tmpfile(&self, parent: Ino, node: &NewNode<'_>) -> FsResult<(super::Attr, Opened)> {
+        self.create_open(node, || self.ns.tmpfile(parent, node))
+    }
+
+    /// Make an inode with `make` and open it, for writing when `node` says
+    /// it starts unsealed.
+    fn create_open(
+        &self,
+        node: &NewNode<'_>,
+        make: impl FnOnce() -> converged_metadata::MetaResult<super::Attr>,
+    ) -> FsResult<(super::Attr, Opened)> {
+        // Which writing sessions ended before the create: its write lease
+        // is the creator's only while none of this inode ended since.
         let before = self.seals.snapshot();
-        let inode = self.ns.tmpfile(parent, node)?;
+        let inode = make()?;
         let created = node.unsealed.then_some(before);
         let opened = self.open_inner(inode.ino, node.unsealed, created.as_ref(), true)?;
         Ok((inode, opened))
