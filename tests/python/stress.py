@@ -5,10 +5,11 @@ usage: stress.py MOUNTPOINT [--procs 16] [--seconds 60] [--stall 30]
 
 What it attacks: the daemon's locking when the same few inodes are opened,
 written, closed, unlinked, renamed, linked and listed by many processes at
-once. Every close of a writable handle seals the file (a metadata write
-transaction) under the inode's state lock and then takes the open-inode
-map's shard to drop the inode; an unlink asks that map, from inside its
-metadata transaction, whether the inode is still open; a close of an
+once, beside unnamed (O_TMPFILE) files linked under those names. Every
+close of a writable handle seals the file (a metadata write transaction)
+under the inode's state lock and then takes the open-inode map's shard
+to drop the inode; an unlink asks that map, from inside its metadata
+transaction, whether the inode is still open; a close of an
 unlinked file purges it. Those paths take the same three locks (the
 metadata store's write slot, a shard of the open-inode map, an inode's
 state mutex) in different orders, and a wrong order only shows under this
@@ -83,6 +84,22 @@ def rename_exchange(a, b):
         raise OSError(e, os.strerror(e), a, None, b)
 
 
+AT_SYMLINK_FOLLOW = 0x400
+_libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                         ctypes.c_char_p, ctypes.c_int]
+_libc.linkat.restype = ctypes.c_int
+
+
+def link_open_file(fd, dst):
+    """linkat(2) of an open file through /proc/self/fd (os.link calls
+    link(2), which would link the /proc symlink itself)."""
+    src = f"/proc/self/fd/{fd}".encode()
+    if _libc.linkat(AT_FDCWD, src, AT_FDCWD, os.fsencode(dst),
+                    AT_SYMLINK_FOLLOW) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), dst)
+
+
 class Worker:
     """One process's loop of random operations on the shared names."""
 
@@ -144,6 +161,29 @@ class Worker:
             try:
                 os.pwrite(fd, self.blob(4096), self.rng.randrange(65536))
             finally:
+                os.close(fd)
+
+    def op_tmpfile(self):
+        # An unnamed file (O_TMPFILE) written, then published under a shared
+        # name with linkat (EEXIST when taken), or dropped unlinked; some
+        # are kept open, so their last close (a seal, or a purge of one
+        # never linked) lands among the others' unlinks and renames.
+        d = os.path.join(self.mnt, f"d{self.rng.randrange(DIRS)}")
+        fd = os.open(d, os.O_TMPFILE | os.O_RDWR, 0o644)
+        keep = False
+        try:
+            os.pwrite(fd, self.blob(), self.rng.randrange(65536))
+            if self.rng.randrange(3) == 0:
+                os.fsync(fd)
+            if self.rng.randrange(3):
+                link_open_file(fd, self.name())
+            keep = self.rng.randrange(4) == 0
+            if keep:
+                self.held.append((fd, d))
+                if len(self.held) > HELD_MAX:
+                    self.close_held(0)
+        finally:
+            if not keep:
                 os.close(fd)
 
     def op_read(self):
@@ -278,7 +318,7 @@ BASE_WEIGHTS = {
     "read": 3, "unlink": 8, "rename_same_dir": 3, "rename_any": 3,
     "exchange": 2, "truncate": 2, "ftruncate": 2, "link": 3, "scandir": 2,
     "xattr": 3, "open_close_churn": 4, "hold": 4, "write_held": 3,
-    "close_held": 3,
+    "close_held": 3, "tmpfile": 4,
 }
 OPS = sorted(BASE_WEIGHTS)
 # Never left out by a worker's mix: without these nothing contends.

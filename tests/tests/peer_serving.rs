@@ -119,7 +119,7 @@ fn crc32c_of(data: &[u8]) -> u32 {
 
 #[test]
 fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes_file() {
-    let Some(OneNode { _etcd, _t, m, ca, peer }) = one_node("authz") else { return };
+    let Some(OneNode { _etcd, _t, mut m, ca, peer }) = one_node("authz") else { return };
     let data = pattern(2 << 20, 5);
     std::fs::write(m.path("ckpt.pt"), &data).unwrap();
     let ino = std::fs::metadata(m.path("ckpt.pt")).unwrap().ino();
@@ -127,29 +127,29 @@ fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes
     let chunk = ChunkRef { ino, index: 0, version, start: 0 };
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let bind = |name: &str| {
+        QuicTransport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &ca.issue(name).unwrap(),
+            Arc::new(Nothing),
+            Duration::from_secs(5),
+        )
+        .unwrap()
+    };
+    let refused = |r: Result<(), converged_transport::TransportError>, errno: i32, what: &str| match r {
+        Err(converged_transport::TransportError::Remote { err, .. }) => {
+            assert_eq!(err.errno, errno, "{what}: {}", err.msg);
+        }
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    };
     rt.block_on(async {
-        let bind = |name: &str| {
-            QuicTransport::bind(
-                "127.0.0.1:0".parse().unwrap(),
-                &ca.issue(name).unwrap(),
-                Arc::new(Nothing),
-                Duration::from_secs(5),
-            )
-            .unwrap()
-        };
         let n2 = bind("n2");
-        let refused = |r: Result<(), converged_transport::TransportError>, what: &str| match r {
-            Err(converged_transport::TransportError::Remote { err, .. }) => {
-                assert_eq!(err.errno, libc::EACCES, "{what}: {}", err.msg);
-            }
-            other => panic!("{what}: expected a refusal, got {other:?}"),
-        };
         // n2 holds no lease of the file and no copy: a new version from it is refused...
         let forged = ChunkRef { version: version + 1, ..chunk };
-        refused(n2.write(&peer, &forged, &vec![0u8; data.len()]).await, "write of a new version by n2");
+        refused(n2.write(&peer, &forged, &vec![0u8; data.len()]).await, libc::EACCES, "write of a new version by n2");
         // ...as is the version n1 holds, and a delete of a file whose records name n1.
-        refused(n2.write(&peer, &chunk, &vec![0u8; data.len()]).await, "write over n1's version by n2");
-        refused(n2.delete(&peer, ino).await, "delete of n1's file by n2");
+        refused(n2.write(&peer, &chunk, &vec![0u8; data.len()]).await, libc::EACCES, "write over n1's version by n2");
+        refused(n2.delete(&peer, ino).await, libc::EACCES, "delete of n1's file by n2");
         // The node the record names may copy its own version (background replication does).
         let n1_again = bind("n1");
         n1_again.write(&peer, &chunk, &data).await.expect("a recorded holder may write its version");
@@ -157,6 +157,20 @@ fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes
     drop_caches();
     same(&std::fs::read(m.path("ckpt.pt")).unwrap(), &data, "the file after the refused writes and delete");
     assert!(m.log().contains("refused a peer's request"), "refusals are logged");
+
+    // Mounted read-only on the same address, the node refuses even the write
+    // it allowed above, and a delete: its disk changes for no peer.
+    m.umount();
+    let listen = m.extra.iter().position(|a| a == "--listen").unwrap() + 1;
+    m.extra[listen] = peer.addr.to_string();
+    m.extra.push("--read-only".into());
+    m.mount();
+    rt.block_on(async {
+        let n1_again = bind("n1");
+        refused(n1_again.write(&peer, &chunk, &data).await, libc::EROFS, "a write to a read-only node");
+        refused(n1_again.delete(&peer, ino).await, libc::EROFS, "a delete on a read-only node");
+    });
+    same(&std::fs::read(m.path("ckpt.pt")).unwrap(), &data, "the file on the read-only node");
 }
 
 fn same(got: &[u8], want: &[u8], what: &str) {
