@@ -12,7 +12,8 @@ use common::*;
 
 /// A file written on n1 is copied with copy_file_range on n2 (its chunks
 /// fetched from n1) and the copy reads whole on n3; a tmpfile written and
-/// linked on n2 reads whole on n3; a file handle made on
+/// linked on n2 reads whole on n3; a hole punched on n1 and a range zeroed
+/// on n2 read as zeros on n3; a file handle made on
 /// n1 opens the file on n2, and goes stale there once n1 unlinks it; a
 /// read on n2 moves atime as n1 sees it (relatime).
 #[test]
@@ -38,6 +39,22 @@ fn copies_handles_and_atime_work_across_nodes() {
     eventually(10, "the handle is stale on n2 once n1 unlinked the file", || {
         h.open(&c.node(1).mnt, libc::O_RDONLY).err() == Some(libc::ESTALE)
     });
+
+    // A hole punched on n1 and a range zeroed on n2 (the file's writer now):
+    // n3 reads zeros there and the rest unchanged.
+    let mut want = data.clone();
+    let fallocate = |node: usize, mode: i32, off: usize, len: usize| {
+        let f = fs::OpenOptions::new().write(true).open(c.node(node).path("src")).unwrap();
+        // SAFETY: fallocate(2) on a descriptor we own.
+        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), mode, off as i64, len as i64) };
+        assert_eq!(rc, 0, "fallocate on n{}: {}", node + 1, std::io::Error::last_os_error());
+    };
+    fallocate(0, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 1 << 20, 3 << 20);
+    want[1 << 20..4 << 20].fill(0);
+    fallocate(1, libc::FALLOC_FL_ZERO_RANGE, (64 << 20) - 4096, 1 << 20);
+    want[(64 << 20) - 4096..(65 << 20) - 4096].fill(0);
+    drop_caches();
+    assert!(fs::read(c.node(2).path("src")).unwrap() == want, "n3 reads n1's hole and n2's zeroed range");
 
     // O_TMPFILE on n2, named by linkat there: whole on n3 at once.
     let t = open_tmpfile(&c.node(1).mnt, 0).expect("O_TMPFILE");
