@@ -370,8 +370,8 @@ pub fn stats(a: StatsArgs) -> anyhow::Result<()> {
             mb(now.0 .1, before.0 .1)
         ));
         out.push_str(&format!(
-            "{:<7} {:<14} {:>10} {:>9} {:>9} {:>9}\n",
-            "area", "operation", "ops/s", "avg", "p50", "p99"
+            "{:<7} {:<14} {:>10} {:>9} {:>9} {:>9} {:>8}\n",
+            "area", "operation", "ops/s", "avg", "p50", "p99", "meta/op"
         ));
         let mut rows: Vec<Row> = now
             .1
@@ -387,14 +387,21 @@ pub fn stats(a: StatsArgs) -> anyhow::Result<()> {
         };
         for r in &rows {
             let avg = r.sum_ns as f64 / r.count() as f64 / 1e9;
+            // Metadata round trips per FUSE operation (etcd requests; 0 on
+            // the embedded engine).
+            let trips = match r.area {
+                crate::latency::Area::Fuse => format!("{:.2}", r.round_trips as f64 / r.count() as f64),
+                _ => "-".to_string(),
+            };
             out.push_str(&format!(
-                "{:<7} {:<14} {:>10.1} {:>9} {:>9} {:>9}\n",
+                "{:<7} {:<14} {:>10.1} {:>9} {:>9} {:>9} {:>8}\n",
                 r.area.name(),
                 r.op,
                 r.count() as f64 / secs,
                 ms(Some(avg)),
                 ms(r.quantile(0.5)),
-                ms(r.quantile(0.99))
+                ms(r.quantile(0.99)),
+                trips
             ));
         }
         if rows.is_empty() {

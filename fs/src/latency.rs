@@ -92,21 +92,53 @@ pub fn observe(area: Area, op: &'static str, d: Duration) {
     HISTS.entry((area, op)).or_default().observe(d);
 }
 
-/// Times what follows until it is dropped.
+/// Metadata round trips (etcd requests) each FUSE operation made on the
+/// thread that answered it, and how many of that operation were answered:
+/// their ratio is the operation's cost in round trips.
+static FUSE_ROUND_TRIPS: LazyLock<DashMap<&'static str, (AtomicU64, AtomicU64)>> = LazyLock::new(DashMap::new);
+
+fn charge_round_trips(op: &'static str, trips: u64) {
+    let add = |e: &(AtomicU64, AtomicU64)| {
+        e.0.fetch_add(trips, Ordering::Relaxed);
+        e.1.fetch_add(1, Ordering::Relaxed);
+    };
+    if let Some(e) = FUSE_ROUND_TRIPS.get(op) {
+        add(&e);
+        return;
+    }
+    add(&FUSE_ROUND_TRIPS.entry(op).or_default());
+}
+
+/// `(op, round trips, operations)` per FUSE operation so far, by name.
+pub fn fuse_round_trips() -> Vec<(&'static str, u64, u64)> {
+    let mut rows: Vec<_> = FUSE_ROUND_TRIPS
+        .iter()
+        .map(|e| (*e.key(), e.value().0.load(Ordering::Relaxed), e.value().1.load(Ordering::Relaxed)))
+        .collect();
+    rows.sort();
+    rows
+}
+
+/// Times what follows until it is dropped; a FUSE operation's timer also
+/// charges it the metadata round trips its thread made meanwhile.
 pub struct Timer {
     area: Area,
     op: &'static str,
     start: Instant,
+    round_trips: u64,
 }
 
 impl Drop for Timer {
     fn drop(&mut self) {
         observe(self.area, self.op, self.start.elapsed());
+        if self.area == Area::Fuse {
+            charge_round_trips(self.op, converged_metadata::round_trips::on_this_thread() - self.round_trips);
+        }
     }
 }
 
 pub fn timer(area: Area, op: &'static str) -> Timer {
-    Timer { area, op, start: Instant::now() }
+    Timer { area, op, start: Instant::now(), round_trips: converged_metadata::round_trips::on_this_thread() }
 }
 
 /// Time `f` as operation `op` of `area`.
@@ -150,12 +182,50 @@ pub fn encode(encoder: &mut prometheus_client::encoding::DescriptorEncoder) -> R
             )?;
         }
     }
+    encode_round_trips(encoder)
+}
+
+fn encode_round_trips(encoder: &mut prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    use converged_metadata::round_trips::{self, RoundTrip};
+    use prometheus_client::encoding::EncodeMetric;
+    use prometheus_client::metrics::counter::ConstCounter;
+    use prometheus_client::metrics::MetricType;
+    let mut metric = encoder.encode_descriptor(
+        "meta_round_trips",
+        "Requests to the metadata service (etcd), by kind; the embedded engine makes none",
+        None,
+        MetricType::Counter,
+    )?;
+    for kind in RoundTrip::ALL {
+        let c = ConstCounter::new(round_trips::total(kind));
+        c.encode(metric.encode_family(&[("kind", kind.name())])?)?;
+    }
+    let rows = fuse_round_trips();
+    let mut metric = encoder.encode_descriptor(
+        "fuse_meta_round_trips",
+        "Requests to the metadata service made while answering FUSE operations, by operation",
+        None,
+        MetricType::Counter,
+    )?;
+    for (op, trips, _) in &rows {
+        ConstCounter::new(*trips).encode(metric.encode_family(&[("op", *op)])?)?;
+    }
+    let mut metric = encoder.encode_descriptor(
+        "fuse_ops",
+        "FUSE operations answered, by operation (the divisor of fuse_meta_round_trips)",
+        None,
+        MetricType::Counter,
+    )?;
+    for (op, _, ops) in &rows {
+        ConstCounter::new(*ops).encode(metric.encode_family(&[("op", *op)])?)?;
+    }
     Ok(())
 }
 
 /// The compact snapshot `converged stats` reads: one line per histogram,
 /// `<area> <op> <sum_ns> <count per bucket…>`, after a line of counters
-/// `bytes <read through the daemon> <written through the daemon>`.
+/// `bytes <read through the daemon> <written through the daemon>`, and a
+/// line `trips <op> <metadata round trips>` per FUSE operation.
 pub fn snapshot(read_bytes: u64, written_bytes: u64) -> String {
     let mut out = format!("bytes {read_bytes} {written_bytes}\n");
     for ((area, op), counts, sum_ns) in sorted() {
@@ -164,6 +234,9 @@ pub fn snapshot(read_bytes: u64, written_bytes: u64) -> String {
             out.push_str(&format!(" {c}"));
         }
         out.push('\n');
+    }
+    for (op, trips, _) in fuse_round_trips() {
+        out.push_str(&format!("trips {op} {trips}\n"));
     }
     out
 }
@@ -175,6 +248,8 @@ pub struct Row {
     pub op: String,
     pub sum_ns: u64,
     pub counts: Vec<u64>,
+    /// Metadata round trips made answering these operations (FUSE rows).
+    pub round_trips: u64,
 }
 
 impl Row {
@@ -189,6 +264,7 @@ impl Row {
             area: self.area,
             op: self.op.clone(),
             sum_ns: self.sum_ns.saturating_sub(b.sum_ns),
+            round_trips: self.round_trips.saturating_sub(b.round_trips),
             counts: self
                 .counts
                 .iter()
@@ -220,6 +296,7 @@ impl Row {
 pub fn parse(text: &str) -> Result<((u64, u64), Vec<Row>), String> {
     let mut bytes = (0, 0);
     let mut rows = Vec::new();
+    let mut trips = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let f: Vec<&str> = line.split_whitespace().collect();
         let num = |s: &str| s.parse::<u64>().map_err(|_| format!("bad number {s:?} in {line:?}"));
@@ -227,12 +304,21 @@ pub fn parse(text: &str) -> Result<((u64, u64), Vec<Row>), String> {
             bytes = (num(f[1])?, num(f[2])?);
             continue;
         }
+        if f[0] == "trips" && f.len() == 3 {
+            trips.push((f[1].to_string(), num(f[2])?));
+            continue;
+        }
         let area = Area::parse(f[0]).ok_or_else(|| format!("unknown area in {line:?}"))?;
         if f.len() < 4 {
             return Err(format!("short line {line:?}"));
         }
         let counts = f[3..].iter().map(|s| num(s)).collect::<Result<Vec<_>, _>>()?;
-        rows.push(Row { area, op: f[1].to_string(), sum_ns: num(f[2])?, counts });
+        rows.push(Row { area, op: f[1].to_string(), sum_ns: num(f[2])?, counts, round_trips: 0 });
+    }
+    for (op, n) in trips {
+        if let Some(r) = rows.iter_mut().find(|r| r.area == Area::Fuse && r.op == op) {
+            r.round_trips = n;
+        }
     }
     Ok((bytes, rows))
 }

@@ -15,6 +15,7 @@ pub mod kv_redb;
 pub mod membership;
 mod namespace;
 pub mod ops;
+pub mod round_trips;
 pub mod schema;
 pub mod types;
 

@@ -578,7 +578,7 @@ fn latency_histograms_move_under_fio_and_stats_shows_the_rates() {
         text.lines()
             .filter_map(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
-                (f.len() == 6 && f[0] == area && f[1] == op).then(|| f[2].parse::<f64>().unwrap_or(0.0))
+                (f.len() >= 6 && f[0] == area && f[1] == op).then(|| f[2].parse::<f64>().unwrap_or(0.0))
             })
             .fold(0.0, f64::max)
     };
