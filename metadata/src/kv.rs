@@ -53,9 +53,24 @@ pub enum Durability {
     Durable,
 }
 
+/// A value with the version an engine that versions its keys gave it (etcd:
+/// its mod revision, 0 when absent), and the engine revision it was read
+/// at: a cache keeps what it learned last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versioned {
+    pub value: Option<Vec<u8>>,
+    pub version: i64,
+    pub at: i64,
+}
+
 /// A consistent read view.
 pub trait KvRead {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>>;
+    /// `get`, with the key's version where the engine versions its keys
+    /// (`None` otherwise: then nothing may be cached by version).
+    fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
+        Ok((self.get(key)?, None))
+    }
     /// Keys in `[start, end)`, in order, at most `limit` of them.
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>>;
 }
@@ -74,6 +89,30 @@ pub trait KvWrite: KvRead {
         Ok(())
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()>;
+    /// Take `version` of `key` as read by this transaction without asking
+    /// the engine (a node's cache knows it): the commit then succeeds only
+    /// if the key still has that version, exactly as if it had been read.
+    /// Returns false when the engine has no versions (then read instead).
+    fn assume(&mut self, key: &[u8], version: i64) -> bool {
+        let _ = (key, version);
+        false
+    }
+    /// `key` is absent and this transaction knows it without reading it
+    /// (a record of the inode it creates, whose number is new): a cache in
+    /// front of the engine may remember that once the commit lands.
+    fn known_absent(&mut self, key: &[u8]) {
+        let _ = key;
+    }
+    /// The range under `prefix` is empty and this transaction knows it
+    /// (the entries of a directory it makes): a cache may remember that.
+    fn known_empty(&mut self, prefix: &[u8]) {
+        let _ = prefix;
+    }
+    /// `commit`, returning the engine revision the writes took, where the
+    /// engine has revisions (what a cache in front of it records them at).
+    fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
+        self.commit(durability).map(|()| None)
+    }
 }
 
 /// A metadata engine. Implementations must give serializable transactions:

@@ -1,12 +1,24 @@
-//! `CachedKv`: a node-local read cache of inode, dentry and xattr records in front
-//! of a shared engine (etcd), kept honest by the engine's change feed.
+//! `CachedKv`: a node-local cache of inode, dentry, xattr and tier records in
+//! front of a shared engine (etcd), kept honest by the engine's change feed.
 //!
-//! Read-only lookups and getattrs are served from memory; read-write
-//! transactions always go to the engine (their conflict checks need it) and
-//! drop what they wrote from the cache when they commit. A change made by
-//! another node reaches this cache through [`KvEngine::watch`] and evicts the
-//! key; a fill that raced with an eviction is not kept. Entries also expire
-//! after [`CACHE_TTL`], a bound on staleness should the feed break.
+//! Every entry carries the key's version (etcd's mod revision, 0 when absent)
+//! and the revision it was known at. Read-only lookups and getattrs are served
+//! from memory. A read-write transaction is served from memory too, but each
+//! cached read becomes a compare of the commit ([`KvWrite::assume`]): the
+//! commit succeeds only if every key still has the version the cache gave, so
+//! a create whose records are cached costs the engine one round trip, its
+//! commit. A commit that lost (the cache was behind) evicts what it assumed,
+//! and the retry reads the engine. What a commit wrote enters the cache at the
+//! commit's revision. A change made by another node reaches this cache through
+//! [`KvEngine::watch`] and evicts the key; a fill that raced with an eviction
+//! is not kept, and a fill older than the entry it would replace is dropped.
+//! Entries also expire after [`CACHE_TTL`], a bound on staleness should the
+//! feed break.
+//!
+//! Locks: `Listings::dirs`, `dropped` and a moka entry's own (held only
+//! inside `and_compute_with`, which reads the epoch) are leaves, each taken
+//! alone and never across a call to the engine; the change feed calls its
+//! subscribers with `subscribers` alone held.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -14,20 +26,130 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::kv::{ChangeFeed, Durability, KvEngine, KvRead, KvResult, KvWrite};
+use crate::kv::{ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, Versioned};
 
 /// Longest an entry lives without an eviction from the change feed.
 pub const CACHE_TTL: Duration = Duration::from_secs(10);
 const CAPACITY: u64 = 1 << 20;
 
-type Cache = moka::sync::Cache<Vec<u8>, Option<Arc<Vec<u8>>>>;
+/// A cached record: its value (`None`: absent), its version and the engine
+/// revision it was known at.
+#[derive(Clone)]
+struct Entry {
+    value: Option<Arc<Vec<u8>>>,
+    version: i64,
+    at: i64,
+}
+
+type Cache = moka::sync::Cache<Vec<u8>, Entry>;
 
 pub struct CachedKv {
     inner: Arc<dyn KvEngine>,
     cache: Cache,
-    /// Bumped by every eviction: a read that saw it change does not fill.
+    /// Bumped by every eviction: a fill whose read or commit saw it change
+    /// is not kept (the eviction may have been of newer news than the fill).
     epoch: Arc<AtomicU64>,
     subscribers: Arc<Mutex<Vec<ChangeFeed>>>,
+    /// Ranges this node deleted (an unlinked inode's xattrs), by start: end,
+    /// the commit's revision, and when. A cached entry in one known at an
+    /// older revision is stale. Kept for [`CACHE_TTL`], after which every
+    /// such entry has expired anyway.
+    dropped: Mutex<std::collections::BTreeMap<Vec<u8>, DroppedRange>>,
+    listings: Arc<Listings>,
+}
+
+/// A range this node deleted: its end, the commit's revision, and when.
+struct DroppedRange {
+    end: Vec<u8>,
+    rev: i64,
+    when: std::time::Instant,
+}
+
+/// Directories this node knows whole: every name each holds, so that a
+/// lookup of a name a directory lacks (the kernel's, before every create)
+/// is answered without a round trip, and the create's commit compares the
+/// name's absence. A listing starts empty with a mkdir this node commits, or
+/// from a scan of the whole directory; this node's own commits keep it; any
+/// other node's change of a name in it, a lost race, or a missed eviction
+/// drops it. It holds for [`CACHE_TTL`], as a cached record does, and a
+/// small directory whose listing expired is listed again in one request.
+#[derive(Default)]
+struct Listings {
+    dirs: Mutex<std::collections::HashMap<Vec<u8>, Listing>>,
+}
+
+struct Listing {
+    /// Dentry keys present.
+    keys: std::collections::HashSet<Vec<u8>>,
+    since: std::time::Instant,
+}
+
+/// Directories with more names are not kept whole (memory, and the scan
+/// that lists one again).
+const LISTING_MAX: usize = 4096;
+
+/// What a listing says of a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Known {
+    Absent,
+    /// Present (its record may still be cached, or not), or no listing.
+    Unknown,
+    /// The listing expired; the directory was small: list it again.
+    Relist,
+}
+
+impl Listings {
+    fn lookup(&self, key: &[u8]) -> Known {
+        let Some(dir) = crate::schema::dentry_dir(key) else { return Known::Unknown };
+        match self.dirs.lock().get(dir) {
+            Some(l) if l.since.elapsed() >= CACHE_TTL => Known::Relist,
+            Some(l) if !l.keys.contains(key) => Known::Absent,
+            _ => Known::Unknown,
+        }
+    }
+
+    /// Keep `keys` as the listing of `dir`, unless an eviction happened
+    /// since `epoch` was taken (checked under the lock the change feed
+    /// takes to bump it).
+    fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, epoch: &AtomicU64, since: u64) {
+        let mut dirs = self.dirs.lock();
+        if epoch.load(Ordering::Acquire) == since {
+            dirs.insert(dir.to_vec(), Listing { keys, since: std::time::Instant::now() });
+        }
+    }
+
+    /// An eviction: bump `epoch` and drop `key`'s directory (all of them
+    /// for an empty key), together.
+    fn evict(&self, key: &[u8], epoch: &AtomicU64) {
+        let mut dirs = self.dirs.lock();
+        epoch.fetch_add(1, Ordering::AcqRel);
+        if key.is_empty() {
+            dirs.clear();
+        } else if let Some(dir) = crate::schema::dentry_dir(key) {
+            dirs.remove(dir);
+        }
+    }
+
+    /// This node's commit put (`present`) or deleted `key`.
+    fn note(&self, key: &[u8], present: bool) {
+        let Some(dir) = crate::schema::dentry_dir(key) else { return };
+        let mut dirs = self.dirs.lock();
+        let Some(l) = dirs.get_mut(dir) else { return };
+        if present {
+            l.keys.insert(key.to_vec());
+            if l.keys.len() > LISTING_MAX {
+                dirs.remove(dir);
+            }
+        } else {
+            l.keys.remove(key);
+        }
+    }
+
+    fn forget_dir_of(&self, key: &[u8]) {
+        if let Some(dir) = crate::schema::dentry_dir(key) {
+            self.dirs.lock().remove(dir);
+        }
+    }
 }
 
 /// Only inode (`I`), dentry (`D`), xattr (`X`) and tier (`T`) records are
@@ -44,13 +166,16 @@ impl CachedKv {
         let cache: Cache = moka::sync::Cache::builder().max_capacity(CAPACITY).time_to_live(CACHE_TTL).build();
         let epoch = Arc::new(AtomicU64::new(0));
         let subscribers: Arc<Mutex<Vec<ChangeFeed>>> = Arc::default();
+        let listings = Arc::new(Listings::default());
         let feed: ChangeFeed = {
             let (cache, epoch, subscribers) = (cache.clone(), epoch.clone(), subscribers.clone());
+            let listings = listings.clone();
             Arc::new(move |key: &[u8]| {
-                epoch.fetch_add(1, Ordering::AcqRel);
                 if key.is_empty() {
+                    listings.evict(key, &epoch);
                     cache.invalidate_all();
                 } else if cacheable(key) {
+                    listings.evict(key, &epoch);
                     cache.invalidate(key);
                 }
                 for s in subscribers.lock().iter() {
@@ -61,7 +186,86 @@ impl CachedKv {
         if !inner.watch(feed)? {
             return Ok(inner);
         }
-        Ok(Arc::new(CachedKv { inner, cache, epoch, subscribers }))
+        Ok(Arc::new(CachedKv { inner, cache, epoch, subscribers, dropped: Mutex::default(), listings }))
+    }
+
+    /// Keep what a read or a commit learned, unless an eviction happened
+    /// since `epoch` was taken, or the cache already knows a later state.
+    fn fill(&self, key: &[u8], value: Option<Vec<u8>>, version: i64, at: i64, epoch: u64) {
+        let fresh = Entry { value: value.map(Arc::new), version, at };
+        // The epoch is checked under the entry's lock: an eviction bumps it
+        // before it removes the entry, so it either stops this fill or
+        // removes what it put.
+        let mut raced = false;
+        self.cache.entry(key.to_vec()).and_compute_with(|old| {
+            if self.epoch.load(Ordering::Acquire) != epoch {
+                raced = true;
+                return moka::ops::compute::Op::Remove;
+            }
+            match old {
+                Some(e) if e.value().at >= at => moka::ops::compute::Op::Nop,
+                _ => moka::ops::compute::Op::Put(fresh),
+            }
+        });
+        if raced {
+            self.listings.forget_dir_of(key);
+        }
+    }
+
+    /// The cached entry of `key`, unless a range this node deleted since
+    /// covers it.
+    fn cached(&self, key: &[u8]) -> Option<Entry> {
+        let e = self.cache.get(key)?;
+        use std::ops::Bound;
+        // The ranges dropped are disjoint (each one inode's xattrs): the
+        // last one starting at or before the key is the only candidate.
+        let dropped = self.dropped.lock();
+        if let Some((_, d)) = dropped.range::<[u8], _>((Bound::Unbounded, Bound::Included(key))).next_back() {
+            if key < d.end.as_slice() && e.at < d.rev {
+                return None;
+            }
+        }
+        Some(e)
+    }
+
+    fn drop_ranges(&self, ranges: Vec<(Vec<u8>, Vec<u8>)>, rev: i64) {
+        let now = std::time::Instant::now();
+        let mut dropped = self.dropped.lock();
+        dropped.retain(|_, d| now.duration_since(d.when) < CACHE_TTL);
+        for (start, end) in ranges {
+            dropped.insert(start, DroppedRange { end, rev, when: now });
+        }
+    }
+
+    fn evict(&self, key: &[u8]) {
+        self.listings.evict(key, &self.epoch);
+        self.cache.invalidate(key);
+    }
+
+    /// Keep a directory listing read by a scan of all of `[start, end)`
+    /// at one revision, when no eviction happened since `epoch`.
+    fn list(&self, start: &[u8], end: &[u8], found: &[(Vec<u8>, Vec<u8>)], limit: usize, epoch: u64) {
+        let whole = crate::schema::is_dentries_prefix(start) && crate::schema::prefix_range(start).1 == end;
+        if whole && found.len() < limit.min(LISTING_MAX) {
+            self.listings.set(start, found.iter().map(|(k, _)| k.clone()).collect(), &self.epoch, epoch);
+        }
+    }
+
+    /// Whether `key` (a dentry) is known absent, listing its directory
+    /// again in `txn` when its listing expired.
+    fn absent(&self, key: &[u8], txn: &mut dyn KvRead) -> KvResult<bool> {
+        match self.listings.lookup(key) {
+            Known::Absent => Ok(true),
+            Known::Unknown => Ok(false),
+            Known::Relist => {
+                let dir = crate::schema::dentry_dir(key).expect("a listed key is a dentry");
+                let (start, end) = crate::schema::prefix_range(dir);
+                let epoch = self.epoch.load(Ordering::Acquire);
+                let found = txn.scan(&start, &end, LISTING_MAX)?;
+                self.list(&start, &end, &found, LISTING_MAX, epoch);
+                Ok(self.listings.lookup(key) == Known::Absent)
+            }
+        }
     }
 }
 
@@ -78,32 +282,72 @@ impl KvRead for CachedRead<'_> {
             return self.inner.get(key);
         }
         if !self.fresh {
-            if let Some(v) = self.kv.cache.get(key) {
-                return Ok(v.map(|v| v.as_ref().clone()));
+            if let Some(e) = self.kv.cached(key) {
+                return Ok(e.value.map(|v| v.as_ref().clone()));
+            }
+            if self.kv.absent(key, self.inner.as_mut())? {
+                return Ok(None);
             }
         }
-        let before = self.kv.epoch.load(Ordering::Acquire);
-        let v = self.inner.get(key)?;
-        if self.kv.epoch.load(Ordering::Acquire) == before {
-            self.kv.cache.insert(key.to_vec(), v.clone().map(Arc::new));
+        let epoch = self.kv.epoch.load(Ordering::Acquire);
+        let (v, versioned) = self.inner.get_versioned(key)?;
+        if let Some(Versioned { value, version, at }) = versioned {
+            self.kv.fill(key, value, version, at, epoch);
         }
         Ok(v)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        self.inner.scan(start, end, limit)
+        let epoch = self.kv.epoch.load(Ordering::Acquire);
+        let found = self.inner.scan(start, end, limit)?;
+        self.kv.list(start, end, &found, limit, epoch);
+        Ok(found)
     }
 }
 
 struct CachedWrite<'a> {
     kv: &'a CachedKv,
     inner: Box<dyn KvWrite + 'a>,
-    written: Vec<Vec<u8>>,
-    ranges: bool,
+    /// Cached keys written, with what they now hold (`None`: deleted).
+    written: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    /// Keys whose cached versions the commit compares.
+    assumed: Vec<Vec<u8>>,
+    /// Keys the transaction knows are absent (records of a new inode).
+    absent: Vec<Vec<u8>>,
+    /// Directories it makes (their listings start empty).
+    empty_dirs: Vec<Vec<u8>>,
+    /// Cacheable ranges deleted: later reads of this transaction go to
+    /// the engine, which lays the ranges over what it holds.
+    ranges: Vec<(Vec<u8>, Vec<u8>)>,
+    /// The eviction epoch when the transaction began.
+    epoch: u64,
 }
 
 impl KvRead for CachedWrite<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        self.inner.get(key)
+        if !cacheable(key) || !self.ranges.is_empty() {
+            return self.inner.get(key);
+        }
+        let own_write = self.written.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+        if let Some(v) = own_write {
+            return Ok(v);
+        }
+        {
+            if let Some(e) = self.kv.cached(key) {
+                if self.inner.assume(key, e.version) {
+                    self.assumed.push(key.to_vec());
+                    return Ok(e.value.map(|v| v.as_ref().clone()));
+                }
+            } else if self.kv.listings.lookup(key) == Known::Absent && self.inner.assume(key, 0) {
+                self.assumed.push(key.to_vec());
+                return Ok(None);
+            }
+            let epoch = self.kv.epoch.load(Ordering::Acquire);
+            let (v, versioned) = self.inner.get_versioned(key)?;
+            if let Some(Versioned { value, version, at }) = versioned {
+                self.kv.fill(key, value, version, at, epoch);
+            }
+            Ok(v)
+        }
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         self.inner.scan(start, end, limit)
@@ -113,34 +357,88 @@ impl KvRead for CachedWrite<'_> {
 impl KvWrite for CachedWrite<'_> {
     fn put(&mut self, key: &[u8], value: &[u8]) {
         if cacheable(key) {
-            self.written.push(key.to_vec());
+            self.written.push((key.to_vec(), Some(value.to_vec())));
         }
         self.inner.put(key, value);
     }
     fn delete(&mut self, key: &[u8]) {
         if cacheable(key) {
-            self.written.push(key.to_vec());
+            self.written.push((key.to_vec(), None));
         }
         self.inner.delete(key);
     }
+    fn known_absent(&mut self, key: &[u8]) {
+        if cacheable(key) && !self.written.iter().any(|(k, _)| k == key) {
+            self.absent.push(key.to_vec());
+        }
+    }
+    fn known_empty(&mut self, prefix: &[u8]) {
+        if crate::schema::is_dentries_prefix(prefix) {
+            self.empty_dirs.push(prefix.to_vec());
+        }
+    }
     fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
-        // Ranges only cover layouts and xattrs today; a cached prefix in one
-        // would need every key evicted.
-        self.ranges |= cacheable(start) || cacheable(end);
+        if cacheable(start) || cacheable(end) {
+            self.ranges.push((start.to_vec(), end.to_vec()));
+        }
         self.inner.delete_range(start, end)
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
+        self.commit_at(durability).map(|_| ())
+    }
+    fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
         let this = *self;
-        let (kv, written, ranges) = (this.kv, this.written, this.ranges);
-        // Evict before and after: a read between commit and eviction must not fill stale.
-        kv.epoch.fetch_add(1, Ordering::AcqRel);
-        let r = this.inner.commit(durability);
-        kv.epoch.fetch_add(1, Ordering::AcqRel);
-        if ranges {
-            kv.cache.invalidate_all();
+        let (kv, written, assumed, absent, empty_dirs, ranges, epoch) =
+            (this.kv, this.written, this.assumed, this.absent, this.empty_dirs, this.ranges, this.epoch);
+        let r = this.inner.commit_at(durability);
+        let ranged = !ranges.is_empty();
+        match (&r, ranged) {
+            (Ok(Some(rev)), true) => kv.drop_ranges(ranges, *rev),
+            (_, true) => {
+                kv.listings.evict(b"", &kv.epoch);
+                kv.cache.invalidate_all();
+            }
+            _ => {}
         }
-        for k in &written {
-            kv.cache.invalidate(k);
+        match &r {
+            Ok(Some(rev)) => {
+                // Later puts of a key win: the last one is what it holds.
+                let mut last: std::collections::BTreeMap<&[u8], &Option<Vec<u8>>> = Default::default();
+                for (k, v) in &written {
+                    last.insert(k, v);
+                }
+                for dir in &empty_dirs {
+                    kv.listings.set(dir, Default::default(), &kv.epoch, epoch);
+                }
+                for (k, v) in last {
+                    let version = if v.is_some() { *rev } else { 0 };
+                    kv.listings.note(k, v.is_some());
+                    kv.fill(k, v.clone(), version, *rev, epoch);
+                }
+                for k in &absent {
+                    if !written.iter().any(|(w, _)| w == k) {
+                        kv.fill(k, None, 0, *rev, epoch);
+                    }
+                }
+            }
+            Ok(None) => {
+                for (k, _) in &written {
+                    kv.evict(k);
+                }
+            }
+            Err(e) => {
+                // A lost race: what the cache gave was stale. Any other
+                // failure may or may not have applied the writes.
+                if matches!(e, KvError::Conflict) {
+                    for k in &assumed {
+                        kv.evict(k);
+                    }
+                } else {
+                    for k in assumed.iter().chain(written.iter().map(|(k, _)| k)) {
+                        kv.evict(k);
+                    }
+                }
+            }
         }
         r
     }
@@ -160,7 +458,17 @@ impl KvEngine for CachedKv {
         Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: true }))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        Ok(Box::new(CachedWrite { kv: self, inner: self.inner.write_txn()?, written: Vec::new(), ranges: false }))
+        let epoch = self.epoch.load(Ordering::Acquire);
+        Ok(Box::new(CachedWrite {
+            kv: self,
+            inner: self.inner.write_txn()?,
+            written: Vec::new(),
+            assumed: Vec::new(),
+            absent: Vec::new(),
+            empty_dirs: Vec::new(),
+            ranges: Vec::new(),
+            epoch,
+        }))
     }
     fn sync(&self) -> KvResult<()> {
         self.inner.sync()

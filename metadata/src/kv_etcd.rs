@@ -17,9 +17,11 @@ use etcd_client::{
 };
 
 use crate::kv::{
-    merge_pending, pending_deletes, ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites,
+    merge_pending, pending_deletes, ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite,
+    PendingWrites, Versioned,
 };
 use crate::membership::{Heartbeat, Member, Membership, NodeInfo};
+use crate::round_trips::{self, RoundTrip};
 use crate::schema;
 
 /// Key-value pairs as a scan returns them.
@@ -32,13 +34,86 @@ pub struct EtcdKv {
     timeout: Duration,
     /// This node's lease: id, keep-alive channel, node id.
     lease: parking_lot::Mutex<Option<Lease>>,
-    /// Revisions of this client's own commits, so the change feed can skip
-    /// them (this node already knows what it changed).
-    own: Arc<parking_lot::Mutex<std::collections::VecDeque<i64>>>,
+    /// This client's own commits, so the change feed can skip them (this
+    /// node already knows what it changed).
+    own: Arc<OwnCommits>,
 }
 
 /// Own revisions remembered for the change feed.
 const OWN_REVISIONS: usize = 4096;
+
+/// The revisions of this client's commits, and the commits still waiting
+/// for their answer. On loopback the watch often delivers a commit's event
+/// before the commit's own answer arrives: an event whose revision is not
+/// known yet is held until every commit that was in flight when it arrived
+/// has answered, so an own change is never mistaken for another node's
+/// (which would evict it from the cache and from the kernel).
+#[derive(Default)]
+struct OwnCommits {
+    state: parking_lot::Mutex<OwnState>,
+    answered: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct OwnState {
+    next_ticket: u64,
+    in_flight: std::collections::BTreeSet<u64>,
+    revisions: std::collections::VecDeque<i64>,
+}
+
+/// A commit in flight; its answer (a revision, or none) is recorded on drop.
+struct InFlight<'a> {
+    own: &'a OwnCommits,
+    ticket: u64,
+    revision: Option<i64>,
+}
+
+impl OwnCommits {
+    fn begin(&self) -> InFlight<'_> {
+        let mut st = self.state.lock();
+        let ticket = st.next_ticket;
+        st.next_ticket += 1;
+        st.in_flight.insert(ticket);
+        InFlight { own: self, ticket, revision: None }
+    }
+
+    /// Whether the change at `revision` is this client's own: waits (up to
+    /// `limit`) for the commits in flight now to answer first.
+    async fn is_own(&self, revision: i64, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        let upto = self.state.lock().next_ticket;
+        loop {
+            let answered = self.answered.notified();
+            {
+                let st = self.state.lock();
+                if st.revisions.contains(&revision) {
+                    return true;
+                }
+                if st.in_flight.first().is_none_or(|t| *t >= upto) {
+                    return false;
+                }
+            }
+            if tokio::time::timeout_at(deadline, answered).await.is_err() {
+                return false;
+            }
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut st = self.own.state.lock();
+        st.in_flight.remove(&self.ticket);
+        if let Some(rev) = self.revision {
+            st.revisions.push_back(rev);
+            if st.revisions.len() > OWN_REVISIONS {
+                st.revisions.pop_front();
+            }
+        }
+        drop(st);
+        self.own.answered.notify_waiters();
+    }
+}
 
 struct Lease {
     id: i64,
@@ -224,11 +299,13 @@ impl EtcdKv {
             opts = opts.with_revision(rev);
         }
         let mut c = self.client.kv_client();
+        round_trips::count(RoundTrip::Read);
         if serializable {
             match self.run(c.get(key.clone(), Some(opts.clone().with_serializable()))) {
                 Ok(r) => return Ok(r),
                 Err(e) if rev > 0 => {
-                    tracing::debug!(error = %e, "serializable read refused; reading through the leader")
+                    tracing::debug!(error = %e, "serializable read refused; reading through the leader");
+                    round_trips::count(RoundTrip::Read);
                 }
                 Err(e) => return Err(e),
             }
@@ -266,6 +343,11 @@ impl KvRead for EtcdRead<'_> {
         self.rev = at;
         Ok(v)
     }
+    fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
+        let (value, version, at) = self.kv.get_at(key, self.rev, self.rev > 0)?;
+        self.rev = at;
+        Ok((value.clone(), Some(Versioned { value, version, at })))
+    }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let (v, at) = self.kv.scan_at(start, end, limit, self.rev, self.rev > 0)?;
         self.rev = at;
@@ -302,6 +384,16 @@ impl KvRead for EtcdWrite<'_> {
         self.reads.insert(key.to_vec(), mod_rev);
         Ok(v)
     }
+    fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
+        if self.pending.contains_key(key) || self.range_deleted(key) {
+            // Written by this transaction: no version of the engine's.
+            return Ok((self.get(key)?, None));
+        }
+        let (value, version, at) = self.kv.get_at(key, self.rev, self.rev > 0)?;
+        self.rev = at;
+        self.reads.insert(key.to_vec(), version);
+        Ok((value.clone(), Some(Versioned { value, version, at })))
+    }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let extra = pending_deletes(&self.pending, start, end);
         let want = if self.deleted_ranges.is_empty() { limit.saturating_add(extra) } else { usize::MAX >> 1 };
@@ -329,10 +421,18 @@ impl KvWrite for EtcdWrite<'_> {
         self.deleted_ranges.push((start.to_vec(), end.to_vec()));
         Ok(())
     }
-    fn commit(self: Box<Self>, _durability: Durability) -> KvResult<()> {
+    fn assume(&mut self, key: &[u8], version: i64) -> bool {
+        // A key read twice keeps the version seen first: both must hold.
+        self.reads.entry(key.to_vec()).or_insert(version);
+        true
+    }
+    fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
+        self.commit_at(durability).map(|_| ())
+    }
+    fn commit_at(self: Box<Self>, _durability: Durability) -> KvResult<Option<i64>> {
         let kv = self.kv;
         if self.pending.is_empty() && self.deleted_ranges.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let mut compares = Vec::new();
         for (k, mod_rev) in &self.reads {
@@ -372,16 +472,13 @@ impl KvWrite for EtcdWrite<'_> {
         }
         let txn = Txn::new().when(compares).and_then(ops);
         let mut c = kv.client.kv_client();
+        round_trips::count(RoundTrip::Commit);
+        let mut in_flight = kv.own.begin();
         let resp = kv.run(c.txn(txn))?;
         if resp.succeeded() {
-            if let Some(h) = resp.header() {
-                let mut own = kv.own.lock();
-                own.push_back(h.revision());
-                if own.len() > OWN_REVISIONS {
-                    own.pop_front();
-                }
-            }
-            Ok(())
+            let rev = resp.header().map(|h| h.revision());
+            in_flight.revision = rev;
+            Ok(rev)
         } else {
             Err(KvError::Conflict)
         }
@@ -423,6 +520,7 @@ impl KvEngine for EtcdKv {
         let client = self.client.clone();
         let prefix = self.prefix.clone();
         let own = self.own.clone();
+        let timeout = self.timeout;
         self.rt.spawn(async move {
             let mut from = 0;
             loop {
@@ -443,7 +541,7 @@ impl KvEngine for EtcdKv {
                             for ev in resp.events() {
                                 let Some(kv) = ev.kv() else { continue };
                                 from = from.max(kv.mod_revision() + 1);
-                                if own.lock().contains(&kv.mod_revision()) {
+                                if own.is_own(kv.mod_revision(), timeout).await {
                                     continue;
                                 }
                                 if let Some(key) = kv.key().strip_prefix(prefix.as_slice()) {
@@ -471,6 +569,7 @@ impl EtcdKv {
             TxnOp::put(self.key(&schema::live_node(&info.id)), value, Some(PutOptions::new().with_lease(lease))),
         ]);
         let mut c = self.client.kv_client();
+        round_trips::count(RoundTrip::Lease);
         self.run(c.txn(txn)).map(|_| ())
     }
 }
@@ -479,6 +578,7 @@ impl Membership for EtcdKv {
     fn register(&self, info: &NodeInfo, ttl: Duration) -> KvResult<()> {
         let mut client = self.client.clone();
         let secs = ttl.as_secs().max(1) as i64;
+        round_trips::count(RoundTrip::Lease);
         let id = self.run(client.lease_grant(secs, None))?.id();
         let (keeper, answers) = self.run(client.lease_keep_alive(id))?;
         self.put_records(info, id)?;
@@ -491,6 +591,7 @@ impl Membership for EtcdKv {
         let Some(lease) = guard.as_mut() else {
             return Err(KvError::backend("heartbeat before register"));
         };
+        round_trips::count(RoundTrip::Lease);
         let alive = self.run(async {
             lease.keeper.keep_alive().await?;
             Ok(lease.answers.message().await?.is_some_and(|a| a.ttl() > 0))
@@ -533,6 +634,7 @@ impl Membership for EtcdKv {
     fn leave(&self) -> KvResult<()> {
         let Some(lease) = self.lease.lock().take() else { return Ok(()) };
         let mut client = self.client.clone();
+        round_trips::count(RoundTrip::Lease);
         self.run(client.lease_revoke(lease.id)).map(|_| ())?;
         tracing::info!(node = %lease.node, "left the cluster");
         Ok(())

@@ -72,6 +72,9 @@ impl KvRead for FaultyWrite<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
         self.inner.get(key)
     }
+    fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<crate::kv::Versioned>)> {
+        self.inner.get_versioned(key)
+    }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         self.inner.scan(start, end, limit)
     }
@@ -84,14 +87,29 @@ impl KvWrite for FaultyWrite<'_> {
     fn delete(&mut self, key: &[u8]) {
         self.inner.delete(key)
     }
+    fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
+        self.inner.delete_range(start, end)
+    }
+    fn assume(&mut self, key: &[u8], version: i64) -> bool {
+        self.inner.assume(key, version)
+    }
+    fn known_absent(&mut self, key: &[u8]) {
+        self.inner.known_absent(key)
+    }
+    fn known_empty(&mut self, prefix: &[u8]) {
+        self.inner.known_empty(prefix)
+    }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
+        self.commit_at(durability).map(|_| ())
+    }
+    fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
         match self.kv.take_fault() {
             Some(Fault::Conflict) => Err(KvError::Conflict),
             Some(Fault::NoSpace) => Err(KvError::NoSpace),
             Some(Fault::Unavailable) => {
                 Err(KvError::Backend { msg: "injected: metadata engine unavailable".into(), retryable: false })
             }
-            None => self.inner.commit(durability),
+            None => self.inner.commit_at(durability),
         }
     }
 }

@@ -133,6 +133,20 @@ pub fn dentry_name(key: &[u8]) -> &[u8] {
     &key[9..]
 }
 
+/// The directory part of a dentry key (its [`dentries_of`] prefix), when
+/// `key` is one: what a node cache keeps whole listings by.
+pub fn dentry_dir(key: &[u8]) -> Option<&[u8]> {
+    match key.first() {
+        Some(&DENTRY) if key.len() > 9 => Some(&key[..9]),
+        _ => None,
+    }
+}
+
+/// Whether `prefix` is one directory's [`dentries_of`] prefix.
+pub fn is_dentries_prefix(prefix: &[u8]) -> bool {
+    prefix.len() == 9 && prefix[0] == DENTRY
+}
+
 pub fn xattr(ino: Ino, name: &[u8]) -> Vec<u8> {
     with_ino_name(XATTR, ino, name)
 }

@@ -506,8 +506,11 @@ impl Core {
             FileKind::Regular => held.as_ref().map(|h| h.ino()),
             _ => Some(target.ino),
         };
+        // An empty file has no chunk records to read holders from (a
+        // truncate drops those past the end): no round trip for it. Copies
+        // no record names are the sweep's.
         let holders = match may_purge {
-            Some(ino) if target.kind == FileKind::Regular => self.peer_holders(ino),
+            Some(ino) if target.kind == FileKind::Regular && target.size > 0 => self.peer_holders(ino),
             _ => Vec::new(),
         };
         let gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge)?;

@@ -108,6 +108,19 @@ impl Namespace {
                 target: node.target.map(|t| t.to_vec()),
             };
             put_inode(txn, &inode);
+            // The new number's records that this create does not write are
+            // absent: a node cache may answer for them (an unlink reads the
+            // tier record, the kernel asks for ACLs) without a round trip.
+            txn.known_absent(&schema::tier(ino));
+            if is_dir {
+                txn.known_empty(&schema::dentries_of(ino));
+            }
+            if access_acl.is_none() {
+                txn.known_absent(&schema::xattr(ino, acl::ACCESS));
+            }
+            if default_acl.is_none() || !is_dir {
+                txn.known_absent(&schema::xattr(ino, acl::DEFAULT));
+            }
             if node.unsealed && node.kind == FileKind::Regular {
                 txn.put(&schema::unsealed(ino), &crate::ops::layout::lease_mark(&self.node, crate::CREATE_LEASE));
             }

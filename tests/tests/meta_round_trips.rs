@@ -1,0 +1,121 @@
+//! The cluster's metadata fast path, in etcd round trips: what a create, a
+//! stat and an unlink cost, counted by the daemon itself (its statistics
+//! charge every etcd request to the FUSE operation whose thread made it), so
+//! that a change that adds a round trip fails here. And the cache that makes
+//! them cheap must not lie: names another node makes or removes in a
+//! directory this node knows whole are seen, and a create racing one of
+//! them gets EEXIST, never a second file under one name.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use common::cluster::{eventually, Cluster};
+use common::*;
+
+/// Round trips charged so far to each FUSE operation, and how many of each
+/// were answered, from the `user.converged.stats` the daemon serves.
+fn charged(mnt: &Path) -> BTreeMap<String, (u64, u64)> {
+    let out = std::process::Command::new("getfattr")
+        .args(["--only-values", "-n", "user.converged.stats"])
+        .arg(mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut map: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.first() {
+            Some(&"trips") => map.entry(f[1].to_string()).or_default().0 = f[2].parse().unwrap(),
+            Some(&"fuse") => {
+                map.entry(f[1].to_string()).or_default().1 = f[3..].iter().map(|c| c.parse::<u64>().unwrap()).sum()
+            }
+            _ => {}
+        }
+    }
+    map
+}
+
+/// Round trips of every FUSE operation between two readings.
+fn trips_between(before: &BTreeMap<String, (u64, u64)>, after: &BTreeMap<String, (u64, u64)>) -> u64 {
+    after.iter().map(|(op, (t, _))| t - before.get(op).map_or(0, |b| b.0)).sum()
+}
+
+fn create_excl(p: &Path) -> Result<(), i32> {
+    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: open(2) with a valid path; the descriptor is closed at once.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY, 0o644) };
+    if fd < 0 {
+        return Err(errno());
+    }
+    // SAFETY: our own descriptor.
+    unsafe { libc::close(fd) };
+    Ok(())
+}
+
+const FILES: u64 = 40;
+
+#[test]
+fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
+    let Some(c) = Cluster::start(2, &[]) else { return };
+    let n1 = c.node(0).mnt.clone();
+    let dir = n1.join("shards");
+    fs::create_dir(&dir).unwrap();
+    // The first create fills the caches this node keeps of the directory.
+    create_excl(&dir.join("warm")).unwrap();
+
+    let before = charged(&n1);
+    for i in 0..FILES {
+        create_excl(&dir.join(format!("f{i}"))).unwrap();
+    }
+    let after = charged(&n1);
+    let creates = trips_between(&before, &after);
+    // One commit per create: the kernel's lookup of the new name is
+    // answered by the node's listing of the directory, the create's reads
+    // by its cache. One more is allowed, for a listing that expired (its
+    // time bound) and is read again.
+    assert!(
+        creates <= FILES + 1,
+        "{FILES} creates (lookup, create, flush, release) cost {creates} etcd round trips: {after:?}"
+    );
+    assert!(creates >= FILES, "{FILES} creates cost {creates} round trips: less than a commit each cannot be");
+
+    let before = charged(&n1);
+    for i in 0..FILES {
+        let md = fs::metadata(dir.join(format!("f{i}"))).unwrap();
+        assert_eq!(md.len(), 0);
+    }
+    let stats = trips_between(&before, &charged(&n1));
+    assert_eq!(stats, 0, "stats of files this node created reached etcd");
+
+    // Another node's changes in the directory reach this one: a name n2
+    // makes is found, a name n2 removes is gone, and a create of a name n2
+    // already made is refused even before the watch told n1.
+    let n2 = c.node(1).mnt.join("shards");
+    fs::write(n2.join("from-n2"), b"x").unwrap();
+    eventually(10, "n2's new name seen on n1", || dir.join("from-n2").exists());
+    fs::remove_file(n2.join("f0")).unwrap();
+    eventually(10, "n2's unlink seen on n1", || !dir.join("f0").exists());
+    for i in 0..20 {
+        let name = format!("race{i}");
+        create_excl(&n2.join(&name)).unwrap();
+        assert_eq!(create_excl(&dir.join(&name)), Err(libc::EEXIST), "{name} created on both nodes");
+    }
+
+    let before = charged(&n1);
+    for i in 1..FILES {
+        fs::remove_file(dir.join(format!("f{i}"))).unwrap();
+    }
+    let unlinks = trips_between(&before, &charged(&n1));
+    // One commit per unlink (an empty file has no chunk holders to tell;
+    // the names and inodes are cached), and as above one more at most.
+    assert!(unlinks <= FILES, "{} unlinks cost {unlinks} etcd round trips", FILES - 1);
+    let names: Vec<String> =
+        fs::read_dir(&n2).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let unlinked = |n: &String| n.strip_prefix('f').is_some_and(|i| i.parse::<u64>().is_ok());
+    assert!(!names.iter().any(unlinked), "n2 still lists unlinked files: {names:?}");
+}
