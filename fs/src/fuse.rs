@@ -246,10 +246,16 @@ impl FuseAdapter {
     }
 
     /// The reply to create and tmpfile: the new inode, open, by passthrough
-    /// when the kernel takes the backing file.
+    /// when the kernel takes the backing file. Its attributes are kept for
+    /// the full timeout although a writer has it open: the file is empty,
+    /// so nothing can change it behind the kernel (a shared mapping of an
+    /// empty file has no page to store to), and everything that can
+    /// (write(2), which makes the kernel drop size and mtime; truncate, whose
+    /// reply carries no timeout while written) makes the kernel ask again.
+    /// So a file created and closed unwritten is stat-ed from the kernel.
     fn reply_created(&self, inode: &converged_metadata::types::Inode, opened: &Opened, reply: ReplyCreate) {
         let a = attr(inode);
-        let ttl = self.attr_ttl(inode);
+        let ttl = if inode.size == 0 { self.ttl } else { self.attr_ttl(inode) };
         match self.backing_id(inode.ino, opened, |f| reply.open_backing(f)) {
             Some(id) => {
                 reply.created_passthrough(&ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
