@@ -1,5 +1,9 @@
 //! `CachedKv`: a node-local cache of inode, dentry, xattr and tier records in
-//! front of a shared engine (etcd), kept honest by the engine's change feed.
+//! front of a shared engine (etcd), kept honest by the engine's change feed;
+//! and of the lease and layout-token records a seal checks, which only
+//! read-write transactions take from it (their reads are compared at commit;
+//! a read-only view, such as recovery's or the sweep's, always asks the
+//! engine). [`crate::schema::node_cached`] says which records are which.
 //!
 //! Every entry carries the key's version (etcd's mod revision, 0 when absent)
 //! and the revision it was known at. Read-only lookups and getattrs are served
@@ -152,11 +156,14 @@ impl Listings {
     }
 }
 
-/// Only inode (`I`), dentry (`D`), xattr (`X`) and tier (`T`) records are
-/// cached: they are what lookup, getattr, getxattr, a create's replica
-/// policy and an import's freshness check read.
+/// Records any read may take from the cache (the schema decides).
 fn cacheable(key: &[u8]) -> bool {
-    matches!(key.first(), Some(b'I' | b'D' | b'X' | b'T'))
+    crate::schema::node_cached(key)
+}
+
+/// Records kept too, but served only to read-write transactions.
+fn cacheable_in_writes(key: &[u8]) -> bool {
+    cacheable(key) || crate::schema::node_cached_in_writes(key)
 }
 
 impl CachedKv {
@@ -174,7 +181,7 @@ impl CachedKv {
                 if key.is_empty() {
                     listings.evict(key, &epoch);
                     cache.invalidate_all();
-                } else if cacheable(key) {
+                } else if cacheable_in_writes(key) {
                     listings.evict(key, &epoch);
                     cache.invalidate(key);
                 }
@@ -324,7 +331,7 @@ struct CachedWrite<'a> {
 
 impl KvRead for CachedWrite<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        if !cacheable(key) || !self.ranges.is_empty() {
+        if !cacheable_in_writes(key) || !self.ranges.is_empty() {
             return self.inner.get(key);
         }
         let own_write = self.written.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.clone());
@@ -356,19 +363,19 @@ impl KvRead for CachedWrite<'_> {
 
 impl KvWrite for CachedWrite<'_> {
     fn put(&mut self, key: &[u8], value: &[u8]) {
-        if cacheable(key) {
+        if cacheable_in_writes(key) {
             self.written.push((key.to_vec(), Some(value.to_vec())));
         }
         self.inner.put(key, value);
     }
     fn delete(&mut self, key: &[u8]) {
-        if cacheable(key) {
+        if cacheable_in_writes(key) {
             self.written.push((key.to_vec(), None));
         }
         self.inner.delete(key);
     }
     fn known_absent(&mut self, key: &[u8]) {
-        if cacheable(key) && !self.written.iter().any(|(k, _)| k == key) {
+        if cacheable_in_writes(key) && !self.written.iter().any(|(k, _)| k == key) {
             self.absent.push(key.to_vec());
         }
     }
@@ -378,7 +385,7 @@ impl KvWrite for CachedWrite<'_> {
         }
     }
     fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
-        if cacheable(start) || cacheable(end) {
+        if cacheable_in_writes(start) || cacheable_in_writes(end) {
             self.ranges.push((start.to_vec(), end.to_vec()));
         }
         self.inner.delete_range(start, end)

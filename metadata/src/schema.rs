@@ -142,6 +142,21 @@ pub fn dentry_dir(key: &[u8]) -> Option<&[u8]> {
     }
 }
 
+/// Records a node's cache in front of a shared engine may answer any read
+/// with: inodes, dentries, xattrs and tier records (what lookup, getattr,
+/// getxattr, a create's replica policy and an import's freshness check read).
+pub fn node_cached(key: &[u8]) -> bool {
+    matches!(key.first(), Some(&(INODE | DENTRY | XATTR | TIER)))
+}
+
+/// Records the cache answers only inside read-write transactions, where
+/// each cached read is compared at commit: the write lease mark, the lease
+/// epoch and the batched-layout token, which every seal checks. A read-only
+/// view never gets them from the cache (recovery and sweep decide on them).
+pub fn node_cached_in_writes(key: &[u8]) -> bool {
+    matches!(key.first(), Some(&(UNSEALED | LEASE_EPOCH | LAYOUT_COMMIT)))
+}
+
 /// Whether `prefix` is one directory's [`dentries_of`] prefix.
 pub fn is_dentries_prefix(prefix: &[u8]) -> bool {
     prefix.len() == 9 && prefix[0] == DENTRY

@@ -88,8 +88,13 @@ impl Core {
                 }
                 continue;
             }
-            let how =
-                SealAs { keep_unsealed: false, durability: Durability::Buffered, data_durable: false, lease: epoch };
+            let how = SealAs {
+                keep_unsealed: false,
+                durability: Durability::Buffered,
+                data_durable: false,
+                lease: epoch,
+                fresh: false,
+            };
             match self.seal_file(&inode, &file, &Dirty::All, how) {
                 // Sealed before the cluster is attached: replicas follow in the background.
                 Ok(_) => {

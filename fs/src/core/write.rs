@@ -100,12 +100,23 @@ pub(super) struct Unsealed {
     created_here: bool,
     /// ... unless an fsync recorded a size for it meanwhile.
     size_recorded: bool,
+    /// A publish was begun (it may have committed even if it failed): the
+    /// file may have chunk records. Until then a file created here has none.
+    publish_begun: bool,
     /// The epoch of the write lease this node took: every seal of this
     /// session carries it, so that it fails once another node took over.
     lease: u64,
     /// The node's membership lapsed during a publish: the session is
     /// fenced when the publish ends.
     fence_after_publish: bool,
+}
+
+/// What a publish seals: the chunks to checksum, under which lease, and
+/// whether the file can have no chunk records yet.
+struct Publish {
+    dirty: Dirty,
+    lease: u64,
+    fresh: bool,
 }
 
 /// How a seal is committed.
@@ -117,6 +128,9 @@ pub(super) struct SealAs {
     pub data_durable: bool,
     /// The write lease the seal is made under (`None`: recovery).
     pub lease: Option<u64>,
+    /// The file has no chunk records yet (created by this writing session,
+    /// never published): none to read before sealing.
+    pub fresh: bool,
 }
 
 /// What the last writer's release does.
@@ -267,16 +281,17 @@ impl WriteState {
     /// Unsealed → Publishing when the backing file changed since the last
     /// publish; returns the chunks to checksum. `next` is what tracking
     /// starts again from (everything, when writes bypass the daemon).
-    fn begin_publish(&mut self, now: Stamp, next: Dirty) -> Option<(Dirty, u64)> {
+    fn begin_publish(&mut self, now: Stamp, next: Dirty) -> Option<Publish> {
         let WriteState::Unsealed(u) = self else { return None };
         if u.published == Some(now) || (u.created_here && now.0 == 0) {
             return None;
         }
         let dirty = std::mem::replace(&mut u.dirty, next);
-        let WriteState::Unsealed(u) = std::mem::take(self) else { unreachable!("matched above") };
-        let lease = u.lease;
+        let WriteState::Unsealed(mut u) = std::mem::take(self) else { unreachable!("matched above") };
+        let publish = Publish { dirty, lease: u.lease, fresh: u.created_here && !u.publish_begun };
+        u.publish_begun = true;
         *self = WriteState::Publishing(u);
-        Some((dirty, lease))
+        Some(publish)
     }
 
     /// Publishing → Unsealed with what was published, or back to Unsealed
@@ -452,6 +467,7 @@ impl Core {
             durability: Durability::Buffered,
             data_durable: false,
             lease: Some(u.lease),
+            fresh: u.created_here && !u.publish_begun,
         };
         self.seal_file(&inode, &oi.file, &dirty, how).map(|_| ())
     }
@@ -678,9 +694,14 @@ impl Core {
             }
             st.write.begin_publish(now, next)
         };
-        let Some((dirty, lease)) = dirty else { return Ok(false) };
-        let how =
-            SealAs { keep_unsealed: true, durability: d, data_durable: d == Durability::Durable, lease: Some(lease) };
+        let Some(Publish { dirty, lease, fresh }) = dirty else { return Ok(false) };
+        let how = SealAs {
+            keep_unsealed: true,
+            durability: d,
+            data_durable: d == Durability::Durable,
+            lease: Some(lease),
+            fresh,
+        };
         let r =
             self.ns.getattr(ino).map_err(FsError::from).and_then(|inode| self.seal_file(&inode, &oi.file, &dirty, how));
         let fenced = {
@@ -716,8 +737,10 @@ impl Core {
             Dirty::Chunks(set) => set.iter().copied().filter(|c| *c < nchunks).collect(),
             Dirty::None => Vec::new(),
         };
-        let old: std::collections::HashMap<u32, ChunkRecord> =
-            if which.is_empty() { Default::default() } else { self.ns.chunks(inode.ino)?.into_iter().collect() };
+        let old: std::collections::HashMap<u32, ChunkRecord> = match which.is_empty() || how.fresh {
+            true => Default::default(),
+            false => self.ns.chunks(inode.ino)?.into_iter().collect(),
+        };
         let cluster = self.cluster.get();
         let want = match cluster {
             Some(c) if !which.is_empty() => {
@@ -842,7 +865,7 @@ impl Core {
         }
         short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
         let mtime = ts_from(md.mtime(), md.mtime_nsec());
-        let SealAs { keep_unsealed, durability, data_durable, lease } = how;
+        let SealAs { keep_unsealed, durability, data_durable, lease, .. } = how;
         let seal = Seal { size, mtime, chunks, keep_unsealed, lease, data_durable };
         let sealed = self.ns.seal(inode.ino, &seal, durability)?;
         self.stats.seals.fetch_add(1, Ordering::Relaxed);

@@ -121,6 +121,15 @@ impl Namespace {
             if default_acl.is_none() || !is_dir {
                 txn.known_absent(&schema::xattr(ino, acl::DEFAULT));
             }
+            // The kernel asks for it before the first write to a file.
+            txn.known_absent(&schema::xattr(ino, b"security.capability"));
+            // A seal checks these: no lease was granted past the create's
+            // and no batched layout is current.
+            txn.known_absent(&schema::lease_epoch(ino));
+            txn.known_absent(&schema::layout_commit(ino));
+            if !node.unsealed {
+                txn.known_absent(&schema::unsealed(ino));
+            }
             if node.unsealed && node.kind == FileKind::Regular {
                 txn.put(&schema::unsealed(ino), &crate::ops::layout::lease_mark(&self.node, crate::CREATE_LEASE));
             }

@@ -326,7 +326,12 @@ impl Namespace {
         let batched = self.kv.txn_limit().is_some() && seal.chunks.len() > CHUNKS_PER_BATCH;
         // A batched layout of an earlier seal that was made current but not
         // moved yet would win over the records written here: move it first.
-        self.finish_layout_move(ino)?;
+        // A plain seal checks for one in its own transaction instead (a
+        // read its commit compares, from the node cache when warm), and
+        // moves it only when there is one.
+        if batched {
+            self.finish_layout_move(ino)?;
+        }
         let layout_token = batched.then(|| seal_token(&self.node));
         if let Some(layout) = layout_token {
             for batch in seal.chunks.chunks(CHUNKS_PER_BATCH) {
@@ -343,10 +348,41 @@ impl Namespace {
                 })?;
             }
         }
-        let sealed = self.write(durability, |txn| {
+        let sealed = loop {
+            let done = self.write(durability, |txn| self.seal_txn(txn, ino, seal, layout_token, token))?;
+            match done {
+                Some(inode) => break inode,
+                None => self.finish_layout_move(ino)?,
+            }
+        };
+        if layout_token.is_some() {
+            // Readers see the new layout already; the move is housekeeping,
+            // done again by the next seal should this one stop half-way.
+            if let Err(e) = self.finish_layout_move(ino) {
+                tracing::warn!(ino, error = %e, "could not move a batched layout to its plain records yet");
+            }
+        }
+        Ok(sealed)
+    }
+
+    /// The transaction that makes a seal current; `None`, having written
+    /// nothing, when an earlier batched layout is current and must be moved
+    /// to plain records first.
+    fn seal_txn(
+        &self,
+        txn: &mut dyn KvWrite,
+        ino: Ino,
+        seal: &Seal,
+        layout_token: Option<u64>,
+        token: u64,
+    ) -> MetaResult<Option<Inode>> {
+        {
             let mut inode = get_inode(txn, ino)?;
             if let Some(epoch) = seal.lease {
                 self.check_lease(txn, ino, epoch)?;
+            }
+            if layout_token.is_none() && current_token(txn, ino)?.is_some() {
+                return Ok(None);
             }
             let chunk_size = inode.chunk_size.max(1) as u64;
             let keep = seal.size.div_ceil(chunk_size);
@@ -384,16 +420,8 @@ impl Namespace {
                     false => txn.put(&schema::sync_pending(ino), &sync_mark(token, &self.node)),
                 }
             }
-            Ok(inode)
-        })?;
-        if layout_token.is_some() {
-            // Readers see the new layout already; the move is housekeeping,
-            // done again by the next seal should this one stop half-way.
-            if let Err(e) = self.finish_layout_move(ino) {
-                tracing::warn!(ino, error = %e, "could not move a batched layout to its plain records yet");
-            }
+            Ok(Some(inode))
         }
-        Ok(sealed)
     }
 
     /// Move the current batched layout of `ino` (if one is) to plain
