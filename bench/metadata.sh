@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# Metadata benchmark: what unpacking, writing and listing a dataset is made
+# of, on the raw disk (ext4), a single-node converged mount (embedded redb)
+# and a 2-node converged cluster on etcd (`converged dev-cluster --nodes 2`),
+# in one run; with PEERS=1 also on MooseFS and GlusterFS started from
+# ../shared/peers (when that directory and its packages are there).
+#
+#   sudo bench/metadata.sh
+#   sudo NFILES=2000 TREE=5000 bench/metadata.sh       # quick check
+#   sudo SAVE=1 bench/metadata.sh                      # also save bench/results/metadata-<date>.txt
+#
+# What it prints (bench/scripts/meta_ops.py, one directory unless "spread"):
+#   create        open(O_CREAT|O_EXCL) + close of an empty file
+#   first stat    stat(2) of each file just created (no cache dropped)
+#   cached stat   the same names again
+#   stat, attr-timeout 0   first stat on a single-node mount with --attr-timeout 0
+#   unlink        unlink(2) of each
+#   each from 1 process, from 16 processes in one directory (the kernel
+#   serialises a directory's creates on one mount) and from 16 processes in
+#   16 directories; with the etcd round trips each file cost (the daemon's
+#   own count, charged to the FUSE operations that made them)
+#   etcd's own ceiling on this host: one-put transactions, and transactions
+#   the shape of a create (3 compares, 4 puts), from 1 and 16 clients
+#   untar of TREE small files (1-4 KiB) in 100 directories, `ls -lR` of it
+#   from the other node, and `rm -rf` of it: wall seconds
+#
+# Environment (defaults in brackets):
+#   BENCH_DIR   work directory, on the disk under test [/var/tmp/converged-meta-bench]
+#   NFILES      files per create/stat/unlink test [10000]
+#   TREE        files in the untar test [20000]
+#   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
+#   PEERS       1: also run on MooseFS and GlusterFS (../shared/peers) [0]
+#   SAVE        1: also save the table under bench/results/ [0]
+set -euo pipefail
+
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$SCRIPT_DIR/.." && pwd)
+BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-meta-bench}
+NFILES=${NFILES:-10000}
+TREE=${TREE:-20000}
+PEERS=${PEERS:-0}
+SAVE=${SAVE:-0}
+DEFAULT_CONVERGED=$REPO/target/release/converged
+CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
+RATE=$REPO/target/release/examples/etcd_rate
+PEERS_DIR=$REPO/../shared/peers
+
+die() { echo "metadata-bench: $*" >&2; exit 1; }
+log() { echo "== $*" >&2; }
+
+[[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts need it): sudo $0"
+command -v python3 >/dev/null || die "python3 not found"
+[[ -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
+for v in NFILES TREE; do
+    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
+done
+case $BENCH_DIR in /*) ;; *) die "BENCH_DIR must be an absolute path" ;; esac
+[[ $BENCH_DIR != *[[:space:]]* ]] || die "BENCH_DIR must not contain white space"
+
+if [[ ! -x $CONVERGED ]]; then
+    [[ $CONVERGED == "$DEFAULT_CONVERGED" ]] || die "CONVERGED=$CONVERGED is not an executable"
+    log "building converged (cargo build --release -p converged-fs)"
+    (cd "$REPO" && cargo build --release -p converged-fs) || die "build failed"
+fi
+if [[ ! -x $RATE ]]; then
+    log "building the etcd rate probe (cargo build --release -p converged-metadata --example etcd_rate)"
+    (cd "$REPO" && cargo build --release -p converged-metadata --example etcd_rate) || die "build failed"
+fi
+
+mkdir -p "$BENCH_DIR"
+BENCH_DIR=$(cd "$BENCH_DIR" && pwd -P)
+[[ $BENCH_DIR != / ]] || die "BENCH_DIR must not be /"
+RAW=$BENCH_DIR/raw
+ONE=$BENCH_DIR/one
+ZERO=$BENCH_DIR/zero
+DEV=$BENCH_DIR/dev
+OUT=$BENCH_DIR/out
+N1=$DEV/n1/mnt
+N2=$DEV/n2/mnt
+
+DEV_PID=
+PEERS_UP=()
+cleanup() {
+    local rc=$?
+    trap - EXIT INT TERM
+    set +e
+    for m in "$ONE/mnt" "$ZERO/mnt"; do
+        grep -q " $m " /proc/mounts && "$CONVERGED" umount "$m"
+    done
+    if [[ -n $DEV_PID ]] && kill -0 "$DEV_PID" 2>/dev/null; then
+        kill -TERM "$DEV_PID"
+        wait "$DEV_PID"
+    fi
+    for p in "${PEERS_UP[@]}"; do "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1; done
+    rm -rf "$RAW" "$ONE" "$ZERO" "$DEV"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$OUT"
+mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$OUT"
+
+log "single-node mounts (embedded metadata): default, and --attr-timeout 0"
+"$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data"
+"$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0
+
+log "dev-cluster (2 nodes, one etcd member) in $DEV"
+mkfifo "$OUT/dev.out"
+"$CONVERGED" dev-cluster --nodes 2 --dir "$DEV" > "$OUT/dev.out" 2>"$OUT/dev.err" &
+DEV_PID=$!
+exec 3<"$OUT/dev.out"
+ENDPOINT=
+while IFS= read -r -u 3 line; do
+    echo "   $line" >&2
+    [[ $line == metadata:* ]] && ENDPOINT=$(sed -E 's#.*etcd://([^/]+)/.*#\1#' <<<"$line")
+    [[ $line == "dev-cluster ready"* ]] && break
+done
+kill -0 "$DEV_PID" 2>/dev/null || die "dev-cluster failed: $(cat "$OUT/dev.err")"
+[[ -n $ENDPOINT ]] || die "dev-cluster did not name its etcd endpoint"
+cat <&3 >/dev/null &
+
+TARGETS=(raw one cluster)
+declare -A DIR=([raw]=$RAW [one]=$ONE/mnt [cluster]=$N1)
+declare -A STATS=([raw]="" [one]=$ONE/mnt [cluster]=$N1)
+if [[ $PEERS == 1 ]]; then
+    for p in moosefs gluster; do
+        if [[ -x $PEERS_DIR/peer_$p.sh ]] && "$PEERS_DIR/peer_$p.sh" start >"$OUT/$p.log" 2>&1; then
+            PEERS_UP+=("$p")
+            case $p in moosefs) DIR[moosefs]=/tmp/peers/mfs/mnt ;; gluster) DIR[gluster]=/tmp/peers/gluster/mnt ;; esac
+            STATS[$p]=""
+            TARGETS+=("$p")
+        else
+            log "$p: not started (see $OUT/$p.log)"
+        fi
+    done
+fi
+
+log "etcd's own ceiling at $ENDPOINT"
+for t in 1 16; do "$RATE" "$ENDPOINT" "$t" 3000 > "$OUT/etcd-$t.txt"; done
+
+ops() { # TARGET TAG [--spread] PROCS DIR
+    local target=$1 tag=$2
+    shift 2
+    log "$target: meta_ops $*"
+    python3 "$SCRIPT_DIR/scripts/meta_ops.py" "$@" ${STATS[$target]} > "$OUT/$target-$tag.json"
+}
+
+for t in "${TARGETS[@]}"; do
+    d=${DIR[$t]}/bench-meta
+    ops "$t" p1 "$d/p1" "$NFILES" 1
+    ops "$t" p16 "$d/p16" "$NFILES" 16
+    ops "$t" spread --spread "$d/spread" "$NFILES" 16
+done
+STATS[zero]=""
+ops zero p1 "$ZERO/mnt/bench-meta" "$NFILES" 1
+
+log "tree of $TREE small files in 100 directories"
+python3 "$SCRIPT_DIR/scripts/make_tree.py" "$OUT/tree.tar" "$TREE" 100
+for t in "${TARGETS[@]}"; do
+    d=${DIR[$t]}/bench-tree
+    mkdir -p "$d"
+    sync
+    log "$t: untar, ls -lR, rm -rf"
+    s=$(date +%s.%N); tar -xf "$OUT/tree.tar" -C "$d"; e=$(date +%s.%N)
+    echo "untar $(awk "BEGIN { print $e - $s }")" > "$OUT/$t-tree.txt"
+    listing=$d
+    [[ $t == cluster ]] && listing=$N2/bench-tree
+    s=$(date +%s.%N); ls -lR "$listing" > /dev/null; e=$(date +%s.%N)
+    echo "ls $(awk "BEGIN { print $e - $s }")" >> "$OUT/$t-tree.txt"
+    s=$(date +%s.%N); rm -rf "$d"; e=$(date +%s.%N)
+    echo "rm $(awk "BEGIN { print $e - $s }")" >> "$OUT/$t-tree.txt"
+done
+
+REPORT=$OUT/table.txt
+{
+    echo "converged metadata benchmark, $(date '+%Y-%m-%d %H:%M:%S %z')"
+    echo "host $(hostname), kernel $(uname -r), $(nproc) CPUs, $(/usr/bin/etcd --version | head -n 1)"
+    rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
+    git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
+    echo "converged ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR; NFILES=$NFILES TREE=$TREE"
+    echo
+    python3 - "$OUT" "${TARGETS[*]}" <<'PY'
+import json, re, sys
+
+out, targets = sys.argv[1], sys.argv[2].split()
+names = {"raw": "ext4", "one": "1 node", "cluster": "2 nodes/etcd", "moosefs": "MooseFS", "gluster": "GlusterFS"}
+
+def load(t, tag):
+    try:
+        with open(f"{out}/{t}-{tag}.json") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+def etcd(threads):
+    rates = {}
+    with open(f"{out}/etcd-{threads}.txt") as f:
+        for line in f:
+            m = re.match(r"\d+ threads, (\d+) reads \+ (\d+) compares \+ (\d+) puts per txn: (\d+) txn/s", line)
+            if m:
+                rates[(int(m[1]), int(m[2]), int(m[3]))] = int(m[4])
+    return rates
+
+e1, e16 = etcd(1), etcd(16)
+print("etcd on this host, txn/s:  1 client: %d (one put), %d (a create's shape: 3 compares + 4 puts);"
+      "  16 clients: %d, %d" % (e1[(0, 0, 1)], e1[(0, 3, 4)], e16[(0, 0, 1)], e16[(0, 3, 4)]))
+print()
+cols = "".join(f"{names[t]:>15}" for t in targets)
+print(f"{'ops/s (etcd round trips per op)':<34}{cols}")
+rows = [("create, 1 process", "p1", "create"), ("create, 16 in one dir", "p16", "create"),
+        ("create, 16 in 16 dirs", "spread", "create"), ("first stat after create", "p1", "first_stat"),
+        ("first stat, 16 processes", "p16", "first_stat"), ("cached stat", "p1", "cached_stat"),
+        ("unlink, 1 process", "p1", "unlink"), ("unlink, 16 in one dir", "p16", "unlink"),
+        ("unlink, 16 in 16 dirs", "spread", "unlink")]
+for label, tag, phase in rows:
+    line = f"{label:<34}"
+    for t in targets:
+        r = load(t, tag)
+        if r is None:
+            line += f"{'-':>15}"
+            continue
+        v = f"{r[phase]['ops_s']:,.0f}"
+        if "trips_per_op" in r[phase]:
+            v += f" ({r[phase]['trips_per_op']:.2f})"
+        line += f"{v:>15}"
+    print(line)
+z = load("zero", "p1")
+if z:
+    print(f"{'stat, attr-timeout 0 (1 node)':<34}{'':>15}{z['first_stat']['ops_s']:>15,.0f}")
+print()
+c1, c16 = load("cluster", "p1"), load("cluster", "spread")
+if c1 and c16:
+    print("2 nodes on etcd against etcd's ceiling (one-put transactions):")
+    print(f"  create, 1 process      {c1['create']['ops_s'] / e1[(0, 0, 1)]:.2f}x   (target >= 0.8x)")
+    print(f"  create, 16 processes   {c16['create']['ops_s'] / e16[(0, 0, 1)]:.2f}x   (target >= 0.8x)")
+    print(f"  unlink, 1 process      {c1['unlink']['ops_s'] / e1[(0, 0, 1)]:.2f}x   (target >= 0.8x)")
+    print()
+print(f"{'tree of small files, seconds':<34}" + "".join(f"{names[t]:>15}" for t in targets))
+for what, label in (("untar", "untar"), ("ls", "ls -lR (other node)"), ("rm", "rm -rf")):
+    line = f"{label:<34}"
+    for t in targets:
+        vals = dict(l.split() for l in open(f"{out}/{t}-tree.txt"))
+        line += f"{float(vals[what]):>15.2f}"
+    print(line)
+PY
+} > "$REPORT"
+echo
+cat "$REPORT"
+if [[ $SAVE == 1 ]]; then
+    mkdir -p "$SCRIPT_DIR/results"
+    dest=$SCRIPT_DIR/results/metadata-$(date +%Y-%m-%d-%H%M%S).txt
+    cp "$REPORT" "$dest"
+    echo "saved to $dest"
+fi
