@@ -219,6 +219,19 @@ fn transient(e: impl std::fmt::Display) -> KvError {
     KvError::Backend { msg: format!("etcd: {e}"), retryable: true }
 }
 
+/// An etcd error, retryable unless etcd refused the request itself (too
+/// many operations in a transaction, a request too large, no permission):
+/// sending it again cannot help. (An expired token is retryable: the client
+/// logs in again.)
+fn from_etcd(e: etcd_client::Error) -> KvError {
+    let refused = matches!(
+        &e,
+        etcd_client::Error::GRpcStatus(s)
+            if matches!(s.code(), tonic_code::InvalidArgument | tonic_code::PermissionDenied)
+    );
+    KvError::Backend { msg: format!("etcd: {e}"), retryable: !refused }
+}
+
 impl EtcdKv {
     /// Connect to `endpoints` (`host:port`) over plain TCP and use the keys under `<volume>/`.
     pub fn connect(endpoints: &[String], volume: &str, timeout: Duration) -> KvResult<Self> {
@@ -277,7 +290,7 @@ impl EtcdKv {
     fn run<T, F: Future<Output = Result<T, etcd_client::Error>>>(&self, f: F) -> KvResult<T> {
         self.rt.block_on(async {
             match tokio::time::timeout(self.timeout, f).await {
-                Ok(r) => r.map_err(transient),
+                Ok(r) => r.map_err(from_etcd),
                 Err(_) => Err(transient(format!("no answer within {:?}", self.timeout))),
             }
         })

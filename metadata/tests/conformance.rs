@@ -38,6 +38,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("large_layouts_switch_whole_across_a_crash", large_layouts_switch_whole_across_a_crash),
     ("copies_leave_a_record_only_after_their_replacements", copies_leave_a_record_only_after_their_replacements),
     ("many_files_closed_empty_lose_their_marks_together", many_files_closed_empty_lose_their_marks_together),
+    ("a_seconds_sync_marks_clear_past_the_txn_limit", a_seconds_sync_marks_clear_past_the_txn_limit),
     ("fsck_finds_what_was_broken_and_repairs_what_it_can", fsck_finds_what_was_broken_and_repairs_what_it_can),
 ];
 
@@ -909,6 +910,30 @@ fn many_files_closed_empty_lose_their_marks_together(name: &str, kv: Arc<dyn KvE
     ns.clear_unsealed(&inos).unwrap();
     assert!(ns.unsealed().unwrap().is_empty(), "{name}: every mark cleared");
     assert!(inos.iter().all(|i| ns.tier(*i).unwrap().is_some_and(|t| t.state == TierState::Dirty)), "{name}");
+}
+
+/// More seals of unsynced bytes than one etcd transaction can clear (a
+/// second of an untar): the flusher's clear drops every mark.
+fn a_seconds_sync_marks_clear_past_the_txn_limit(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv);
+    let mut inos = Vec::new();
+    for i in 0..200 {
+        let f = ns.mknod(ROOT, format!("unsynced-{i}").as_bytes(), &file(0o644)).unwrap();
+        let seal = converged_metadata::Seal {
+            size: 0,
+            mtime: Timespec::now(),
+            chunks: Vec::new(),
+            keep_unsealed: false,
+            lease: None,
+            data_durable: false,
+        };
+        ns.seal(f.ino, &seal, Durability::Buffered).unwrap();
+        inos.push(f.ino);
+    }
+    let pending = ns.sync_pending().unwrap();
+    assert_eq!(pending.len(), 200, "{name}: every seal left its mark");
+    ns.clear_sync_pending(&pending).unwrap();
+    assert!(ns.sync_pending().unwrap().is_empty(), "{name}: every mark cleared");
 }
 
 /// Records broken behind the namespace's back (raw deletes, as a bug or a

@@ -539,19 +539,31 @@ impl Namespace {
     }
 
     /// Drop the sync-pending marks of files whose backing files were synced
-    /// after these seals, in one durable commit. A mark written by a later
-    /// seal (another token) stays: its bytes may be newer than the sync.
+    /// after these seals, in durable commits: one, or on an engine with a
+    /// limit per transaction (etcd's 128 operations; each mark is a compare
+    /// and a delete) one per batch under it, since a second's seals can be
+    /// more. A mark written by a later seal (another token) stays: its
+    /// bytes may be newer than the sync.
     pub fn clear_sync_pending(&self, synced: &[(Ino, u64)]) -> MetaResult<()> {
-        self.write(Durability::Durable, |txn| {
-            for (ino, token) in synced {
-                let key = schema::sync_pending(*ino);
-                let current = txn.get(&key)?;
-                if current.as_deref().and_then(parse_sync_mark).is_some_and(|(t, _)| t == *token) {
-                    txn.delete(&key);
+        let batch = self.kv.txn_limit().map_or(usize::MAX, |limit| (limit / 2).max(1));
+        let mut batches: Vec<&[(Ino, u64)]> = synced.chunks(batch).collect();
+        if batches.is_empty() {
+            // Still one durable commit: it makes the commits before it durable.
+            batches.push(&[]);
+        }
+        for part in batches {
+            self.write(Durability::Durable, |txn| {
+                for (ino, token) in part {
+                    let key = schema::sync_pending(*ino);
+                    let current = txn.get(&key)?;
+                    if current.as_deref().and_then(parse_sync_mark).is_some_and(|(t, _)| t == *token) {
+                        txn.delete(&key);
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            })?;
+        }
+        Ok(())
     }
 
     /// Drop this node's sync-pending mark of `ino`, whatever its token (its
