@@ -104,7 +104,8 @@ pub trait KvWrite: KvRead {
         let _ = key;
     }
     /// The range under `prefix` is empty and this transaction knows it
-    /// (the entries of a directory it makes): a cache may remember that.
+    /// (the entries of a directory it makes, the xattrs of an inode it
+    /// makes, but for what it writes there): a cache may remember that.
     fn known_empty(&mut self, prefix: &[u8]) {
         let _ = prefix;
     }

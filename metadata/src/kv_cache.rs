@@ -69,10 +69,10 @@ struct DroppedRange {
     when: std::time::Instant,
 }
 
-/// Directories this node knows whole: every name each holds, so that a
-/// lookup of a name a directory lacks (the kernel's, before every create)
-/// is answered without a round trip, and the create's commit compares the
-/// name's absence. A listing starts empty with a mkdir this node commits, or
+/// Directories (and inodes' xattrs) this node knows whole: every name each
+/// holds, so that a lookup of a name a directory lacks (the kernel's, before
+/// every create) or of an xattr a file lacks (`ls -l` asks for two) is
+/// answered without a round trip, and a commit compares the absence. A listing starts empty with a mkdir this node commits, or
 /// from a scan of the whole directory; this node's own commits keep it; any
 /// other node's change of a name in it, a lost race, or a missed eviction
 /// drops it. It holds for [`CACHE_TTL`], as a cached record does, and a
@@ -80,6 +80,9 @@ struct DroppedRange {
 #[derive(Default)]
 struct Listings {
     dirs: Mutex<std::collections::HashMap<Vec<u8>, Listing>>,
+    /// Bumped (under `dirs`) by every change this node's commits note: a
+    /// listing read while one landed may have missed it and is not kept.
+    generation: AtomicU64,
 }
 
 struct Listing {
@@ -98,28 +101,36 @@ enum Known {
     Absent,
     /// Present (its record may still be cached, or not), or no listing.
     Unknown,
-    /// The listing expired; the directory was small: list it again.
+    /// The listing expired (the directory was small), or the range is
+    /// one listed whole on a miss (an inode's xattrs): list it.
     Relist,
 }
 
 impl Listings {
     fn lookup(&self, key: &[u8]) -> Known {
-        let Some(dir) = crate::schema::dentry_dir(key) else { return Known::Unknown };
+        let Some((dir, list_on_miss)) = crate::schema::listed_range(key) else { return Known::Unknown };
         match self.dirs.lock().get(dir) {
             Some(l) if l.since.elapsed() >= CACHE_TTL => Known::Relist,
             Some(l) if !l.keys.contains(key) => Known::Absent,
-            _ => Known::Unknown,
+            Some(_) => Known::Unknown,
+            None if list_on_miss => Known::Relist,
+            None => Known::Unknown,
         }
     }
 
     /// Keep `keys` as the listing of `dir`, unless an eviction happened
-    /// since `epoch` was taken (checked under the lock the change feed
-    /// takes to bump it).
-    fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, epoch: &AtomicU64, since: u64) {
+    /// since `epoch` was taken or one of this node's commits was noted
+    /// since `generation` was (both checked under the lock they are bumped
+    /// under).
+    fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, epoch: &AtomicU64, since: (u64, u64)) {
         let mut dirs = self.dirs.lock();
-        if epoch.load(Ordering::Acquire) == since {
+        if (epoch.load(Ordering::Acquire), self.generation.load(Ordering::Acquire)) == since {
             dirs.insert(dir.to_vec(), Listing { keys, since: std::time::Instant::now() });
         }
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// An eviction: bump `epoch` and drop `key`'s directory (all of them
@@ -129,15 +140,16 @@ impl Listings {
         epoch.fetch_add(1, Ordering::AcqRel);
         if key.is_empty() {
             dirs.clear();
-        } else if let Some(dir) = crate::schema::dentry_dir(key) {
+        } else if let Some(dir) = crate::schema::listed_range(key).map(|(p, _)| p) {
             dirs.remove(dir);
         }
     }
 
     /// This node's commit put (`present`) or deleted `key`.
     fn note(&self, key: &[u8], present: bool) {
-        let Some(dir) = crate::schema::dentry_dir(key) else { return };
+        let Some(dir) = crate::schema::listed_range(key).map(|(p, _)| p) else { return };
         let mut dirs = self.dirs.lock();
+        self.generation.fetch_add(1, Ordering::AcqRel);
         let Some(l) = dirs.get_mut(dir) else { return };
         if present {
             l.keys.insert(key.to_vec());
@@ -149,8 +161,13 @@ impl Listings {
         }
     }
 
+    /// Drop the listing of the range `prefix` names (a range deleted).
+    fn forget(&self, prefix: &[u8]) {
+        self.dirs.lock().remove(prefix);
+    }
+
     fn forget_dir_of(&self, key: &[u8]) {
-        if let Some(dir) = crate::schema::dentry_dir(key) {
+        if let Some(dir) = crate::schema::listed_range(key).map(|(p, _)| p) {
             self.dirs.lock().remove(dir);
         }
     }
@@ -249,27 +266,25 @@ impl CachedKv {
         self.cache.invalidate(key);
     }
 
-    /// Keep a directory listing read by a scan of all of `[start, end)`
-    /// at one revision, when no eviction happened since `epoch`.
-    fn list(&self, start: &[u8], end: &[u8], found: &[(Vec<u8>, Vec<u8>)], limit: usize, epoch: u64) {
-        let whole = crate::schema::is_dentries_prefix(start) && crate::schema::prefix_range(start).1 == end;
-        if whole && found.len() < limit.min(LISTING_MAX) {
-            self.listings.set(start, found.iter().map(|(k, _)| k.clone()).collect(), &self.epoch, epoch);
-        }
-    }
-
-    /// Whether `key` (a dentry) is known absent, listing its directory
-    /// again in `txn` when its listing expired.
-    fn absent(&self, key: &[u8], txn: &mut dyn KvRead) -> KvResult<bool> {
+    /// Whether `key` (a dentry or an xattr) is known absent, listing its
+    /// range when its listing expired or its range is listed on a miss. The
+    /// listing is read in a transaction of its own at etcd's latest
+    /// revision, begun after the epoch and generation were taken: every
+    /// change before it is in the listing, and one after it either evicts
+    /// the listing (another node's, through the feed) or is noted in it or
+    /// stops it from being kept (this node's).
+    fn absent(&self, key: &[u8]) -> KvResult<bool> {
         match self.listings.lookup(key) {
             Known::Absent => Ok(true),
             Known::Unknown => Ok(false),
             Known::Relist => {
-                let dir = crate::schema::dentry_dir(key).expect("a listed key is a dentry");
+                let dir = crate::schema::listed_range(key).map(|(p, _)| p).expect("a listed key has a listed range");
                 let (start, end) = crate::schema::prefix_range(dir);
-                let epoch = self.epoch.load(Ordering::Acquire);
-                let found = txn.scan(&start, &end, LISTING_MAX)?;
-                self.list(&start, &end, &found, LISTING_MAX, epoch);
+                let since = (self.epoch.load(Ordering::Acquire), self.listings.generation());
+                let found = self.inner.read_txn()?.scan(&start, &end, LISTING_MAX)?;
+                if found.len() < LISTING_MAX {
+                    self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), &self.epoch, since);
+                }
                 Ok(self.listings.lookup(key) == Known::Absent)
             }
         }
@@ -292,7 +307,7 @@ impl KvRead for CachedRead<'_> {
             if let Some(e) = self.kv.cached(key) {
                 return Ok(e.value.map(|v| v.as_ref().clone()));
             }
-            if self.kv.absent(key, self.inner.as_mut())? {
+            if self.kv.absent(key)? {
                 return Ok(None);
             }
         }
@@ -304,10 +319,9 @@ impl KvRead for CachedRead<'_> {
         Ok(v)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let epoch = self.kv.epoch.load(Ordering::Acquire);
-        let found = self.inner.scan(start, end, limit)?;
-        self.kv.list(start, end, &found, limit, epoch);
-        Ok(found)
+        // Not kept as a listing: this transaction's revision may predate
+        // changes the cache already knows of.
+        self.inner.scan(start, end, limit)
     }
 }
 
@@ -380,7 +394,7 @@ impl KvWrite for CachedWrite<'_> {
         }
     }
     fn known_empty(&mut self, prefix: &[u8]) {
-        if crate::schema::is_dentries_prefix(prefix) {
+        if crate::schema::is_listed_prefix(prefix) {
             self.empty_dirs.push(prefix.to_vec());
         }
     }
@@ -400,7 +414,12 @@ impl KvWrite for CachedWrite<'_> {
         let r = this.inner.commit_at(durability);
         let ranged = !ranges.is_empty();
         match (&r, ranged) {
-            (Ok(Some(rev)), true) => kv.drop_ranges(ranges, *rev),
+            (Ok(Some(rev)), true) => {
+                for (start, _) in &ranges {
+                    kv.listings.forget(start);
+                }
+                kv.drop_ranges(ranges, *rev)
+            }
             (_, true) => {
                 kv.listings.evict(b"", &kv.epoch);
                 kv.cache.invalidate_all();
@@ -415,7 +434,10 @@ impl KvWrite for CachedWrite<'_> {
                     last.insert(k, v);
                 }
                 for dir in &empty_dirs {
-                    kv.listings.set(dir, Default::default(), &kv.epoch, epoch);
+                    // A new number's range: nothing but this commit's own
+                    // writes (noted below) can be in it yet.
+                    let now = kv.listings.generation();
+                    kv.listings.set(dir, Default::default(), &kv.epoch, (epoch, now));
                 }
                 for (k, v) in last {
                     let version = if v.is_some() { *rev } else { 0 };

@@ -133,11 +133,16 @@ pub fn dentry_name(key: &[u8]) -> &[u8] {
     &key[9..]
 }
 
-/// The directory part of a dentry key (its [`dentries_of`] prefix), when
-/// `key` is one: what a node cache keeps whole listings by.
-pub fn dentry_dir(key: &[u8]) -> Option<&[u8]> {
+/// The range a node cache may keep whole listings of, for `key`: a
+/// directory's names ([`dentries_of`]) for a dentry key, an inode's
+/// extended attributes ([`xattrs_of`]) for an xattr key. With it, whether
+/// a read that misses should list the whole range at once: an inode has
+/// few xattrs, so listing them costs what reading one does, and `ls -l`
+/// asks for two of every file; a directory may be large.
+pub fn listed_range(key: &[u8]) -> Option<(&[u8], bool)> {
     match key.first() {
-        Some(&DENTRY) if key.len() > 9 => Some(&key[..9]),
+        Some(&DENTRY) if key.len() > 9 => Some((&key[..9], false)),
+        Some(&XATTR) if key.len() > 9 => Some((&key[..9], true)),
         _ => None,
     }
 }
@@ -157,9 +162,9 @@ pub fn node_cached_in_writes(key: &[u8]) -> bool {
     matches!(key.first(), Some(&(UNSEALED | LEASE_EPOCH | LAYOUT_COMMIT)))
 }
 
-/// Whether `prefix` is one directory's [`dentries_of`] prefix.
-pub fn is_dentries_prefix(prefix: &[u8]) -> bool {
-    prefix.len() == 9 && prefix[0] == DENTRY
+/// Whether `prefix` is one of the ranges [`listed_range`] names.
+pub fn is_listed_prefix(prefix: &[u8]) -> bool {
+    prefix.len() == 9 && matches!(prefix[0], DENTRY | XATTR)
 }
 
 pub fn xattr(ino: Ino, name: &[u8]) -> Vec<u8> {

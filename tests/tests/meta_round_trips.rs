@@ -14,7 +14,7 @@ use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use common::cluster::{eventually, Cluster};
+use common::cluster::{eventually, setxattr, xattr_value, Cluster};
 use common::*;
 
 /// Round trips charged so far to each FUSE operation, and how many of each
@@ -100,6 +100,15 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     eventually(10, "n2's new name seen on n1", || dir.join("from-n2").exists());
     fs::remove_file(n2.join("f0")).unwrap();
     eventually(10, "n2's unlink seen on n1", || !dir.join("f0").exists());
+    // An xattr another node sets on a file whose xattrs this node listed
+    // (absent) is seen, and one it removes is gone.
+    let f1 = dir.join("f1");
+    assert_eq!(xattr_value(&f1, "user.tag"), "", "a new file has no user.tag");
+    setxattr(&n2.join("f1"), "user.tag", b"from-n2");
+    eventually(10, "n2's xattr seen on n1", || xattr_value(&f1, "user.tag") == "from-n2");
+    let out = std::process::Command::new("setfattr").args(["-x", "user.tag"]).arg(n2.join("f1")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    eventually(10, "n2's xattr removal seen on n1", || xattr_value(&f1, "user.tag").is_empty());
     for i in 0..20 {
         let name = format!("race{i}");
         create_excl(&n2.join(&name)).unwrap();

@@ -115,14 +115,10 @@ impl Namespace {
             if is_dir {
                 txn.known_empty(&schema::dentries_of(ino));
             }
-            if access_acl.is_none() {
-                txn.known_absent(&schema::xattr(ino, acl::ACCESS));
-            }
-            if default_acl.is_none() || !is_dir {
-                txn.known_absent(&schema::xattr(ino, acl::DEFAULT));
-            }
-            // The kernel asks for it before the first write to a file.
-            txn.known_absent(&schema::xattr(ino, b"security.capability"));
+            // Its xattrs are the ones written below (ACLs, replica policy):
+            // the kernel's questions for others (security.capability before
+            // a first write, `ls -l`'s) need no round trip.
+            txn.known_empty(&schema::xattrs_of(ino));
             // A seal checks these: no lease was granted past the create's
             // and no batched layout is current.
             txn.known_absent(&schema::lease_epoch(ino));
