@@ -266,6 +266,16 @@ impl CachedKv {
         self.cache.invalidate(key);
     }
 
+    /// Read `key` from the engine in `txn` and keep what it says.
+    fn read_through(&self, txn: &mut dyn KvRead, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let (v, versioned) = txn.get_versioned(key)?;
+        if let Some(Versioned { value, version, at }) = versioned {
+            self.fill(key, value, version, at, epoch);
+        }
+        Ok(v)
+    }
+
     /// Whether `key` (a dentry or an xattr) is known absent, listing its
     /// range when its listing expired or its range is listed on a miss. The
     /// listing is read in a transaction of its own at etcd's latest
@@ -311,12 +321,7 @@ impl KvRead for CachedRead<'_> {
                 return Ok(None);
             }
         }
-        let epoch = self.kv.epoch.load(Ordering::Acquire);
-        let (v, versioned) = self.inner.get_versioned(key)?;
-        if let Some(Versioned { value, version, at }) = versioned {
-            self.kv.fill(key, value, version, at, epoch);
-        }
-        Ok(v)
+        self.kv.read_through(self.inner.as_mut(), key)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         // Not kept as a listing: this transaction's revision may predate
@@ -352,23 +357,16 @@ impl KvRead for CachedWrite<'_> {
         if let Some(v) = own_write {
             return Ok(v);
         }
-        {
-            if let Some(e) = self.kv.cached(key) {
-                if self.inner.assume(key, e.version) {
-                    self.assumed.push(key.to_vec());
-                    return Ok(e.value.map(|v| v.as_ref().clone()));
-                }
-            } else if self.kv.listings.lookup(key) == Known::Absent && self.inner.assume(key, 0) {
+        if let Some(e) = self.kv.cached(key) {
+            if self.inner.assume(key, e.version) {
                 self.assumed.push(key.to_vec());
-                return Ok(None);
+                return Ok(e.value.map(|v| v.as_ref().clone()));
             }
-            let epoch = self.kv.epoch.load(Ordering::Acquire);
-            let (v, versioned) = self.inner.get_versioned(key)?;
-            if let Some(Versioned { value, version, at }) = versioned {
-                self.kv.fill(key, value, version, at, epoch);
-            }
-            Ok(v)
+        } else if self.kv.listings.lookup(key) == Known::Absent && self.inner.assume(key, 0) {
+            self.assumed.push(key.to_vec());
+            return Ok(None);
         }
+        self.kv.read_through(self.inner.as_mut(), key)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         self.inner.scan(start, end, limit)
