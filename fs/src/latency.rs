@@ -187,37 +187,31 @@ pub fn encode(encoder: &mut prometheus_client::encoding::DescriptorEncoder) -> R
 
 fn encode_round_trips(encoder: &mut prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {
     use converged_metadata::round_trips::{self, RoundTrip};
+    let kinds: Vec<(&str, u64)> = RoundTrip::ALL.iter().map(|k| (k.name(), round_trips::total(*k))).collect();
+    let help = "Requests to the metadata service (etcd), by kind; the embedded engine makes none";
+    counter_family(encoder, "meta_round_trips", help, "kind", &kinds)?;
+    let rows = fuse_round_trips();
+    let trips: Vec<(&str, u64)> = rows.iter().map(|(op, trips, _)| (*op, *trips)).collect();
+    let help = "Requests to the metadata service made while answering FUSE operations, by operation";
+    counter_family(encoder, "fuse_meta_round_trips", help, "op", &trips)?;
+    let ops: Vec<(&str, u64)> = rows.iter().map(|(op, _, ops)| (*op, *ops)).collect();
+    let help = "FUSE operations answered, by operation (the divisor of fuse_meta_round_trips)";
+    counter_family(encoder, "fuse_ops", help, "op", &ops)
+}
+
+/// One counter family: a value per label.
+fn counter_family(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: &[(&str, u64)],
+) -> Result<(), std::fmt::Error> {
     use prometheus_client::encoding::EncodeMetric;
     use prometheus_client::metrics::counter::ConstCounter;
-    use prometheus_client::metrics::MetricType;
-    let mut metric = encoder.encode_descriptor(
-        "meta_round_trips",
-        "Requests to the metadata service (etcd), by kind; the embedded engine makes none",
-        None,
-        MetricType::Counter,
-    )?;
-    for kind in RoundTrip::ALL {
-        let c = ConstCounter::new(round_trips::total(kind));
-        c.encode(metric.encode_family(&[("kind", kind.name())])?)?;
-    }
-    let rows = fuse_round_trips();
-    let mut metric = encoder.encode_descriptor(
-        "fuse_meta_round_trips",
-        "Requests to the metadata service made while answering FUSE operations, by operation",
-        None,
-        MetricType::Counter,
-    )?;
-    for (op, trips, _) in &rows {
-        ConstCounter::new(*trips).encode(metric.encode_family(&[("op", *op)])?)?;
-    }
-    let mut metric = encoder.encode_descriptor(
-        "fuse_ops",
-        "FUSE operations answered, by operation (the divisor of fuse_meta_round_trips)",
-        None,
-        MetricType::Counter,
-    )?;
-    for (op, _, ops) in &rows {
-        ConstCounter::new(*ops).encode(metric.encode_family(&[("op", *op)])?)?;
+    let mut metric = encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Counter)?;
+    for (value_of, v) in values {
+        ConstCounter::new(*v).encode(metric.encode_family(&[(label, *value_of)])?)?;
     }
     Ok(())
 }
