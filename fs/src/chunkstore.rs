@@ -1,13 +1,16 @@
 //! The local chunk store: one sparse backing file per inode under
 //! `<data-dir>/chunks/`, holding the chunks this node stores at their file
 //! offsets (what kernel passthrough reads), and beside it *version files*:
-//! `<ino>.<index>.<version>`, each one whole chunk version that reached this
-//! node while its backing file may still hold, and serve, an older one.
+//! `<ino>.<index>.<version>`, each one whole chunk version, written once.
 //!
 //! Published chunk versions are immutable: a replica write never lands on
-//! the bytes of another version. The core moves a version file into the
-//! backing file (installs it) once the layout records it and no reader here
-//! can see the change, and removes version files the layout left behind.
+//! the bytes of another version. A version a peer sent here stays in its
+//! version file, which is where it is read from (by this node's daemon and
+//! by peers): each copy of a chunk is written once on a node's disk. Only a
+//! local open that can hand the kernel the backing file (passthrough: every
+//! chunk here), or a writer here, has version files copied (installed) into
+//! it (a reflink where the filesystem shares blocks). The core removes
+//! version files the layout left behind.
 //!
 //! It owns bytes on the local SSD only; which chunks exist and their
 //! checksums are recorded in the namespace by the filesystem core. Its one
@@ -20,6 +23,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use converged_metadata::types::Ino;
@@ -30,8 +34,44 @@ use crate::error::{FsError, FsResult};
 
 pub struct ChunkStore {
     dir: PathBuf,
-    /// The version files on disk: by inode, (chunk index, version).
-    versions: parking_lot::Mutex<BTreeMap<Ino, BTreeSet<(u32, u64)>>>,
+    index: parking_lot::Mutex<Index>,
+    /// Bytes this store wrote, by why (see [`Written`]).
+    pub written: Written,
+}
+
+/// The version files on disk, and which inodes' ones the settler still has
+/// to look at.
+#[derive(Default)]
+struct Index {
+    /// By inode: (chunk index, version).
+    versions: BTreeMap<Ino, BTreeSet<(u32, u64)>>,
+    /// Inodes with a version file whose fate is not settled yet: just
+    /// written, or found at start. A settled version file is the chunk's
+    /// home and is not looked at again until another version of the inode
+    /// arrives (the sweep removes the ones a layout change left behind).
+    unsettled: BTreeSet<Ino>,
+}
+
+/// Bytes the chunk store wrote to the data disk (besides a writer's own
+/// writes into its backing file): what a replicated byte costs here.
+#[derive(Default)]
+pub struct Written {
+    /// Chunk versions received from a peer (replication, repair, drains).
+    pub received: AtomicU64,
+    /// Published versions kept beside a backing file being rewritten here.
+    pub kept: AtomicU64,
+    /// Version files copied into a backing file (a second write of those
+    /// bytes where the filesystem cannot reflink).
+    pub installed: AtomicU64,
+}
+
+/// Why a chunk version is written into a version file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arrival {
+    /// A peer sent it (it holds a copy here).
+    Received,
+    /// This node's writer keeps the version it published.
+    Kept,
 }
 
 /// A chunk version held in a version file.
@@ -46,15 +86,16 @@ impl ChunkStore {
     pub fn open(data_dir: &Path) -> FsResult<Self> {
         let dir = data_dir.join("chunks");
         std::fs::create_dir_all(&dir).map_err(|e| FsError::io(format!("create {}", dir.display()), e))?;
-        let store = Self { dir, versions: Default::default() };
+        let store = Self { dir, index: Default::default(), written: Default::default() };
         let rd = std::fs::read_dir(&store.dir).map_err(|e| FsError::io(format!("list {}", store.dir.display()), e))?;
-        let mut versions = store.versions.lock();
+        let mut index = store.index.lock();
         for entry in rd.flatten() {
-            if let Some((ino, index, version)) = entry.file_name().to_str().and_then(parse_version_name) {
-                versions.entry(ino).or_default().insert((index, version));
+            if let Some((ino, chunk, version)) = entry.file_name().to_str().and_then(parse_version_name) {
+                index.versions.entry(ino).or_default().insert((chunk, version));
+                index.unsettled.insert(ino);
             }
         }
-        drop(versions);
+        drop(index);
         Ok(store)
     }
 
@@ -62,10 +103,16 @@ impl ChunkStore {
         self.dir.join(format!("{ino:016x}.{index:08x}.{version:016x}"))
     }
 
+    fn add_version(&self, ino: Ino, index: u32, version: u64) {
+        let mut idx = self.index.lock();
+        idx.versions.entry(ino).or_default().insert((index, version));
+        idx.unsettled.insert(ino);
+    }
+
     /// Store a whole chunk version in its own file, on stable storage
     /// (bytes and name) when this returns. Another version of the chunk,
     /// in the backing file or a version file, is left as it is.
-    pub fn write_version(&self, c: &ChunkRef, data: &[u8]) -> io::Result<()> {
+    pub fn write_version(&self, c: &ChunkRef, data: &[u8], why: Arrival) -> io::Result<()> {
         let path = self.version_path(c.ino, c.index, c.version);
         let f = OpenOptions::new()
             .write(true)
@@ -77,7 +124,12 @@ impl ChunkStore {
         f.write_all_at(data, 0)?;
         f.sync_data()?;
         File::open(&self.dir)?.sync_all()?;
-        self.versions.lock().entry(c.ino).or_default().insert((c.index, c.version));
+        self.add_version(c.ino, c.index, c.version);
+        let counter = match why {
+            Arrival::Received => &self.written.received,
+            Arrival::Kept => &self.written.kept,
+        };
+        counter.fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -98,7 +150,8 @@ impl ChunkStore {
         copy_range(main, from, &f, 0, len)?;
         f.sync_data()?;
         File::open(&self.dir)?.sync_all()?;
-        self.versions.lock().entry(ino).or_default().insert((index, version));
+        self.add_version(ino, index, version);
+        self.written.kept.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
 
@@ -112,7 +165,7 @@ impl ChunkStore {
 
     /// Whether this node holds a version file of this chunk version.
     pub fn has_version(&self, ino: Ino, index: u32, version: u64) -> bool {
-        self.versions.lock().get(&ino).is_some_and(|v| v.contains(&(index, version)))
+        self.index.lock().versions.get(&ino).is_some_and(|v| v.contains(&(index, version)))
     }
 
     /// Write good bytes over a damaged range of a version file (`at` bytes
@@ -125,17 +178,28 @@ impl ChunkStore {
 
     /// Whether any version file of `ino` is here.
     pub fn has_versions(&self, ino: Ino) -> bool {
-        self.versions.lock().get(&ino).is_some_and(|v| !v.is_empty())
+        self.index.lock().versions.get(&ino).is_some_and(|v| !v.is_empty())
     }
 
     /// The version files of `ino`: (chunk index, version).
     pub fn versions_of(&self, ino: Ino) -> Vec<(u32, u64)> {
-        self.versions.lock().get(&ino).map(|v| v.iter().copied().collect()).unwrap_or_default()
+        self.index.lock().versions.get(&ino).map(|v| v.iter().copied().collect()).unwrap_or_default()
     }
 
     /// Inodes with version files here.
     pub fn inodes_with_versions(&self) -> Vec<Ino> {
-        self.versions.lock().iter().filter(|(_, v)| !v.is_empty()).map(|(ino, _)| *ino).collect()
+        self.index.lock().versions.iter().filter(|(_, v)| !v.is_empty()).map(|(ino, _)| *ino).collect()
+    }
+
+    /// Inodes with version files whose fate is not settled yet.
+    pub fn inodes_to_settle(&self) -> Vec<Ino> {
+        self.index.lock().unsettled.iter().copied().collect()
+    }
+
+    /// Every version file of `ino` was looked at and is where it belongs:
+    /// the settler leaves the inode alone until another version arrives.
+    pub fn settled(&self, ino: Ino) {
+        self.index.lock().unsettled.remove(&ino);
     }
 
     /// How long ago a version file was written.
@@ -152,17 +216,19 @@ impl ChunkStore {
         let len = src.metadata()?.len();
         copy_range(&src, 0, main, start, len)?;
         main.sync_data()?;
+        self.written.installed.fetch_add(len, Ordering::Relaxed);
         self.remove_version(ino, index, version)
     }
 
     /// Delete a version file.
     pub fn remove_version(&self, ino: Ino, index: u32, version: u64) -> io::Result<()> {
         let r = std::fs::remove_file(self.version_path(ino, index, version));
-        let mut versions = self.versions.lock();
-        if let Some(v) = versions.get_mut(&ino) {
+        let mut idx = self.index.lock();
+        if let Some(v) = idx.versions.get_mut(&ino) {
             v.remove(&(index, version));
             if v.is_empty() {
-                versions.remove(&ino);
+                idx.versions.remove(&ino);
+                idx.unsettled.remove(&ino);
             }
         }
         match r {
@@ -403,7 +469,7 @@ impl converged_transport::ChunkService for PeerChunks {
         Ok(buf)
     }
     fn write(&self, c: &ChunkRef, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
-        self.store.write_version(c, data).map_err(service_err)
+        self.store.write_version(c, data, Arrival::Received).map_err(service_err)
     }
     fn may_write(&self, caller: &Caller, c: &ChunkRef) -> Result<(), converged_transport::ServiceError> {
         match self.hooks.get() {

@@ -142,6 +142,11 @@ impl Core {
         if !self.namespace().drop_replica(ino, index, version)? {
             return Ok(false);
         }
+        // A copy held in a version file goes at once (the disk is full).
+        let store = self.chunk_store();
+        for (_, v) in store.versions_of(ino).into_iter().filter(|(i, v)| *i == index && *v <= version) {
+            store.remove_version(ino, index, v).map_err(|e| FsError::io("remove evicted chunk version", e))?;
+        }
         let inode = self.namespace().getattr(ino)?;
         let cs = inode.chunk_size.max(1) as u64;
         let file = match std::fs::OpenOptions::new().write(true).open(self.chunk_store().path(ino)) {

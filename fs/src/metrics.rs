@@ -57,6 +57,24 @@ impl Collector for DaemonCollector {
         for (name, help, v) in counters {
             counter(&mut encoder, name, help, v)?;
         }
+        let store = core.chunk_store();
+        let w = &store.written;
+        let written = [
+            (
+                "chunk_received_bytes",
+                "Chunk bytes received from peers and written once, into version files (replication, repair, drains)",
+                &w.received,
+            ),
+            ("chunk_kept_bytes", "Published chunk bytes kept in version files while a writer here rewrites them", &w.kept),
+            (
+                "chunk_installed_bytes",
+                "Version file bytes copied into backing files for local passthrough reads or writers (a second write where the filesystem cannot reflink)",
+                &w.installed,
+            ),
+        ];
+        for (name, help, v) in written {
+            counter(&mut encoder, name, help, v)?;
+        }
         gauge(&mut encoder, "open_files", "Files open on this node", core.open_files() as i64)?;
         if let Ok((avail, total)) = crate::evict::disk_space(core.data_dir()) {
             gauge(&mut encoder, "data_disk_bytes", "Size of the data disk", total as i64)?;

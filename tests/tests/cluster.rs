@@ -41,7 +41,7 @@ fn three_nodes_share_files_close_to_open() {
     fs::write(a.path("ckpt/run1/weights.bin"), &small).unwrap();
     let ino = fs::metadata(a.path("ckpt/run1/weights.bin")).unwrap().ino();
     for i in 0..3 {
-        assert!(c.backing_becomes(i, ino, &small), "node {i} holds a full copy");
+        assert!(c.stored_becomes(i, ino, &small), "node {i} holds a full copy");
     }
 
     // Rename and unlink on B are seen on A.

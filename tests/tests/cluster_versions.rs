@@ -11,7 +11,7 @@ mod common;
 
 use std::fs::{self, OpenOptions};
 use std::os::fd::IntoRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::time::{Duration, Instant};
 
 use common::cluster::*;
@@ -224,4 +224,46 @@ fn an_open_after_another_nodes_close_sees_that_close() {
         &mismatches[..mismatches.len().min(10)]
     );
     eprintln!("{rounds} close-to-open rounds in {:?}", started.elapsed());
+}
+
+/// Each copy is written once. A file written on n1 with replicas=2 lands in
+/// n2's data dir as one write of its bytes (counted by n2's own metrics),
+/// and stays so once n2's settler has had several passes: a received
+/// version is where n2 reads it from, not copied again into a backing file.
+/// n1, whose writer wrote the file in place, writes no chunk file of its
+/// own. Only a local open on n2, which hands the kernel the backing file
+/// (passthrough), copies the chunks into it, once.
+#[test]
+fn a_replica_writes_each_chunk_once() {
+    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
+    let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
+    c.add_node(&["--metrics", &ports[1]]);
+    let bytes = |i: usize, what: &str| -> u64 {
+        let name = format!("converged_chunk_{what}_bytes_total");
+        metric(&scrape(&ports[i]), &name).unwrap_or_else(|| panic!("{name} on n{}", i + 1)) as u64
+    };
+    let data = pattern(100 * MIB + 12345, 21);
+    let f = fs::File::create(c.node(0).path("ckpt.bin")).unwrap();
+    f.write_all_at(&data, 0).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let ino = fs::metadata(c.node(0).path("ckpt.bin")).unwrap().ino();
+    assert!(c.stored_becomes(1, ino, &data), "n2 holds a copy of ckpt.bin");
+    // The settler passes once a second; give it several.
+    std::thread::sleep(Duration::from_secs(4));
+    let len = data.len() as u64;
+    assert_eq!(bytes(1, "received"), len, "n2 received each chunk once");
+    assert_eq!(bytes(1, "installed"), 0, "n2 wrote a received chunk a second time");
+    assert_eq!(bytes(1, "kept"), 0);
+    assert!(c.stored(1, ino) == data, "n2's copy is the file");
+    let on_disk = c.allocated(1, ino);
+    assert!((len..len + 2 * MIB as u64).contains(&on_disk), "n2's copy takes {on_disk} bytes for {len}");
+    for what in ["received", "kept", "installed"] {
+        assert_eq!(bytes(0, what), 0, "n1 wrote {what} chunk bytes for its own file");
+    }
+    // A read on n2: the bytes, and one copy into the backing file for the
+    // kernel (passthrough), made once.
+    same(&fs::read(c.node(1).path("ckpt.bin")).unwrap(), &data, "ckpt.bin on n2");
+    same(&fs::read(c.node(1).path("ckpt.bin")).unwrap(), &data, "ckpt.bin on n2, again");
+    assert!(bytes(1, "installed") <= len, "n2 copied its chunks into the backing file more than once");
 }

@@ -335,9 +335,14 @@ fn scrub_finds_and_repairs_a_flipped_copy() {
     let Some(c) = three_copies() else { return };
     let data = pattern(20 * MIB, 41);
     let ino = write_on_n1(&c, "d/w.bin", &data);
-    // n2's copy, as settled into its backing file.
-    assert!(c.backing_becomes(1, ino, &data), "n2 holds the file");
-    let backing = c.backing(1, ino);
+    // n2's copy, where it keeps it: the version file it received (one
+    // chunk), or its backing file.
+    assert!(c.stored_becomes(1, ino, &data), "n2 holds the file");
+    let held = |i: usize| {
+        let (backing, versions) = c.stored_files(i, ino);
+        versions.last().map_or(backing, |(_, p)| p.clone())
+    };
+    let backing = held(1);
     let flip = |offset: u64| {
         let out = std::process::Command::new("dd")
             .args(["if=/dev/urandom", "bs=512", "count=1", "conv=notrunc,fsync", &format!("seek={}", offset / 512)])
@@ -354,7 +359,7 @@ fn scrub_finds_and_repairs_a_flipped_copy() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("2 bad blocks, 2 repaired"), "{text}");
-    assert_eq!(fs::read(&backing).unwrap(), data, "n2's copy is whole again");
+    assert!(c.stored(1, ino) == data, "n2's copy is whole again");
     let again = String::from_utf8_lossy(&scrub(1).stdout).into_owned();
     assert!(again.contains(": 0 bad blocks"), "{again}");
     let n1 = String::from_utf8_lossy(&scrub(0).stdout).into_owned();
@@ -365,12 +370,12 @@ fn scrub_finds_and_repairs_a_flipped_copy() {
 
     // n3's copy deleted outright: its scrub reports it, drops n3 from the
     // record, and repair copies the chunk back.
-    let gone = c.backing(2, ino);
+    let gone = held(2);
     fs::remove_file(&gone).unwrap();
     let out = scrub(2);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!out.status.success() && text.contains("320 bad blocks, 0 repaired"), "{text}");
-    eventually(60, "n3 holds w.bin again", || fs::read(&gone).is_ok_and(|d| d == data));
+    eventually(60, "n3 holds w.bin again", || c.stored(2, ino) == data);
     eventually(30, "every chunk has its copies", || health(&c) == (0, 0));
 }
 
@@ -467,14 +472,15 @@ fn rebalance_gives_a_new_node_its_share_and_survives_a_kill() {
 }
 
 /// A truncate drops chunks from the layout: every node's copy of them is
-/// punched out of its backing file (the space comes back), while the bytes
+/// punched out of its backing file or its version files deleted (the space
+/// comes back), while the bytes
 /// that remain read back everywhere.
 #[test]
 fn a_truncated_files_dropped_chunks_leave_every_node() {
     let Some(c) = three_copies() else { return };
     let data = pattern(130 * MIB, 8);
     let ino = write_on_n1(&c, "d/t.bin", &data);
-    let allocated = |i: usize| fs::metadata(c.backing(i, ino)).map(|m| m.blocks() * 512).unwrap_or(0);
+    let allocated = |i: usize| c.allocated(i, ino);
     for i in 0..3 {
         eventually(30, &format!("n{} holds all of t.bin", i + 1), || allocated(i) >= 130 * MIB as u64);
     }

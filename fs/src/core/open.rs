@@ -377,10 +377,10 @@ impl Core {
         created: Option<&super::attr::SealSnapshot>,
         kernel: bool,
     ) -> FsResult<Opened> {
-        // Chunk versions that reached this node beside its backing file go
-        // into it before the first open here (an open elsewhere would have
-        // to read them through the daemon).
-        if self.store.has_versions(ino) {
+        // Chunk versions held here in version files go into the backing
+        // file before a reader's open that can then be passed through (every
+        // chunk here). A writer's lease copies them in (`hydrate`).
+        if kernel && !writable && self.store.has_versions(ino) {
             if let Some(Err(e)) = self.while_closed(ino, || self.settle_versions(ino, true)) {
                 tracing::warn!(ino, error = %e, "could not settle chunk versions; reads go through the daemon");
             }

@@ -37,7 +37,8 @@ enum Look {
     /// elsewhere (or the file is backed).
     Moved,
     /// This node holds some chunks of the file; these others, held in its
-    /// backing file, are named here by no record and live elsewhere.
+    /// backing file or in version files, are named here by no record and
+    /// live elsewhere.
     Partly { chunk_size: u64, others: Vec<u32> },
 }
 
@@ -88,9 +89,12 @@ impl Core {
         let chunk_size = inode.chunk_size.max(1) as u64;
         let len = std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len());
         let records: HashMap<u32, &converged_metadata::ChunkRecord> = chunks.iter().map(|(i, r)| (*i, r)).collect();
-        let others = (0..len.div_ceil(chunk_size) as u32)
-            .filter(|i| records.get(i).is_none_or(|r| !self.is_local(r) && elsewhere(r)))
-            .collect();
+        let mut held: Vec<u32> = (0..len.div_ceil(chunk_size) as u32).collect();
+        held.extend(self.store.versions_of(ino).into_iter().map(|(index, _)| index));
+        held.sort_unstable();
+        held.dedup();
+        let others =
+            held.into_iter().filter(|i| records.get(i).is_none_or(|r| !self.is_local(r) && elsewhere(r))).collect();
         Ok(Look::Partly { chunk_size, others })
     }
 
@@ -142,9 +146,10 @@ impl Core {
         Ok(removed)
     }
 
-    /// Punch `others` (chunks of `ino` no record names here, from
-    /// [`Core::look`]) out of the backing file, each once it was found so
-    /// twice `grace` apart. Returns how many.
+    /// Remove `others` (chunks of `ino` no record names here, from
+    /// [`Core::look`]): punched out of the backing file, and their version
+    /// files deleted, each once it was found so twice `grace` apart.
+    /// Returns how many.
     fn trim(
         &self,
         ino: Ino,
@@ -154,13 +159,20 @@ impl Core {
         seen: &mut HashMap<(Ino, u32), Instant>,
         grace: Duration,
     ) -> FsResult<usize> {
-        let Ok(file) = std::fs::File::open(self.store.path(ino)) else { return Ok(0) };
-        let len = file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(self.store.path(ino)).ok();
+        let len = match &file {
+            Some(f) => f.metadata().map_err(|e| FsError::io("stat backing file", e))?.len(),
+            None => 0,
+        };
+        let versions = self.store.versions_of(ino);
         seen.retain(|(i, index), _| *i != ino || others.contains(index));
         let mut punched = 0;
         for &index in others {
             let (start, end) = (index as u64 * chunk_size, ((index as u64 + 1) * chunk_size).min(len));
-            if start >= end || crate::blocks::is_hole(&file, start, end - start) {
+            let in_backing =
+                start < end && file.as_ref().is_some_and(|f| !crate::blocks::is_hole(f, start, end - start));
+            let in_versions: Vec<u64> = versions.iter().filter(|(i, _)| *i == index).map(|(_, v)| *v).collect();
+            if !in_backing && in_versions.is_empty() {
                 seen.remove(&(ino, index));
                 continue;
             }
@@ -174,21 +186,14 @@ impl Core {
                     Look::Partly { others, .. } if others.contains(&index) => {}
                     _ => return Ok(false),
                 }
-                let f = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(self.store.path(ino))
-                    .map_err(|e| FsError::io("open backing file to trim", e))?;
-                // SAFETY: fallocate on a descriptor we own, within the file.
-                let rc = unsafe {
-                    libc::fallocate(
-                        std::os::fd::AsRawFd::as_raw_fd(&f),
-                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                        start as i64,
-                        (end - start) as i64,
-                    )
-                };
-                if rc != 0 {
-                    return Err(FsError::io("punch out an unneeded chunk", std::io::Error::last_os_error()));
+                if let (true, Some(f)) = (in_backing, &file) {
+                    super::versions::punch(f, start, end - start)
+                        .map_err(|e| FsError::io("punch out an unneeded chunk", e))?;
+                }
+                for &version in &in_versions {
+                    self.store
+                        .remove_version(ino, index, version)
+                        .map_err(|e| FsError::io("remove an unneeded chunk version", e))?;
                 }
                 Ok(true)
             });

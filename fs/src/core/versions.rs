@@ -1,7 +1,11 @@
-//! Chunk versions held beside the backing file (version files, see
-//! `chunkstore.rs`) and how they end: a version the layout records is
-//! installed into the backing file once no reader here can see the change;
-//! a version the layout moved past, or never recorded, is removed after a
+//! Chunk versions held in version files (see `chunkstore.rs`) and how they
+//! end. A version the layout records, with this node as a holder, is the
+//! chunk's home here: it is read from its version file and never copied
+//! again, unless a local open hands the kernel the backing file (every
+//! chunk here, passthrough), which then gets it installed. A backing file
+//! range that holds an older version of a chunk whose current version is a
+//! version file here is punched out once readers elsewhere moved on. A
+//! version the layout moved past, or never recorded, is removed after a
 //! grace period, so that a reader elsewhere that loaded the layout before a
 //! publish can still read it for a while.
 //!
@@ -9,6 +13,7 @@
 //! held closed on this node (opens wait), never while a writer of this node
 //! has it. No lock is held across the copies.
 
+use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use converged_metadata::types::*;
@@ -31,10 +36,16 @@ pub const UNCOMMITTED_GRACE: Duration = Duration::from_secs(3600);
 /// What becomes of one version file.
 #[derive(Debug, PartialEq, Eq)]
 enum Fate {
-    /// Recorded, with this node as a holder: copy it into the backing file.
+    /// Recorded, with this node as a holder, and the backing file holds
+    /// nothing of the chunk: the version file is where it lives.
+    Home,
+    /// Recorded, and a local open wants the backing file whole: copy it in.
     Install,
     /// Recorded, and the backing file already has these bytes.
     AlreadyInPlace,
+    /// Recorded, and the backing file holds an older version of the chunk
+    /// that nothing reads any more: punch it out (the version file stays).
+    Vacate,
     /// No longer needed once this old.
     RemoveAfter(Duration),
     /// Not yet: the backing file still holds an older version that readers
@@ -42,82 +53,121 @@ enum Fate {
     Wait,
 }
 
+/// What one look at an inode's version files did.
+pub(crate) struct Settled {
+    /// Version files installed, removed, or backing ranges vacated.
+    pub changed: usize,
+    /// Whether some version file waits for a grace period or a commit.
+    pub pending: bool,
+}
+
 impl Core {
-    /// Settle the version files of `ino` held closed here. `now`: install
-    /// committed versions at once (a local open that wants the backing file
-    /// whole) rather than after the grace period. Returns how many version
-    /// files were installed or removed.
-    pub(crate) fn settle_versions(&self, ino: Ino, now: bool) -> FsResult<usize> {
+    /// Settle the version files of `ino` held closed here. `for_open`: a
+    /// local open is about to use the backing file; when every chunk of the
+    /// file is here (the kernel can then read the backing file directly),
+    /// committed versions are installed into it at once.
+    pub(crate) fn settle_versions(&self, ino: Ino, for_open: bool) -> FsResult<Settled> {
         let versions = self.store.versions_of(ino);
         if versions.is_empty() {
-            return Ok(0);
+            return Ok(Settled { changed: 0, pending: false });
         }
         let inode = match self.ns.getattr(ino) {
             Ok(i) => i,
             Err(MetaError::NotFound) => {
                 // Purged: every version goes with it.
                 self.store.remove(ino)?;
-                return Ok(versions.len());
+                return Ok(Settled { changed: versions.len(), pending: false });
             }
             Err(e) => return Err(e.into()),
         };
         let records: std::collections::HashMap<u32, ChunkRecord> = self.ns.chunks(ino)?.into_iter().collect();
         let cs = inode.chunk_size.max(1) as u64;
-        let main = self.store.open_backing(ino)?;
-        let main_len = main.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
-        let mut settled = 0;
+        // Passthrough reads the backing file only when every chunk is here.
+        let install = for_open && self.passthrough() && records.values().all(|r| self.is_local(r));
+        let main = match install {
+            true => Some(self.store.open_backing(ino)?),
+            false => std::fs::OpenOptions::new().read(true).write(true).open(self.store.path(ino)).ok(),
+        };
+        let main_len = match &main {
+            Some(f) => f.metadata().map_err(|e| FsError::io("stat backing file", e))?.len(),
+            None => 0,
+        };
+        let mut done = Settled { changed: 0, pending: false };
         for (index, version) in versions {
             let start = index as u64 * cs;
             let age = self.store.version_age(ino, index, version).unwrap_or(Duration::ZERO);
-            let fate = match records.get(&index) {
-                Some(rec) if rec.version == version && self.is_local(rec) => {
-                    let here = block_crcs(&main, start, rec.len as u64)
-                        .map_err(|e| FsError::io("checksum backing file", e))?;
-                    if here == rec.block_crcs {
-                        Fate::AlreadyInPlace
-                    } else if now || main_len <= start || age >= SUPERSEDED_GRACE {
-                        Fate::Install
-                    } else {
-                        Fate::Wait
+            let fate = match (records.get(&index), &main) {
+                (Some(rec), main) if rec.version == version && self.is_local(rec) => {
+                    let len = rec.len as u64;
+                    match main {
+                        Some(f) if main_len > start && !crate::blocks::is_hole(f, start, len) => {
+                            let here =
+                                block_crcs(f, start, len).map_err(|e| FsError::io("checksum backing file", e))?;
+                            if here == rec.block_crcs {
+                                Fate::AlreadyInPlace
+                            } else if install {
+                                Fate::Install
+                            } else if age >= SUPERSEDED_GRACE {
+                                Fate::Vacate
+                            } else {
+                                Fate::Wait
+                            }
+                        }
+                        Some(_) if install => Fate::Install,
+                        _ => Fate::Home,
                     }
                 }
-                Some(rec) if rec.version >= version => Fate::RemoveAfter(SUPERSEDED_GRACE),
-                None if (index as u64) * cs >= inode.size => Fate::RemoveAfter(SUPERSEDED_GRACE),
+                (Some(rec), _) if rec.version >= version => Fate::RemoveAfter(SUPERSEDED_GRACE),
+                (None, _) if (index as u64) * cs >= inode.size => Fate::RemoveAfter(SUPERSEDED_GRACE),
                 _ => Fate::RemoveAfter(UNCOMMITTED_GRACE),
             };
             let io = |e| FsError::io("settle a chunk version", e);
             match fate {
                 Fate::Install => {
-                    self.store.install_version(&main, ino, index, version, start).map_err(io)?;
+                    let main = main.as_ref().expect("opened to install");
+                    self.store.install_version(main, ino, index, version, start).map_err(io)?;
                     let end = start + records[&index].len as u64;
-                    if end >= inode.size && main_len > inode.size {
+                    if end >= inode.size && main.metadata().map_err(io)?.len() > inode.size {
                         main.set_len(inode.size).map_err(|e| FsError::io("size backing file", e))?;
                     }
                     tracing::debug!(ino, chunk = index, version, "installed a chunk version into the backing file");
                 }
                 Fate::AlreadyInPlace => self.store.remove_version(ino, index, version).map_err(io)?,
+                Fate::Vacate => {
+                    let main = main.as_ref().expect("the backing file holds the chunk");
+                    punch(main, start, records[&index].len as u64).map_err(io)?;
+                    tracing::debug!(ino, chunk = index, version, "punched an old version out of the backing file");
+                }
                 Fate::RemoveAfter(grace) if age >= grace => {
                     self.store.remove_version(ino, index, version).map_err(io)?;
                     tracing::debug!(ino, chunk = index, version, "removed a chunk version nothing reads any more");
                 }
-                Fate::RemoveAfter(_) | Fate::Wait => continue,
+                Fate::Home => continue,
+                Fate::RemoveAfter(_) | Fate::Wait => {
+                    done.pending = true;
+                    continue;
+                }
             }
-            settled += 1;
+            done.changed += 1;
         }
-        Ok(settled)
+        Ok(done)
     }
 
-    /// One pass of the settler worker: every inode with version files that
-    /// is not open here. Returns how many version files it installed or
-    /// removed.
+    /// One pass of the settler worker: every inode with version files not
+    /// settled yet that is not open here. Returns how many version files it
+    /// installed or removed (and backing ranges it vacated).
     pub fn settle_step(&self) -> FsResult<usize> {
-        let mut settled = 0;
-        for ino in self.store.inodes_with_versions() {
+        let mut changed = 0;
+        for ino in self.store.inodes_to_settle() {
             if let Some(r) = self.while_closed(ino, || self.settle_versions(ino, false)) {
-                settled += r?;
+                let r = r?;
+                changed += r.changed;
+                if !r.pending {
+                    self.store.settled(ino);
+                }
             }
         }
-        Ok(settled)
+        Ok(changed)
     }
 
     /// Before a writing session rewrites the backing file in place: keep,
@@ -146,5 +196,22 @@ impl Core {
             tracing::debug!(ino, bytes = kept, "kept the published chunks this node alone holds before rewriting them");
         }
         Ok(())
+    }
+}
+
+/// Free `len` bytes of `file` at `start` (the file's size stays).
+pub(crate) fn punch(file: &std::fs::File, start: u64, len: u64) -> std::io::Result<()> {
+    // SAFETY: fallocate on a descriptor we own.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            start as i64,
+            len as i64,
+        )
+    };
+    match rc {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
     }
 }

@@ -768,7 +768,7 @@ impl Core {
         // the network.
         let mut inflight = std::collections::VecDeque::new();
         let keep_version = |chunk: &ChunkRef, data: &[u8]| {
-            if let Err(e) = self.store.write_version(chunk, data) {
+            if let Err(e) = self.store.write_version(chunk, data, crate::chunkstore::Arrival::Kept) {
                 tracing::warn!(ino = chunk.ino, chunk = chunk.index, error = %e, "could not keep the published version of a chunk beside the one being written");
             }
         };

@@ -96,12 +96,49 @@ impl Cluster {
             .unwrap_or(false)
     }
 
-    /// Wait until node `i`'s backing file of `ino` holds `want` (chunk
-    /// versions replicated to it are moved into it in the background).
-    pub fn backing_becomes(&self, i: usize, ino: u64, want: &[u8]) -> bool {
+    /// The files node `i` keeps `ino` in: its backing file and its chunk
+    /// versions (`<ino>.<index>.<version>`), with each version's chunk index.
+    pub fn stored_files(&self, i: usize, ino: u64) -> (PathBuf, Vec<(u32, PathBuf)>) {
+        let prefix = format!("{ino:016x}.");
+        let mut versions: Vec<(u32, u64, PathBuf)> = fs::read_dir(self.nodes[i].data.join("chunks"))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        let rest = name.strip_prefix(&prefix)?;
+                        let (index, version) = rest.split_once('.')?;
+                        Some((u32::from_str_radix(index, 16).ok()?, u64::from_str_radix(version, 16).ok()?, e.path()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        versions.sort();
+        (self.backing(i, ino), versions.into_iter().map(|(index, _, p)| (index, p)).collect())
+    }
+
+    /// The bytes of `ino` as node `i` stores them (64 MiB chunks): its
+    /// backing file, with each chunk held in a version file (the newest)
+    /// read from there. What a replica keeps is read where it keeps it.
+    pub fn stored(&self, i: usize, ino: u64) -> Vec<u8> {
+        const CHUNK: usize = 64 << 20;
+        let (backing, versions) = self.stored_files(i, ino);
+        let mut out = fs::read(backing).unwrap_or_default();
+        for (index, path) in versions {
+            let data = fs::read(path).unwrap_or_default();
+            let at = index as usize * CHUNK;
+            if out.len() < at + data.len() {
+                out.resize(at + data.len(), 0);
+            }
+            out[at..at + data.len()].copy_from_slice(&data);
+        }
+        out
+    }
+
+    /// Wait until node `i` stores `want` as the bytes of `ino`.
+    pub fn stored_becomes(&self, i: usize, ino: u64, want: &[u8]) -> bool {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            if fs::read(self.backing(i, ino)).is_ok_and(|held| held == want) {
+            if self.stored(i, ino) == want {
                 return true;
             }
             if Instant::now() > deadline {
@@ -109,6 +146,16 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// Disk space node `i`'s copy of `ino` takes (backing file and versions).
+    pub fn allocated(&self, i: usize, ino: u64) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let (backing, versions) = self.stored_files(i, ino);
+        std::iter::once(backing)
+            .chain(versions.into_iter().map(|(_, p)| p))
+            .map(|p| fs::metadata(p).map_or(0, |m| m.blocks() * 512))
+            .sum()
     }
 }
 
