@@ -39,10 +39,14 @@ impl Core {
             std::mem::take(&mut *q)
         };
         let mut done = 0;
+        // Files still being written here: tried again once their writers
+        // are gone (a seal with nothing new to seal does not queue them
+        // again, so they are kept, not dropped).
+        let mut deferred = Vec::new();
         let mut batch = batch.into_iter();
         while let Some(ino) = batch.next() {
-            // A file still being written here is done at its next seal.
             if self.is_being_written(ino) {
+                deferred.push(ino);
                 continue;
             }
             let ok = self.replicate_file_to(ino, None).unwrap_or_else(|e| {
@@ -53,9 +57,18 @@ impl Core {
                 let mut q = self.under_replicated.0.lock();
                 q.insert(ino);
                 q.extend(batch);
+                q.extend(deferred);
                 return Replicated::Short(ino);
             }
             done += 1;
+        }
+        if !deferred.is_empty() {
+            self.under_replicated.0.lock().extend(deferred);
+            if done == 0 {
+                // Only files being written: look again in a while.
+                std::thread::sleep(period);
+                return Replicated::Idle;
+            }
         }
         Replicated::Done(done)
     }
