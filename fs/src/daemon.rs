@@ -354,6 +354,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         workers.start(crate::workers::Flusher { core: Arc::downgrade(&core), period: Duration::from_secs(1) })?;
         workers.start(crate::workers::Spares { core: Arc::downgrade(&core) })?;
         workers.start(crate::workers::Replicator { core: Arc::downgrade(&core) })?;
+        workers.start(crate::workers::Streamer { core: Arc::downgrade(&core) })?;
         workers.start(crate::workers::Settler { core: Arc::downgrade(&core) })?;
         workers.start(crate::workers::Scrubber::new(Arc::downgrade(&core), args.scrub_period))?;
     }

@@ -172,6 +172,18 @@ fn a_writer_killed_in_the_middle_of_a_large_fsync_leaves_one_whole_version() {
         let delay = fsync_took * tenths / 10;
         let Some(mut c) = Cluster::start(3, &[]) else { return };
         fs::write(c.node(0).path("ckpt.pt"), &old).unwrap();
+        // The old version is on two nodes (each chunk) before the rewrite.
+        let layout = || xattr_value(&c.node(0).path("ckpt.pt"), "user.converged.layout");
+        let copies = |l: &str| l.lines().map(|r| r.rsplit(' ').next().unwrap_or("").split(',').count()).min();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let l = layout();
+            if copies(&l) == Some(2) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the old version is not on two nodes within 20 s:\n{l}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let f = OpenOptions::new().write(true).open(c.node(0).path("ckpt.pt")).unwrap();
         f.write_all_at(&new, 0).unwrap();
         // The fsync runs (and never returns: its node dies under it).
@@ -238,6 +250,7 @@ fn a_replica_writes_each_chunk_once() {
     let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
     let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
     c.add_node(&["--metrics", &ports[1]]);
+    eventually(10, "n1 sees n2 live", || metric(&scrape(&ports[0]), "converged_live_peers").unwrap_or(0.0) >= 1.0);
     let bytes = |i: usize, what: &str| -> u64 {
         let name = format!("converged_chunk_{what}_bytes_total");
         metric(&scrape(&ports[i]), &name).unwrap_or_else(|| panic!("{name} on n{}", i + 1)) as u64
@@ -266,4 +279,46 @@ fn a_replica_writes_each_chunk_once() {
     same(&fs::read(c.node(1).path("ckpt.bin")).unwrap(), &data, "ckpt.bin on n2");
     same(&fs::read(c.node(1).path("ckpt.bin")).unwrap(), &data, "ckpt.bin on n2, again");
     assert!(bytes(1, "installed") <= len, "n2 copied its chunks into the backing file more than once");
+}
+
+/// Replication overlaps the write: the full chunks of a file being written
+/// reach the replica while the writer goes on, before any fsync or close,
+/// and the fsync then sends only the tail (n2 receives each byte once). A
+/// streamed chunk rewritten before the fsync is sent again, as a newer
+/// version, and that is what every node reads.
+#[test]
+fn full_chunks_reach_the_replica_before_the_fsync() {
+    const CHUNK: usize = 64 * MIB;
+    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
+    let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
+    c.add_node(&["--metrics", &ports[1]]);
+    let received = || metric(&scrape(&ports[1]), "converged_chunk_received_bytes_total").unwrap_or(0.0) as usize;
+    eventually(10, "n1 sees n2 live", || metric(&scrape(&ports[0]), "converged_live_peers").unwrap_or(0.0) >= 1.0);
+
+    // Two full chunks and a tail, written and left open.
+    let mut data = pattern(2 * CHUNK + MIB, 31);
+    let f = OpenOptions::new().create(true).write(true).truncate(true).open(c.node(0).path("stream.bin")).unwrap();
+    f.write_all_at(&data, 0).unwrap();
+    eventually(30, "both full chunks on n2 before the fsync", || received() >= 2 * CHUNK);
+    f.sync_all().unwrap();
+    assert_eq!(received(), data.len(), "n2 received each byte once: the fsync sent the tail only");
+    same(&fs::read(c.node(1).path("stream.bin")).unwrap(), &data, "stream.bin on n2");
+
+    // Another file: its first chunk streamed, then rewritten before close.
+    let before = received();
+    let g = OpenOptions::new().create(true).write(true).truncate(true).open(c.node(0).path("again.bin")).unwrap();
+    g.write_all_at(&data[..CHUNK + MIB], 0).unwrap();
+    eventually(30, "the first chunk on n2", || received() >= before + CHUNK);
+    data[12345..12345 + 4096].fill(0xa5);
+    g.write_all_at(&data[12345..12345 + 4096], 12345).unwrap();
+    close(g).unwrap();
+    for i in 0..2 {
+        same(
+            &fs::read(c.node(i).path("again.bin")).unwrap(),
+            &data[..CHUNK + MIB],
+            &format!("again.bin on n{}", i + 1),
+        );
+    }
+    assert_eq!(received(), before + 2 * CHUNK + MIB, "the rewritten chunk was sent again, once");
+    drop(f);
 }

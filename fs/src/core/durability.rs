@@ -94,6 +94,8 @@ impl Core {
                 data_durable: false,
                 lease: epoch,
                 fresh: false,
+                streamed: Default::default(),
+                floor: &std::cell::Cell::new(0),
             };
             match self.seal_file(&inode, &file, &Dirty::All, how) {
                 // Sealed before the cluster is attached: replicas follow in the background.

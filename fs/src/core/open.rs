@@ -101,6 +101,16 @@ impl OpenInode {
         }
         st
     }
+
+    /// The state once no transition and no stream of chunks to peers is
+    /// under way (what a publish or the seal starts from).
+    pub fn quiet_state(&self) -> MutexGuard<'_, OpenState> {
+        let mut st = self.state.lock();
+        while st.write.in_transition() || st.write.is_streaming() {
+            self.changed.wait(&mut st);
+        }
+        st
+    }
 }
 
 /// A slot of the open-inode table.

@@ -17,6 +17,14 @@
 //! `Sealing`) runs with no lock held; whoever needs a settled state waits on
 //! `OpenInode::changed`.
 //!
+//! While a session is `Unsealed`, the streamer worker copies the full chunks
+//! its writer has moved past to their replicas (`begin_stream` /
+//! `end_stream`, with no lock held in between); a publish or the seal waits
+//! out a stream under way and uses each streamed chunk whose bytes did not
+//! change since, so a large write's fsync sends only its tail. Every chunk
+//! version a session hands out is above the last one it handed out (its
+//! `floor`), so two sends of different bytes never share a version.
+//!
 //! A write lease carries an epoch ([`Unsealed::lease`]); every publish and
 //! seal commits only while the file's lease is still this node's at that
 //! epoch. A node paused or cut off for longer than its membership lease may
@@ -109,6 +117,43 @@ pub(super) struct Unsealed {
     /// The node's membership lapsed during a publish: the session is
     /// fenced when the publish ends.
     fence_after_publish: bool,
+    /// Full chunks copied to peers while writes went on (see
+    /// [`Core::stream_step`]), not recorded yet: the next publish uses
+    /// each one whose bytes did not change since.
+    streamed: std::collections::BTreeMap<u32, Streamed>,
+    /// Chunks a stream looked at this session (streamed or not worth it):
+    /// each is looked at once.
+    stream_seen: std::collections::BTreeSet<u32>,
+    /// A stream of this session's chunks is under way: a publish or the
+    /// seal waits it out (and no second stream begins).
+    streaming: bool,
+    /// The highest chunk version this session handed out (streamed or
+    /// published): every new one is above it, so no two sends of different
+    /// bytes ever share a version.
+    floor: u64,
+}
+
+/// A full chunk a writer's node copied to peers before its publish.
+#[derive(Debug, Clone)]
+pub(super) struct Streamed {
+    pub version: u64,
+    pub len: u32,
+    pub block_crcs: Vec<u32>,
+    /// The peers that stored it.
+    pub copies: Vec<String>,
+}
+
+/// The chunks a stream looked at, with what it copied of each.
+type Looked = Vec<(u32, Option<Streamed>)>;
+
+/// What a stream of a writing session's chunks starts from.
+pub(super) struct StreamJob {
+    lease: u64,
+    floor: u64,
+    /// Chunks looked at already this session.
+    seen: std::collections::BTreeSet<u32>,
+    /// The file has no chunk records yet.
+    fresh: bool,
 }
 
 /// What a publish seals: the chunks to checksum, under which lease, and
@@ -117,10 +162,12 @@ struct Publish {
     dirty: Dirty,
     lease: u64,
     fresh: bool,
+    streamed: std::collections::BTreeMap<u32, Streamed>,
+    floor: u64,
 }
 
 /// How a seal is committed.
-pub(super) struct SealAs {
+pub(super) struct SealAs<'a> {
     /// The file stays unsealed (a publish while writers remain).
     pub keep_unsealed: bool,
     pub durability: Durability,
@@ -131,6 +178,11 @@ pub(super) struct SealAs {
     /// The file has no chunk records yet (created by this writing session,
     /// never published): none to read before sealing.
     pub fresh: bool,
+    /// Chunks streamed to peers before this seal (used where unchanged).
+    pub streamed: std::collections::BTreeMap<u32, Streamed>,
+    /// Every chunk version this seal hands out is above this, which is
+    /// raised to each one handed out (even by a seal that then fails).
+    pub floor: &'a std::cell::Cell<u64>,
 }
 
 /// What the last writer's release does.
@@ -202,6 +254,11 @@ impl WriteState {
     /// Whether the backing file, not the metadata's layout, holds the bytes.
     pub fn reads_backing_file(&self) -> bool {
         matches!(self, WriteState::Unsealed(_) | WriteState::Publishing(_) | WriteState::Sealing)
+    }
+
+    /// Whether a stream of this session's chunks is under way.
+    pub fn is_streaming(&self) -> bool {
+        matches!(self, WriteState::Unsealed(u) if u.streaming)
     }
 
     /// Whether the session here lost its write lease.
@@ -278,6 +335,36 @@ impl WriteState {
         }
     }
 
+    /// Unsealed, not streaming → streaming: what the stream starts from.
+    fn begin_stream(&mut self) -> Option<StreamJob> {
+        let WriteState::Unsealed(u) = self else { return None };
+        if u.streaming {
+            return None;
+        }
+        u.streaming = true;
+        Some(StreamJob {
+            lease: u.lease,
+            floor: u.floor,
+            seen: u.stream_seen.clone(),
+            fresh: u.created_here && !u.publish_begun,
+        })
+    }
+
+    /// The stream ended: the chunks it copied, and the highest version it
+    /// handed out. A session fenced meanwhile keeps nothing of it.
+    fn end_stream(&mut self, looked: Looked, floor: u64) {
+        if let WriteState::Unsealed(u) = self {
+            u.streaming = false;
+            u.floor = u.floor.max(floor);
+            for (index, streamed) in looked {
+                u.stream_seen.insert(index);
+                if let Some(s) = streamed {
+                    u.streamed.insert(index, s);
+                }
+            }
+        }
+    }
+
     /// Unsealed → Publishing when the backing file changed since the last
     /// publish; returns the chunks to checksum. `next` is what tracking
     /// starts again from (everything, when writes bypass the daemon).
@@ -286,9 +373,16 @@ impl WriteState {
         if u.published == Some(now) || (u.created_here && now.0 == 0) {
             return None;
         }
+        debug_assert!(!u.streaming, "a publish waits out the stream");
         let dirty = std::mem::replace(&mut u.dirty, next);
         let WriteState::Unsealed(mut u) = std::mem::take(self) else { unreachable!("matched above") };
-        let publish = Publish { dirty, lease: u.lease, fresh: u.created_here && !u.publish_begun };
+        let publish = Publish {
+            dirty,
+            lease: u.lease,
+            fresh: u.created_here && !u.publish_begun,
+            streamed: std::mem::take(&mut u.streamed),
+            floor: u.floor,
+        };
         u.publish_begun = true;
         *self = WriteState::Publishing(u);
         Some(publish)
@@ -297,10 +391,11 @@ impl WriteState {
     /// Publishing → Unsealed with what was published, or back to Unsealed
     /// with every chunk to checksum again when the publish failed, or to
     /// Fenced when it found the lease lost.
-    fn end_publish(&mut self, published: Result<Stamp, Lost>) {
+    fn end_publish(&mut self, published: Result<Stamp, Lost>, floor: u64) {
         let WriteState::Publishing(mut u) = std::mem::take(self) else {
             unreachable!("only a publisher ends a publish")
         };
+        u.floor = u.floor.max(floor);
         *self = match published {
             Err(Lost::Lease) => WriteState::Fenced { lease: u.lease },
             _ if u.fence_after_publish => WriteState::Fenced { lease: u.lease },
@@ -402,7 +497,7 @@ impl Core {
     /// and reports the lost writes (`EIO`).
     pub(super) fn end_writer(&self, ino: Ino, oi: &OpenInode) -> FsResult<()> {
         let job = {
-            let mut st = oi.settled_state();
+            let mut st = oi.quiet_state();
             st.writers -= 1;
             match st.writers == 0 {
                 true => {
@@ -468,6 +563,8 @@ impl Core {
             data_durable: false,
             lease: Some(u.lease),
             fresh: u.created_here && !u.publish_begun,
+            streamed: u.streamed,
+            floor: &std::cell::Cell::new(u.floor),
         };
         self.seal_file(&inode, &oi.file, &dirty, how).map(|_| ())
     }
@@ -685,7 +782,7 @@ impl Core {
         let now = stamp(&oi.file)?;
         let next = if self.passthrough() { Dirty::All } else { Dirty::None };
         let dirty = {
-            let mut st = oi.settled_state();
+            let mut st = oi.quiet_state();
             if st.write.is_fenced() {
                 return Err(lease_lost());
             }
@@ -694,19 +791,22 @@ impl Core {
             }
             st.write.begin_publish(now, next)
         };
-        let Some(Publish { dirty, lease, fresh }) = dirty else { return Ok(false) };
+        let Some(Publish { dirty, lease, fresh, streamed, floor }) = dirty else { return Ok(false) };
+        let floor = std::cell::Cell::new(floor);
         let how = SealAs {
             keep_unsealed: true,
             durability: d,
             data_durable: d == Durability::Durable,
             lease: Some(lease),
             fresh,
+            streamed,
+            floor: &floor,
         };
         let r =
             self.ns.getattr(ino).map_err(FsError::from).and_then(|inode| self.seal_file(&inode, &oi.file, &dirty, how));
         let fenced = {
             let mut st = oi.state.lock();
-            st.write.end_publish(r.as_ref().map(|_| now).map_err(Lost::of));
+            st.write.end_publish(r.as_ref().map(|_| now).map_err(Lost::of), floor.get());
             st.write.is_fenced()
         };
         oi.changed.notify_all();
@@ -727,7 +827,7 @@ impl Core {
     /// replicas are written before the record (durability=replicated) or
     /// after it, in the background (durability=local). A chunk whose bytes
     /// did not change keeps its record, version and replicas.
-    pub(super) fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, how: SealAs) -> FsResult<Inode> {
+    pub(super) fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, how: SealAs<'_>) -> FsResult<Inode> {
         let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
         let size = md.len();
         let cs = inode.chunk_size.max(1) as u64;
@@ -838,12 +938,19 @@ impl Core {
                     continue;
                 }
             }
-            let record = ChunkRecord {
-                version: converged_metadata::next_version(previous.map(|o| o.version), epoch),
-                len: len as u32,
-                replicas: if leaving { Vec::new() } else { vec![self.node_id().to_string()] },
-                block_crcs,
-            };
+            let mine = || if leaving { Vec::new() } else { vec![self.node_id().to_string()] };
+            // Streamed to peers while the writer went on, and unchanged since.
+            if let Some(s) = how.streamed.get(&index).filter(|s| s.len as u64 == len && s.block_crcs == block_crcs) {
+                if !leaving && !s.copies.is_empty() {
+                    let mut replicas = mine();
+                    replicas.extend(s.copies.iter().cloned());
+                    chunks.push((index, ChunkRecord { version: s.version, len: len as u32, replicas, block_crcs }));
+                    continue;
+                }
+            }
+            let version = converged_metadata::next_version(previous.map(|o| o.version), epoch).max(how.floor.get() + 1);
+            how.floor.set(version);
+            let record = ChunkRecord { version, len: len as u32, replicas: mine(), block_crcs };
             let chunk = ChunkRef { ino: inode.ino, index, version: record.version, start };
             match (replicate_now, data) {
                 (Some(c), Some(data)) => {
@@ -878,6 +985,106 @@ impl Core {
         }
         Ok(sealed)
     }
+}
+
+impl Core {
+    /// One pass of the streamer: the full chunks that writers here have
+    /// moved past are copied to peers while the writes go on (in a cluster
+    /// whose durability is `replicated`), at most [`REPLICATION_WINDOW`] of
+    /// a file at once, so that a publish (close, fsync) sends only what
+    /// changed since and the tail. A chunk is looked at once per writing
+    /// session: the first time the file reaches past its end with no hole in
+    /// it. Chunks the layout already records whole are left to the publish.
+    /// Returns how many chunks it copied.
+    pub fn stream_step(&self) -> usize {
+        let Some(c) = self.cluster.get() else { return 0 };
+        // Asked only when a writer is here (it reads membership).
+        let mut streams = None;
+        let mut copied = 0;
+        for oi in self.open.all() {
+            let job = {
+                let mut st = oi.state.lock();
+                match st.orphaned {
+                    true => None,
+                    false => st.write.begin_stream(),
+                }
+            };
+            let Some(job) = job else { continue };
+            let streams =
+                *streams.get_or_insert_with(|| c.durability() == DurabilityMode::Replicated && c.placeable(c.node()));
+            let (looked, floor) = match streams {
+                true => self.stream_file(c, &oi, &job).unwrap_or_else(|e| {
+                    tracing::debug!(ino = oi.ino, error = %e, "streaming chunks to peers failed; the publish sends them");
+                    (Vec::new(), job.floor)
+                }),
+                false => (Vec::new(), job.floor),
+            };
+            copied += looked.iter().filter(|(_, s)| s.as_ref().is_some_and(|s| !s.copies.is_empty())).count();
+            oi.state.lock().write.end_stream(looked, floor);
+            oi.changed.notify_all();
+        }
+        copied
+    }
+
+    /// Copy to peers the chunks of one writer's file that are due (see
+    /// [`Core::stream_step`]); no lock is held. Returns each chunk looked at
+    /// (with what was streamed of it) and the highest version handed out.
+    fn stream_file(
+        &self,
+        c: &Arc<crate::cluster::Cluster>,
+        oi: &OpenInode,
+        job: &StreamJob,
+    ) -> FsResult<(Looked, u64)> {
+        let ino = oi.ino;
+        let size = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
+        let inode = self.ns.getattr(ino)?;
+        let cs = inode.chunk_size.max(1) as u64;
+        let due: Vec<u32> = (0..(size / cs) as u32)
+            .filter(|i| !job.seen.contains(i) && !has_hole(&oi.file, *i as u64 * cs, cs))
+            .take(REPLICATION_WINDOW)
+            .collect();
+        let mut floor = job.floor;
+        if due.is_empty() {
+            return Ok((Vec::new(), floor));
+        }
+        let want = self.ns.replicas_policy(ino)?.unwrap_or(c.default_replicas()).max(1) as usize;
+        let old: std::collections::HashMap<u32, ChunkRecord> = match job.fresh || want < 2 {
+            true => Default::default(),
+            false => self.ns.chunks(ino)?.into_iter().collect(),
+        };
+        let mut looked = Vec::with_capacity(due.len());
+        let mut inflight = Vec::with_capacity(due.len());
+        for index in due {
+            let previous = old.get(&index);
+            if want < 2 || previous.is_some_and(|o| o.len as u64 == cs) {
+                looked.push((index, None));
+                continue;
+            }
+            let start = index as u64 * cs;
+            let mut data = vec![0u8; cs as usize];
+            read_exact_at(&oi.file, &mut data, start).map_err(|e| FsError::io("read chunk to stream", e))?;
+            let block_crcs: Vec<u32> = data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect();
+            let version = converged_metadata::next_version(previous.map(|o| o.version), job.lease).max(floor + 1);
+            floor = version;
+            let ranked = c.plan(ino, index, &[self.node_id().to_string()]);
+            let chunk = ChunkRef { ino, index, version, start };
+            let task = c.spawn(c.clone().push(chunk, Arc::new(data), want - 1, ranked));
+            inflight.push((index, version, block_crcs, task));
+        }
+        for (index, version, block_crcs, task) in inflight {
+            let copies = c.block_on(task).unwrap_or_default();
+            looked.push((index, Some(Streamed { version, len: cs as u32, block_crcs, copies })));
+        }
+        Ok((looked, floor))
+    }
+}
+
+/// Whether `[start, start + len)` of `file` has a hole (SEEK_HOLE): a chunk
+/// not written whole yet.
+fn has_hole(file: &File, start: u64, len: u64) -> bool {
+    // SAFETY: lseek on our own fd; the backing file's offset is never used for I/O.
+    let r = unsafe { libc::lseek(file.as_raw_fd(), start as i64, libc::SEEK_HOLE) };
+    r < 0 || (r as u64) < start + len
 }
 
 /// The error a fenced session's fsync and close return (`EIO`).

@@ -78,6 +78,32 @@ impl Worker for Replicator {
     }
 }
 
+/// Copies the full chunks of files being written here to their replicas
+/// while the writes go on (see `Core::stream_step`), so that a publish
+/// waits for the tail only.
+pub struct Streamer {
+    pub core: Weak<Core>,
+}
+
+/// How often the streamer looks at this node's writers: about the time a
+/// fast writer takes to fill a quarter of a 64 MiB chunk.
+const STREAM_PERIOD: Duration = Duration::from_millis(50);
+
+impl Worker for Streamer {
+    fn name(&self) -> String {
+        "streamer".into()
+    }
+
+    fn step(&mut self) -> Step {
+        std::thread::sleep(STREAM_PERIOD);
+        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        match core.stream_step() {
+            0 => Step::Idle,
+            n => Step::Worked(format!("streamed {n} chunks to replicas ahead of their publish")),
+        }
+    }
+}
+
 /// Evicts backed chunks when the data disk is above its high watermark.
 pub struct Evictor {
     pub core: Weak<Core>,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-pub use jobs::{Backfiller, Evictor, Flusher, Repairer, Replicator, Scrubber, Settler, Spares, Sweeper};
+pub use jobs::{Backfiller, Evictor, Flusher, Repairer, Replicator, Scrubber, Settler, Spares, Streamer, Sweeper};
 
 /// What one step did.
 pub enum Step {
