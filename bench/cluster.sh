@@ -9,10 +9,20 @@
 #
 # What it prints, each with its ratio:
 #   replicated write   fio seq write + fsync on n1 (replicas=2: n2 holds a copy
-#                      on stable storage before fsync returns) / the same on raw
+#                      on stable storage before fsync returns) / the same on raw,
+#                      and / the one-disk limit of two copies (0.5x raw: both
+#                      nodes write to this one disk)
+#   device bytes       bytes the disk under test wrote (/proc/diskstats, after
+#                      a sync and the settler's passes) per byte fio wrote
+#   checkpoint         the torch.save pattern with SIZE bytes (write NAME.tmp,
+#                      fsync, rename, fsync the directory; bench/scripts/
+#                      checkpoint.py) on a single-node mount and on the
+#                      2-node cluster (replicas=2), split into its steps
 #   remote seq read    cold fio seq read on n2 of a file whose chunks are on n1
 #                      only (replicas=1) / a plain TCP copy of the same bytes
 #                      over loopback (bench/scripts/tcp_copy.py, sendfile)
+#   4k random read     cold, of that file, on n1 (local) and on n2 (remote):
+#                      QD1 mean latency and QD16 IOPS
 #   create, stat       fio create and cached stat on the etcd-backed mount,
 #                      against the raw directory and the issue's floors
 #
@@ -71,6 +81,19 @@ DEV=$BENCH_DIR/dev
 JSON=$BENCH_DIR/json
 N1=$DEV/n1/mnt
 N2=$DEV/n2/mnt
+SOLO=$BENCH_DIR/solo   # a single-node mount (embedded metadata), for the checkpoint
+SIZE_BYTES=$(numfmt --from=iec "${SIZE^^}")
+
+# The block device holding BENCH_DIR, for its written-sector count.
+DISK=$(findmnt -no SOURCE -T "$BENCH_DIR" 2>/dev/null || true)
+DISK_STAT=
+[[ $DISK == /dev/* ]] && DISK_STAT=/sys/class/block/$(basename "$(readlink -f "$DISK")")/stat
+[[ -n $DISK_STAT && -r $DISK_STAT ]] || DISK_STAT=
+# Bytes the disk under test has written since boot (0 when unknown).
+disk_written() {
+    [[ -n $DISK_STAT ]] || { echo 0; return; }
+    awk '{ print $7 * 512 }' "$DISK_STAT"
+}
 
 DEV_PID=
 cleanup() {
@@ -85,14 +108,17 @@ cleanup() {
     for n in n1 n2; do
         [[ -f $DEV/$n/data/converged.log ]] && cp "$DEV/$n/data/converged.log" "$JSON/$n.log"
     done
-    rm -rf "$RAW" "$DEV"
+    if grep -qs " $SOLO/mnt fuse" /proc/mounts; then
+        "$CONVERGED" umount "$SOLO/mnt" 2>/dev/null || umount -l "$SOLO/mnt"
+    fi
+    rm -rf "$RAW" "$DEV" "$SOLO"
     exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-rm -rf "$RAW" "$DEV" "$JSON"
+rm -rf "$RAW" "$DEV" "$JSON" "$SOLO"
 mkdir -p "$RAW" "$JSON"
 
 drop_caches() {
@@ -105,9 +131,31 @@ run_fio() { # JOB TAG DIR [FIO OPTION...]
     local job=$1 tag=$2 dir=$3
     shift 3
     log "$tag: fio $job.fio in $dir"
-    DIR=$dir SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS RAND_IOS=1 JOBS=$JOBS NFILES_PER_JOB=$((NFILES / JOBS)) \
+    DIR=$dir SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS RAND_IOS=${RAND_IOS:-1} JOBS=$JOBS \
+        NFILES_PER_JOB=$((NFILES / JOBS)) NUMJOBS=${NUMJOBS:-1} SHARE=${SHARE:-100%} \
         fio --output-format=json --output="$JSON/$tag.json" "$@" "$FIO_DIR/$job.fio" \
         || die "fio $job.fio failed against $dir (see $JSON/$tag.json)"
+}
+
+# Device bytes written while a write test ran, through a sync and a few
+# seconds for the nodes' background work on what it wrote (settling
+# replica versions): recorded as TAG.disk.
+run_counted() { # TAG COMMAND...
+    local tag=$1
+    shift
+    sync
+    local before
+    before=$(disk_written)
+    "$@"
+    sync
+    sleep 3
+    sync
+    echo $(($(disk_written) - before)) > "$JSON/$tag.disk"
+}
+
+checkpoint() { # TAG DIR
+    log "$1: checkpoint of $SIZE in $2"
+    python3 "$SCRIPT_DIR/scripts/checkpoint.py" "$2" "$SIZE_BYTES" > "$JSON/$1.ckpt" || die "checkpoint in $2 failed"
 }
 
 log "starting dev-cluster (2 nodes) in $DEV"
@@ -125,12 +173,33 @@ kill -0 "$DEV_PID" 2>/dev/null || die "dev-cluster failed: $(cat "$JSON/dev.err"
 # Keep draining its output so it never blocks on a full pipe.
 cat <&3 >/dev/null &
 
-# Replicated write: replicas=2 (the cluster default) against raw.
+# Replicated write: replicas=2 (the cluster default) against raw, with the
+# device bytes each wrote.
 mkdir "$N1/rep"
 for side in raw conv; do
     drop_caches
-    if [[ $side == raw ]]; then run_fio seqwrite write-raw "$RAW"; else run_fio seqwrite write-rep "$N1/rep"; fi
+    if [[ $side == raw ]]; then
+        run_counted write-raw run_fio seqwrite write-raw "$RAW"
+    else
+        run_counted write-rep run_fio seqwrite write-rep "$N1/rep"
+    fi
 done
+rm -f "$N1/rep/seqfile"
+
+# Checkpoints: raw, one node (its own mount, embedded metadata, same disk),
+# two nodes (replicas=2).
+mkdir -p "$RAW/ckpt" "$SOLO/mnt" "$SOLO/data" "$N1/ckpt"
+drop_caches
+checkpoint ckpt-raw "$RAW/ckpt"
+log "starting a single-node mount in $SOLO"
+"$CONVERGED" mount "$SOLO/mnt" --data-dir "$SOLO/data" || die "single-node mount failed"
+drop_caches
+checkpoint ckpt-one "$SOLO/mnt"
+"$CONVERGED" umount "$SOLO/mnt"
+rm -rf "$SOLO"
+drop_caches
+checkpoint ckpt-two "$N1/ckpt"
+rm -rf "$RAW/ckpt" "$N1/ckpt"
 
 # Remote read: a file with one copy, on n1, read cold on n2; then the plain
 # TCP copy of the raw file (same size, same disk), cold too.
@@ -145,6 +214,18 @@ log "tcp: plain TCP copy of $RAW/seqfile over loopback"
 python3 "$SCRIPT_DIR/scripts/tcp_copy.py" "$RAW/seqfile" > "$JSON/tcp.json"
 drop_caches
 run_fio seqread read-raw "$RAW"
+
+# 4 KiB random reads of the one-copy file: on n1, which holds it, and on
+# n2, which reads it from n1; QD1 and QD16, cold.
+RAND_QD1=${RAND_QD1:-2000}
+RAND_QD16=${RAND_QD16:-500}
+for where in local remote; do
+    d=$N1/solo; [[ $where == remote ]] && d=$N2/solo
+    drop_caches
+    RAND_IOS=$RAND_QD1 NUMJOBS=1 SHARE=100% run_fio randread-qd "rand1-$where" "$d"
+    drop_caches
+    RAND_IOS=$RAND_QD16 NUMJOBS=16 SHARE=6.25% run_fio randread-qd "rand16-$where" "$d"
+done
 
 # Metadata on etcd: create, then cached stat (the kernel answers within the
 # attr timeout; the etcd watch evicts what other nodes change).
@@ -174,10 +255,11 @@ REPORT=$JSON/table.txt
     echo "converged $("$CONVERGED" --version | awk '{ print $2 }') ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR"
     echo "SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS JOBS=$JOBS"
     echo
-    python3 - "$JSON" "$SIZE" "$NFILES" "$JOBS" <<'PY'
+    python3 - "$JSON" "$SIZE" "$NFILES" "$JOBS" "$SIZE_BYTES" <<'PY'
 import json, sys
 
-jdir, size, nfiles, jobs = sys.argv[1:5]
+jdir, size, nfiles, jobs, size_bytes = sys.argv[1:6]
+size_bytes = int(size_bytes)
 
 def stats(tag):
     with open(f"{jdir}/{tag}.json") as f:
@@ -203,7 +285,7 @@ gb = lambda v: f"{v / 1e9:.2f} GB/s"
 op = lambda v: f"{v:,.0f} ops/s"
 rows = [
     (f"replicated write {size} + fsync", "raw disk", bw("write-raw"), bw("write-rep"), gb, "", None),
-    ("remote seq read (n1 -> n2)", "TCP copy", tcp_bw, bw("read-remote"), gb, ">= 0.50x", 0.5),
+    ("remote seq read (n1 -> n2)", "TCP copy", tcp_bw, bw("read-remote"), gb, ">= 0.80x", 0.8),
     ("remote seq read (n1 -> n2)", "raw disk", bw("read-raw"), bw("read-remote"), gb, "", None),
     (f"create ({nfiles} files, etcd)", "raw dir", ops("create-raw"), ops("create-conv"), op, ">= 2,000 ops/s", 2000),
     (f"create, {jobs} at once (etcd)", "raw dir", ops("pcreate-raw"), ops("pcreate-conv"), op, ">= 2,000 ops/s", 2000),
@@ -217,6 +299,45 @@ for label, against, base, conv, f, target, floor in rows:
         ok = ratio >= floor if floor < 10 else conv >= floor
         met = f"{target} " + ("met" if ok else "MISSED")
     print(f"{label:<34}{against:<10}{f(base):<16}{f(conv):<16}{f'{ratio:.2f}x':<8}{met}".rstrip())
+
+limit = bw("write-raw") / 2
+ratio = bw("write-rep") / limit
+print(f"{'replicated write, of 2-copy limit':<34}{'raw / 2':<10}{gb(limit):<16}{gb(bw('write-rep')):<16}{f'{ratio:.2f}x':<8}"
+      f">= 0.90x {'met' if ratio >= 0.9 else 'MISSED'}")
+
+def disk(tag):
+    with open(f"{jdir}/{tag}.disk") as f:
+        return int(f.read())
+
+print()
+if disk("write-raw") > 0:
+    raw_d, rep_d = disk("write-raw") / size_bytes, disk("write-rep") / size_bytes
+    print(f"device bytes per app byte (seq write {size} + fsync): raw {raw_d:.2f}, "
+          f"replicated {rep_d:.2f} (target <= 2.20 at 2 copies: {'met' if rep_d <= 2.2 else 'MISSED'})")
+else:
+    print("device bytes per app byte: not measured (no block device found under the bench dir)")
+
+def ckpt(tag):
+    with open(f"{jdir}/{tag}.ckpt") as f:
+        return json.load(f)
+
+print()
+print(f"checkpoint {size} (write NAME.tmp, fsync, rename + dir fsync), seconds:")
+print(f"  {'':<10}{'write':>8}{'fsync':>8}{'rename':>8}{'total':>8}")
+for tag, label in (("ckpt-raw", "raw"), ("ckpt-one", "1 node"), ("ckpt-two", "2 nodes")):
+    c = ckpt(tag)
+    print(f"  {label:<10}{c['write']:>8.2f}{c['fsync']:>8.2f}{c['rename']:>8.2f}{c['total']:>8.2f}")
+two_one = ckpt("ckpt-two")["total"] / ckpt("ckpt-one")["total"]
+print(f"  2 nodes / 1 node: {two_one:.2f}x (target <= 1.30x: {'met' if two_one <= 1.3 else 'MISSED'})")
+
+def lat_us(tag):
+    st = stats(tag)
+    return st["clat_ns"]["mean"] / 1000.0
+
+print()
+print("4k random read, cold (one-copy file on n1): QD1 mean latency, QD16 IOPS")
+print(f"  local (n1)   {lat_us('rand1-local'):>9.0f} us {ops('rand16-local'):>10,.0f} IOPS")
+print(f"  remote (n2)  {lat_us('rand1-remote'):>9.0f} us {ops('rand16-remote'):>10,.0f} IOPS")
 PY
 } > "$REPORT"
 echo
