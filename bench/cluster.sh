@@ -92,7 +92,7 @@ DISK_STAT=
 # Bytes the disk under test has written since boot (0 when unknown).
 disk_written() {
     [[ -n $DISK_STAT ]] || { echo 0; return; }
-    awk '{ print $7 * 512 }' "$DISK_STAT"
+    awk '{ printf "%.0f\n", $7 * 512 }' "$DISK_STAT"
 }
 
 DEV_PID=
@@ -224,7 +224,7 @@ for where in local remote; do
     drop_caches
     RAND_IOS=$RAND_QD1 NUMJOBS=1 SHARE=100% run_fio randread-qd "rand1-$where" "$d"
     drop_caches
-    RAND_IOS=$RAND_QD16 NUMJOBS=16 SHARE=6.25% run_fio randread-qd "rand16-$where" "$d"
+    RAND_IOS=$RAND_QD16 NUMJOBS=16 SHARE=$((SIZE_BYTES / 16)) run_fio randread-qd "rand16-$where" "$d"
 done
 
 # Metadata on etcd: create, then cached stat (the kernel answers within the
