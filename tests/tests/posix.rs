@@ -582,7 +582,7 @@ fn status_prints_the_state_of_every_worker() {
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let workers: Vec<&str> = text.lines().skip_while(|l| !l.starts_with("workers")).skip(1).collect();
         let names: Vec<&str> = workers.iter().filter_map(|l| l.split_whitespace().next()).collect();
-        assert_eq!(names, ["flusher", "spares", "replicator", "settler", "scrub"], "{text}");
+        assert_eq!(names, ["flusher", "spares", "replicator", "streamer", "settler", "scrub"], "{text}");
         assert!(workers.iter().all(|l| l.contains(" idle ") || l.contains(" working ")), "{text}");
         if text.contains("spare backing files") {
             return;
