@@ -50,6 +50,10 @@ struct Index {
     /// home and is not looked at again until another version of the inode
     /// arrives (the sweep removes the ones a layout change left behind).
     unsettled: BTreeSet<Ino>,
+    /// Versions received without a sync since this store was opened: the
+    /// only ones a later sync request may vouch for (a file left by a crash
+    /// may hold anything).
+    unsynced: BTreeSet<VersionKey>,
 }
 
 /// Bytes the chunk store wrote to the data disk (besides a writer's own
@@ -110,9 +114,10 @@ impl ChunkStore {
     }
 
     /// Store a whole chunk version in its own file, on stable storage
-    /// (bytes and name) when this returns. Another version of the chunk,
-    /// in the backing file or a version file, is left as it is.
-    pub fn write_version(&self, c: &ChunkRef, data: &[u8], why: Arrival) -> io::Result<()> {
+    /// (bytes and name) when this returns unless `durable` is false (then
+    /// [`ChunkStore::sync_versions`] does that later). Another version of the
+    /// chunk, in the backing file or a version file, is left as it is.
+    pub fn write_version(&self, c: &ChunkRef, data: &[u8], why: Arrival, durable: bool) -> io::Result<()> {
         let path = self.version_path(c.ino, c.index, c.version);
         let f = OpenOptions::new()
             .write(true)
@@ -122,14 +127,47 @@ impl ChunkStore {
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)?;
         f.write_all_at(data, 0)?;
-        f.sync_data()?;
-        File::open(&self.dir)?.sync_all()?;
+        if durable {
+            f.sync_data()?;
+            File::open(&self.dir)?.sync_all()?;
+        }
         self.add_version(c.ino, c.index, c.version);
+        {
+            let mut idx = self.index.lock();
+            match durable {
+                true => idx.unsynced.remove(&(c.ino, c.index, c.version)),
+                false => idx.unsynced.insert((c.ino, c.index, c.version)),
+            };
+        }
         let counter = match why {
             Arrival::Received => &self.written.received,
             Arrival::Kept => &self.written.kept,
         };
         counter.fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Put versions of `ino` written without a sync on stable storage (their
+    /// bytes, then the directory's names). Fails, naming it, for a version
+    /// not received unsynced since this store was opened.
+    pub fn sync_versions(&self, ino: Ino, versions: &[(u32, u64)]) -> io::Result<()> {
+        {
+            let idx = self.index.lock();
+            if let Some((index, version)) = versions.iter().find(|(i, v)| !idx.unsynced.contains(&(ino, *i, *v))) {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("chunk {index} v{version} of inode {ino} was not received unsynced here"),
+                ));
+            }
+        }
+        for (index, version) in versions {
+            File::open(self.version_path(ino, *index, *version))?.sync_data()?;
+        }
+        File::open(&self.dir)?.sync_all()?;
+        let mut idx = self.index.lock();
+        for (index, version) in versions {
+            idx.unsynced.remove(&(ino, *index, *version));
+        }
         Ok(())
     }
 
@@ -224,6 +262,7 @@ impl ChunkStore {
     pub fn remove_version(&self, ino: Ino, index: u32, version: u64) -> io::Result<()> {
         let r = std::fs::remove_file(self.version_path(ino, index, version));
         let mut idx = self.index.lock();
+        idx.unsynced.remove(&(ino, index, version));
         if let Some(v) = idx.versions.get_mut(&ino) {
             v.remove(&(index, version));
             if v.is_empty() {
@@ -469,7 +508,13 @@ impl converged_transport::ChunkService for PeerChunks {
         Ok(buf)
     }
     fn write(&self, c: &ChunkRef, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
-        self.store.write_version(c, data, Arrival::Received).map_err(service_err)
+        self.store.write_version(c, data, Arrival::Received, true).map_err(service_err)
+    }
+    fn write_unsynced(&self, c: &ChunkRef, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
+        self.store.write_version(c, data, Arrival::Received, false).map_err(service_err)
+    }
+    fn sync(&self, ino: u64, versions: &[(u32, u64)]) -> Result<(), converged_transport::ServiceError> {
+        self.store.sync_versions(ino, versions).map_err(service_err)
     }
     fn may_write(&self, caller: &Caller, c: &ChunkRef) -> Result<(), converged_transport::ServiceError> {
         match self.hooks.get() {
@@ -495,5 +540,38 @@ impl converged_transport::ChunkService for PeerChunks {
             Some(h) => (h.stage)(ino, chunk),
             None => Err(starting()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(version: u64) -> ChunkRef {
+        ChunkRef { ino: 7, index: 0, version, start: 0 }
+    }
+
+    /// A sync vouches only for versions this store received unsynced since
+    /// it was opened: after a restart, a version file left on disk (whole
+    /// or not) is refused, so the sender sends it again durably.
+    #[test]
+    fn a_sync_vouches_only_for_versions_received_unsynced_since_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        store.write_version(&chunk(1), b"streamed", Arrival::Received, false).unwrap();
+        store.write_version(&chunk(2), b"durable", Arrival::Received, true).unwrap();
+        assert_eq!(store.written.received.load(Ordering::Relaxed), 15);
+        let e = store.sync_versions(7, &[(0, 2)]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "a durable write needs no sync and is not vouched for twice");
+        store.sync_versions(7, &[(0, 1)]).unwrap();
+        assert_eq!(std::fs::read(store.version_path(7, 0, 1)).unwrap(), b"streamed");
+        assert!(store.sync_versions(7, &[(0, 1)]).is_err(), "a version is synced once");
+
+        store.write_version(&chunk(3), b"left by a crash", Arrival::Received, false).unwrap();
+        drop(store);
+        let reopened = ChunkStore::open(dir.path()).unwrap();
+        assert!(reopened.has_version(7, 0, 3));
+        let e = reopened.sync_versions(7, &[(0, 3)]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
     }
 }

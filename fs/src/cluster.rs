@@ -377,6 +377,20 @@ impl Cluster {
         want: usize,
         ranked: Vec<NodeInfo>,
     ) -> Vec<String> {
+        self.push_with(chunk, data, want, ranked, true).await
+    }
+
+    /// [`Cluster::push`], with the copies on stable storage when this
+    /// returns only if `durable`; otherwise [`Cluster::sync`] must vouch
+    /// for each copy before anything counts on it.
+    pub async fn push_with(
+        self: Arc<Self>,
+        chunk: ChunkRef,
+        data: Arc<Vec<u8>>,
+        want: usize,
+        ranked: Vec<NodeInfo>,
+        durable: bool,
+    ) -> Vec<String> {
         let (ino, index) = (chunk.ino, chunk.index);
         let mut done = Vec::new();
         let mut next = 0;
@@ -391,7 +405,12 @@ impl Cluster {
                     let data = data.clone();
                     tokio::spawn(async move {
                         let r = match Self::peer(&n) {
-                            Some(p) => latency::time_async(Area::Peer, "write", t.write(&p, &chunk, &data)).await,
+                            Some(p) if durable => {
+                                latency::time_async(Area::Peer, "write", t.write(&p, &chunk, &data)).await
+                            }
+                            Some(p) => {
+                                latency::time_async(Area::Peer, "write", t.write_unsynced(&p, &chunk, &data)).await
+                            }
                             None => Err(TransportError::Connect { peer: n.id.clone(), msg: "bad address".into() }),
                         };
                         (n.id, r)
@@ -418,6 +437,51 @@ impl Cluster {
             }
         }
         done
+    }
+
+    /// Have each node of `holders` put the versions of `ino` it received
+    /// unsynced (`versions[node]`) on stable storage, all at once. Returns
+    /// the nodes that did; one that failed or is not live holds no copy
+    /// anyone may count on.
+    /// Blocks: call it outside the transport's runtime (it reads membership).
+    pub fn sync(self: &Arc<Self>, ino: u64, versions: BTreeMap<String, Vec<(u32, u64)>>) -> BTreeSet<String> {
+        let peers = self.live_peers();
+        self.block_on(self.clone().sync_peers(ino, versions, peers))
+    }
+
+    async fn sync_peers(
+        self: Arc<Self>,
+        ino: u64,
+        versions: BTreeMap<String, Vec<(u32, u64)>>,
+        peers: Vec<NodeInfo>,
+    ) -> BTreeSet<String> {
+        let tasks: Vec<_> = versions
+            .into_iter()
+            .map(|(id, list)| {
+                let t = self.transport.clone();
+                let peer = peers.iter().find(|p| p.id == id).and_then(Self::peer);
+                tokio::spawn(async move {
+                    let r = match peer {
+                        Some(p) => latency::time_async(Area::Peer, "sync", t.sync(&p, ino, &list)).await,
+                        None => Err(TransportError::Connect { peer: id.clone(), msg: "not live".into() }),
+                    };
+                    (id, r)
+                })
+            })
+            .collect();
+        let mut synced = BTreeSet::new();
+        for task in tasks {
+            match task.await {
+                Ok((id, Ok(()))) => {
+                    synced.insert(id);
+                }
+                Ok((id, Err(e))) => {
+                    tracing::warn!(ino, peer = %id, error = %e, "a replica could not sync the chunks streamed to it; they are sent again")
+                }
+                Err(e) => tracing::error!(error = %e, "sync task failed"),
+            }
+        }
+        synced
     }
 
     /// The peers to read a range from, given the chunk's replica list: live

@@ -60,6 +60,20 @@ pub trait ChunkService: Send + Sync + 'static {
     /// Store `data`, the whole of version `chunk.version` of the chunk, on
     /// stable storage when it returns, beside any older version it holds.
     fn write(&self, chunk: &ChunkRef, data: &[u8]) -> Result<(), ServiceError>;
+    /// Store `data` like [`ChunkService::write`], without waiting for stable
+    /// storage; [`ChunkService::sync`] does that later. By default a
+    /// durable write (and `sync` then has nothing left to do).
+    fn write_unsynced(&self, chunk: &ChunkRef, data: &[u8]) -> Result<(), ServiceError> {
+        self.write(chunk, data)
+    }
+    /// Put the chunk versions of `ino` stored by
+    /// [`ChunkService::write_unsynced`] on stable storage. Fails for a
+    /// version this service cannot vouch for (one it did not receive since
+    /// it started: what a crash may have left half written).
+    fn sync(&self, ino: u64, versions: &[(u32, u64)]) -> Result<(), ServiceError> {
+        let _ = (ino, versions);
+        Ok(())
+    }
     /// Drop everything stored for `ino`, every version.
     fn delete(&self, ino: u64) -> Result<(), ServiceError>;
     /// Whether `caller` may store chunk version `chunk` here (asked before

@@ -36,6 +36,27 @@ pub trait PeerTransport: Send + Sync + 'static {
         chunk: &'a ChunkRef,
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<(), TransportError>>;
+    /// Store `data` on `peer` without waiting for its stable storage; a
+    /// [`PeerTransport::sync`] must follow. By default a durable write.
+    fn write_unsynced<'a>(
+        &'a self,
+        peer: &'a Peer,
+        chunk: &'a ChunkRef,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        self.write(peer, chunk, data)
+    }
+    /// Have `peer` put the versions of `ino` it received unsynced on stable
+    /// storage. By default nothing (writes are durable).
+    fn sync<'a>(
+        &'a self,
+        peer: &'a Peer,
+        ino: u64,
+        versions: &'a [(u32, u64)],
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        let _ = (peer, ino, versions);
+        Box::pin(async { Ok(()) })
+    }
     /// Drop everything `peer` stores for `ino`.
     fn delete<'a>(&'a self, peer: &'a Peer, ino: u64) -> BoxFuture<'a, Result<(), TransportError>>;
     /// crc32c of each 64 KiB block of `[at, at + len)` of a chunk version on `peer`.
@@ -75,6 +96,22 @@ impl PeerTransport for crate::QuicTransport {
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(crate::QuicTransport::write(self, peer, chunk, data))
+    }
+    fn write_unsynced<'a>(
+        &'a self,
+        peer: &'a Peer,
+        chunk: &'a ChunkRef,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(crate::QuicTransport::write_unsynced(self, peer, chunk, data))
+    }
+    fn sync<'a>(
+        &'a self,
+        peer: &'a Peer,
+        ino: u64,
+        versions: &'a [(u32, u64)],
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(crate::QuicTransport::sync(self, peer, ino, versions))
     }
     fn delete<'a>(&'a self, peer: &'a Peer, ino: u64) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(crate::QuicTransport::delete(self, peer, ino))

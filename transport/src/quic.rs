@@ -187,6 +187,20 @@ impl QuicTransport {
         self.call(peer, Request::Write { chunk: *chunk, len }, data).await.map(|_| ())
     }
 
+    /// Store `data` on `peer` without waiting for its stable storage (a
+    /// [`QuicTransport::sync`] of it must follow).
+    pub async fn write_unsynced(&self, peer: &Peer, chunk: &ChunkRef, data: &[u8]) -> Result<(), TransportError> {
+        let len = u32::try_from(data.len()).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or_else(|| {
+            TransportError::Protocol { peer: peer.node.clone(), err: WireError::PayloadTooLarge(u32::MAX) }
+        })?;
+        self.call(peer, Request::WriteUnsynced { chunk: *chunk, len }, data).await.map(|_| ())
+    }
+
+    /// Have `peer` put versions of `ino` it received unsynced on stable storage.
+    pub async fn sync(&self, peer: &Peer, ino: u64, versions: &[(u32, u64)]) -> Result<(), TransportError> {
+        self.call(peer, Request::Sync { ino, versions: versions.to_vec() }, &[]).await.map(|_| ())
+    }
+
     pub async fn delete(&self, peer: &Peer, ino: u64) -> Result<(), TransportError> {
         self.call(peer, Request::Delete { ino }, &[]).await.map(|_| ())
     }
@@ -382,6 +396,18 @@ async fn answer(
                 service.write(&chunk, &data).map(|()| (Response::Done, Vec::new()))
             }))
             .await
+        }
+        Request::WriteUnsynced { chunk, len } => {
+            let mut data = vec![0u8; len as usize];
+            read_payload(recv, &mut data).await.map_err(io_error)?;
+            blocking(Box::new(move || {
+                service.may_write(&caller, &chunk)?;
+                service.write_unsynced(&chunk, &data).map(|()| (Response::Done, Vec::new()))
+            }))
+            .await
+        }
+        Request::Sync { ino, versions } => {
+            blocking(Box::new(move || service.sync(ino, &versions).map(|()| (Response::Done, Vec::new())))).await
         }
         Request::Delete { ino } => {
             blocking(Box::new(move || {

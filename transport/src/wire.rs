@@ -45,6 +45,19 @@ pub enum Request {
         ino: u64,
         chunk: u32,
     },
+    /// A whole chunk version, like `Write`, stored without waiting for
+    /// stable storage: a [`Request::Sync`] of it must follow before anyone
+    /// counts on the copy.
+    WriteUnsynced {
+        chunk: ChunkRef,
+        len: u32,
+    },
+    /// Put chunk versions of `ino` this node received unsynced (in this
+    /// daemon's lifetime) on stable storage; fails for any it cannot vouch for.
+    Sync {
+        ino: u64,
+        versions: Vec<(u32, u64)>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -127,7 +140,9 @@ impl Request {
 
     pub fn check(&self) -> Result<(), WireError> {
         match *self {
-            Request::Read { len, .. } | Request::Write { len, .. } if len > MAX_PAYLOAD => {
+            Request::Read { len, .. } | Request::Write { len, .. } | Request::WriteUnsynced { len, .. }
+                if len > MAX_PAYLOAD =>
+            {
                 Err(WireError::PayloadTooLarge(len))
             }
             Request::Checksums { len, .. } if len > MAX_PAYLOAD as u64 => Err(WireError::PayloadTooLarge(u32::MAX)),
@@ -173,6 +188,9 @@ mod tests {
         prop_oneof![
             (chunk(), any::<u64>(), 0..=MAX_PAYLOAD).prop_map(|(chunk, at, len)| Request::Read { chunk, at, len }),
             (chunk(), 0..=MAX_PAYLOAD).prop_map(|(chunk, len)| Request::Write { chunk, len }),
+            (chunk(), 0..=MAX_PAYLOAD).prop_map(|(chunk, len)| Request::WriteUnsynced { chunk, len }),
+            (any::<u64>(), proptest::collection::vec(any::<(u32, u64)>(), 0..8))
+                .prop_map(|(ino, versions)| Request::Sync { ino, versions }),
             any::<u64>().prop_map(|ino| Request::Delete { ino }),
             (any::<u64>(), any::<u32>()).prop_map(|(ino, chunk)| Request::Stage { ino, chunk }),
             (chunk(), any::<u64>(), 0..=MAX_PAYLOAD as u64).prop_map(|(chunk, at, len)| Request::Checksums {

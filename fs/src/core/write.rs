@@ -867,8 +867,10 @@ impl Core {
         // the next chunk is read and checksummed while earlier ones cross
         // the network.
         let mut inflight = std::collections::VecDeque::new();
+        // Holders of streamed chunks this seal records: what each must sync.
+        let mut to_sync: std::collections::BTreeMap<String, Vec<(u32, u64)>> = Default::default();
         let keep_version = |chunk: &ChunkRef, data: &[u8]| {
-            if let Err(e) = self.store.write_version(chunk, data, crate::chunkstore::Arrival::Kept) {
+            if let Err(e) = self.store.write_version(chunk, data, crate::chunkstore::Arrival::Kept, true) {
                 tracing::warn!(ino = chunk.ino, chunk = chunk.index, error = %e, "could not keep the published version of a chunk beside the one being written");
             }
         };
@@ -940,10 +942,15 @@ impl Core {
             }
             let mine = || if leaving { Vec::new() } else { vec![self.node_id().to_string()] };
             // Streamed to peers while the writer went on, and unchanged since.
+            // Its copies were written unsynced: each holder syncs them all
+            // at once before the commit.
             if let Some(s) = how.streamed.get(&index).filter(|s| s.len as u64 == len && s.block_crcs == block_crcs) {
                 if !leaving && !s.copies.is_empty() {
                     let mut replicas = mine();
                     replicas.extend(s.copies.iter().cloned());
+                    for holder in &s.copies {
+                        to_sync.entry(holder.clone()).or_default().push((index, s.version));
+                    }
                     chunks.push((index, ChunkRecord { version: s.version, len: len as u32, replicas, block_crcs }));
                     continue;
                 }
@@ -969,6 +976,22 @@ impl Core {
         }
         while let Some(f) = inflight.pop_front() {
             land(&mut chunks, f);
+        }
+        if let (Some(c), false) = (cluster, to_sync.is_empty()) {
+            // A holder that cannot vouch for its streamed copies (it failed,
+            // or restarted since) is not recorded: the file is then short
+            // of copies, and the replicator sends them again.
+            let synced = c.sync(inode.ino, to_sync.clone());
+            for (holder, list) in &to_sync {
+                if synced.contains(holder) {
+                    continue;
+                }
+                for (index, _) in list {
+                    if let Some((_, r)) = chunks.iter_mut().find(|(i, _)| i == index) {
+                        r.replicas.retain(|h| h != holder);
+                    }
+                }
+            }
         }
         short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
         let mtime = ts_from(md.mtime(), md.mtime_nsec());
@@ -1068,7 +1091,8 @@ impl Core {
             floor = version;
             let ranked = c.plan(ino, index, &[self.node_id().to_string()]);
             let chunk = ChunkRef { ino, index, version, start };
-            let task = c.spawn(c.clone().push(chunk, Arc::new(data), want - 1, ranked));
+            // Unsynced: the publish that records it has the holder sync it.
+            let task = c.spawn(c.clone().push_with(chunk, Arc::new(data), want - 1, ranked, false));
             inflight.push((index, version, block_crcs, task));
         }
         for (index, version, block_crcs, task) in inflight {
