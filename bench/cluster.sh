@@ -35,6 +35,8 @@
 #   JOBS        processes creating NFILES/JOBS files each, for the parallel create [16]
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   SAVE        1: also save the table under bench/results/ [0]
+#   PEERS       1: also run the replicated write and the checkpoint on MooseFS
+#               (goal 2) and GlusterFS (replica 2) started from ../shared/peers [0]
 #
 # Needs root, fio, python3 and etcd (/usr/bin/etcd, Debian etcd-server).
 set -euo pipefail
@@ -52,6 +54,9 @@ MOUNT_OPTS=${MOUNT_OPTS:-}
 DEFAULT_CONVERGED=$REPO/target/release/converged
 CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
 SAVE=${SAVE:-0}
+PEERS=${PEERS:-0}
+PEERS_DIR=$REPO/../shared/peers
+PEERS_UP=()
 
 die() { echo "cluster-bench: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
@@ -111,6 +116,7 @@ cleanup() {
     if grep -qs " $SOLO/mnt fuse" /proc/mounts; then
         "$CONVERGED" umount "$SOLO/mnt" 2>/dev/null || umount -l "$SOLO/mnt"
     fi
+    for p in "${PEERS_UP[@]}"; do "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1; done
     rm -rf "$RAW" "$DEV" "$SOLO"
     exit "$rc"
 }
@@ -200,6 +206,26 @@ rm -rf "$SOLO"
 drop_caches
 checkpoint ckpt-two "$N1/ckpt"
 rm -rf "$RAW/ckpt" "$N1/ckpt"
+
+# The same write and checkpoint on MooseFS (goal 2) and GlusterFS (replica 2).
+if [[ $PEERS == 1 ]]; then
+    for p in moosefs gluster; do
+        if [[ -x $PEERS_DIR/peer_$p.sh ]] && "$PEERS_DIR/peer_$p.sh" start >"$JSON/$p.log" 2>&1; then
+            PEERS_UP+=("$p")
+            d=/tmp/peers/mfs/mnt; [[ $p == gluster ]] && d=/tmp/peers/gluster/mnt
+            mkdir -p "$d/bench-w" "$d/bench-ckpt"
+            drop_caches
+            run_counted "write-$p" run_fio seqwrite "write-$p" "$d/bench-w"
+            drop_caches
+            checkpoint "ckpt-$p" "$d/bench-ckpt"
+            rm -rf "$d/bench-w" "$d/bench-ckpt"
+            "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1
+        else
+            log "$p: not started (see $JSON/$p.log)"
+        fi
+    done
+fi
+echo "${PEERS_UP[*]}" > "$JSON/peers.txt"
 
 # Remote read: a file with one copy, on n1, read cold on n2; then the plain
 # TCP copy of the raw file (same size, same disk), cold too.
@@ -329,6 +355,16 @@ for tag, label in (("ckpt-raw", "raw"), ("ckpt-one", "1 node"), ("ckpt-two", "2 
     print(f"  {label:<10}{c['write']:>8.2f}{c['fsync']:>8.2f}{c['rename']:>8.2f}{c['total']:>8.2f}")
 two_one = ckpt("ckpt-two")["total"] / ckpt("ckpt-one")["total"]
 print(f"  2 nodes / 1 node: {two_one:.2f}x (target <= 1.30x: {'met' if two_one <= 1.3 else 'MISSED'})")
+
+peers = open(f"{jdir}/peers.txt").read().split()
+if peers:
+    print()
+    print("beside the peers (same jobs, same disk; MooseFS chunkservers do not fsync by default):")
+    print(f"  {'':<12}{'write + fsync':>14}{'/ raw':>8}{'dev bytes':>11}{'checkpoint':>12}{'fsync':>8}")
+    rows = [("converged", "write-rep", "ckpt-two")] + [(p, f"write-{p}", f"ckpt-{p}") for p in peers]
+    for name, w, c in rows:
+        dev = disk(w) / size_bytes if disk("write-raw") > 0 else float("nan")
+        print(f"  {name:<12}{gb(bw(w)):>14}{bw(w) / bw('write-raw'):>7.2f}x{dev:>11.2f}{ckpt(c)['total']:>11.2f}s{ckpt(c)['fsync']:>7.2f}s")
 
 def lat_us(tag):
     st = stats(tag)
