@@ -52,6 +52,31 @@ pub fn is_hole(file: &File, offset: u64, len: u64) -> bool {
     next as u64 >= offset + len
 }
 
+/// True when `[offset, offset + len)` of `file` has a hole somewhere in it
+/// (SEEK_HOLE; the end of the file counts as one).
+pub fn has_hole(file: &File, offset: u64, len: u64) -> bool {
+    // SAFETY: lseek on our fd; SEEK_HOLE does not move any offset we use (all I/O is positional).
+    let next = unsafe { libc::lseek(file.as_raw_fd(), offset as i64, libc::SEEK_HOLE) };
+    next < 0 || (next as u64) < offset + len
+}
+
+/// Free `len` bytes of `file` at `offset`, keeping its size (they read as zeros).
+pub fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate on a descriptor we own.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as i64,
+            len as i64,
+        )
+    };
+    match rc {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
 /// `read_exact_at`, but bytes past the end of the file read as zeros (a
 /// backing file may be shorter than the chunk when its tail is a hole).
 pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {

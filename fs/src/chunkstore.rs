@@ -107,10 +107,15 @@ impl ChunkStore {
         self.dir.join(format!("{ino:016x}.{index:08x}.{version:016x}"))
     }
 
-    fn add_version(&self, ino: Ino, index: u32, version: u64) {
+    /// Index a version file just written; `synced`: on stable storage.
+    fn add_version(&self, ino: Ino, index: u32, version: u64, synced: bool) {
         let mut idx = self.index.lock();
         idx.versions.entry(ino).or_default().insert((index, version));
         idx.unsettled.insert(ino);
+        match synced {
+            true => idx.unsynced.remove(&(ino, index, version)),
+            false => idx.unsynced.insert((ino, index, version)),
+        };
     }
 
     /// Store a whole chunk version in its own file, on stable storage
@@ -131,14 +136,7 @@ impl ChunkStore {
             f.sync_data()?;
             File::open(&self.dir)?.sync_all()?;
         }
-        self.add_version(c.ino, c.index, c.version);
-        {
-            let mut idx = self.index.lock();
-            match durable {
-                true => idx.unsynced.remove(&(c.ino, c.index, c.version)),
-                false => idx.unsynced.insert((c.ino, c.index, c.version)),
-            };
-        }
+        self.add_version(c.ino, c.index, c.version, durable);
         let counter = match why {
             Arrival::Received => &self.written.received,
             Arrival::Kept => &self.written.kept,
@@ -188,7 +186,7 @@ impl ChunkStore {
         copy_range(main, from, &f, 0, len)?;
         f.sync_data()?;
         File::open(&self.dir)?.sync_all()?;
-        self.add_version(ino, index, version);
+        self.add_version(ino, index, version, true);
         self.written.kept.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }

@@ -4,7 +4,6 @@
 //! read fetches them back. Chunks of files open on this node, and of files
 //! not backed, are never evicted.
 
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
 use converged_metadata::types::{Ino, TierState};
@@ -154,18 +153,7 @@ impl Core {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
             Err(e) => return Err(FsError::io("open backing file to evict", e)),
         };
-        // SAFETY: fallocate on an fd we own.
-        let rc = unsafe {
-            libc::fallocate(
-                file.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                (index as u64 * cs) as i64,
-                cs as i64,
-            )
-        };
-        if rc != 0 {
-            return Err(FsError::io("punch evicted chunk", std::io::Error::last_os_error()));
-        }
+        crate::blocks::punch_hole(&file, index as u64 * cs, cs).map_err(|e| FsError::io("punch evicted chunk", e))?;
         Ok(true)
     }
 }

@@ -388,21 +388,17 @@ async fn answer(
             }))
             .await
         }
-        Request::Write { chunk, len } => {
+        Request::Write { chunk, len } | Request::WriteUnsynced { chunk, len } => {
+            let durable = matches!(req, Request::Write { .. });
             let mut data = vec![0u8; len as usize];
             read_payload(recv, &mut data).await.map_err(io_error)?;
             blocking(Box::new(move || {
                 service.may_write(&caller, &chunk)?;
-                service.write(&chunk, &data).map(|()| (Response::Done, Vec::new()))
-            }))
-            .await
-        }
-        Request::WriteUnsynced { chunk, len } => {
-            let mut data = vec![0u8; len as usize];
-            read_payload(recv, &mut data).await.map_err(io_error)?;
-            blocking(Box::new(move || {
-                service.may_write(&caller, &chunk)?;
-                service.write_unsynced(&chunk, &data).map(|()| (Response::Done, Vec::new()))
+                let stored = match durable {
+                    true => service.write(&chunk, &data),
+                    false => service.write_unsynced(&chunk, &data),
+                };
+                stored.map(|()| (Response::Done, Vec::new()))
             }))
             .await
         }

@@ -390,7 +390,7 @@ impl Core {
         // Chunk versions held here in version files go into the backing
         // file before a reader's open that can then be passed through (every
         // chunk here). A writer's lease copies them in (`hydrate`).
-        if kernel && !writable && self.store.has_versions(ino) {
+        if kernel && !writable && self.passthrough() && self.store.has_versions(ino) {
             if let Some(Err(e)) = self.while_closed(ino, || self.settle_versions(ino, true)) {
                 tracing::warn!(ino, error = %e, "could not settle chunk versions; reads go through the daemon");
             }

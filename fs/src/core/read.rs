@@ -4,7 +4,6 @@
 //! hydration and staging all follow that one answer.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -573,15 +572,7 @@ impl Core {
                 }
                 Source::Hole => {
                     // A hole in the file: stale bytes from an older copy must not show through.
-                    // SAFETY: fallocate on our own fd.
-                    unsafe {
-                        libc::fallocate(
-                            file.as_raw_fd(),
-                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                            chunk_start as i64,
-                            cs as i64,
-                        )
-                    };
+                    let _ = crate::blocks::punch_hole(file, chunk_start, cs);
                 }
             }
         }

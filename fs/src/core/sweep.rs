@@ -187,7 +187,7 @@ impl Core {
                     _ => return Ok(false),
                 }
                 if let (true, Some(f)) = (in_backing, &file) {
-                    super::versions::punch(f, start, end - start)
+                    crate::blocks::punch_hole(f, start, end - start)
                         .map_err(|e| FsError::io("punch out an unneeded chunk", e))?;
                 }
                 for &version in &in_versions {

@@ -13,7 +13,6 @@
 //! held closed on this node (opens wait), never while a writer of this node
 //! has it. No lock is held across the copies.
 
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use converged_metadata::types::*;
@@ -135,7 +134,7 @@ impl Core {
                 Fate::AlreadyInPlace => self.store.remove_version(ino, index, version).map_err(io)?,
                 Fate::Vacate => {
                     let main = main.as_ref().expect("the backing file holds the chunk");
-                    punch(main, start, records[&index].len as u64).map_err(io)?;
+                    crate::blocks::punch_hole(main, start, records[&index].len as u64).map_err(io)?;
                     tracing::debug!(ino, chunk = index, version, "punched an old version out of the backing file");
                 }
                 Fate::RemoveAfter(grace) if age >= grace => {
@@ -196,22 +195,5 @@ impl Core {
             tracing::debug!(ino, bytes = kept, "kept the published chunks this node alone holds before rewriting them");
         }
         Ok(())
-    }
-}
-
-/// Free `len` bytes of `file` at `start` (the file's size stays).
-pub(crate) fn punch(file: &std::fs::File, start: u64, len: u64) -> std::io::Result<()> {
-    // SAFETY: fallocate on a descriptor we own.
-    let rc = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            start as i64,
-            len as i64,
-        )
-    };
-    match rc {
-        0 => Ok(()),
-        _ => Err(std::io::Error::last_os_error()),
     }
 }

@@ -955,7 +955,7 @@ impl Core {
                     continue;
                 }
             }
-            let version = converged_metadata::next_version(previous.map(|o| o.version), epoch).max(how.floor.get() + 1);
+            let version = session_version(previous, epoch, how.floor.get());
             how.floor.set(version);
             let record = ChunkRecord { version, len: len as u32, replicas: mine(), block_crcs };
             let chunk = ChunkRef { ino: inode.ino, index, version: record.version, start };
@@ -1063,7 +1063,7 @@ impl Core {
         let inode = self.ns.getattr(ino)?;
         let cs = inode.chunk_size.max(1) as u64;
         let due: Vec<u32> = (0..(size / cs) as u32)
-            .filter(|i| !job.seen.contains(i) && !has_hole(&oi.file, *i as u64 * cs, cs))
+            .filter(|i| !job.seen.contains(i) && !crate::blocks::has_hole(&oi.file, *i as u64 * cs, cs))
             .take(REPLICATION_WINDOW)
             .collect();
         let mut floor = job.floor;
@@ -1087,7 +1087,7 @@ impl Core {
             let mut data = vec![0u8; cs as usize];
             read_exact_at(&oi.file, &mut data, start).map_err(|e| FsError::io("read chunk to stream", e))?;
             let block_crcs: Vec<u32> = data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect();
-            let version = converged_metadata::next_version(previous.map(|o| o.version), job.lease).max(floor + 1);
+            let version = session_version(previous, job.lease, floor);
             floor = version;
             let ranked = c.plan(ino, index, &[self.node_id().to_string()]);
             let chunk = ChunkRef { ino, index, version, start };
@@ -1103,12 +1103,11 @@ impl Core {
     }
 }
 
-/// Whether `[start, start + len)` of `file` has a hole (SEEK_HOLE): a chunk
-/// not written whole yet.
-fn has_hole(file: &File, start: u64, len: u64) -> bool {
-    // SAFETY: lseek on our own fd; the backing file's offset is never used for I/O.
-    let r = unsafe { libc::lseek(file.as_raw_fd(), start as i64, libc::SEEK_HOLE) };
-    r < 0 || (r as u64) < start + len
+/// The version a writing session gives a new copy of a chunk recorded as
+/// `previous`: past it, in the session's lease epoch, and above every
+/// version the session handed out so far (`floor`).
+fn session_version(previous: Option<&ChunkRecord>, epoch: u64, floor: u64) -> u64 {
+    converged_metadata::next_version(previous.map(|o| o.version), epoch).max(floor + 1)
 }
 
 /// The error a fenced session's fsync and close return (`EIO`).
