@@ -322,3 +322,59 @@ fn full_chunks_reach_the_replica_before_the_fsync() {
     assert_eq!(received(), before + 2 * CHUNK + MIB, "the rewritten chunk was sent again, once");
     drop(f);
 }
+
+/// A replica killed and restarted between a stream and the publish: the
+/// fsync still succeeds, its record does not count that replica for the
+/// chunks it received before its restart (it cannot vouch for them: a
+/// crash may have left them half written), and once the file is closed the
+/// replicator gives every chunk its second copy, durably. Then the writer's
+/// node dies and the replica alone reads the file whole.
+#[test]
+fn a_replica_restarted_after_a_stream_holds_nothing_it_cannot_vouch_for() {
+    const CHUNK: usize = 64 * MIB;
+    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
+    let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
+    c.add_node(&["--metrics", &ports[1]]);
+    let live = || metric(&scrape(&ports[0]), "converged_live_peers").unwrap_or(0.0) >= 1.0;
+    eventually(10, "n1 sees n2 live", live);
+    let received = || metric(&scrape(&ports[1]), "converged_chunk_received_bytes_total").unwrap_or(0.0) as usize;
+
+    let data = pattern(2 * CHUNK + MIB, 41);
+    let path = c.node(0).path("r.bin");
+    let f = OpenOptions::new().create(true).write(true).truncate(true).open(&path).unwrap();
+    f.write_all_at(&data, 0).unwrap();
+    eventually(30, "both full chunks streamed to n2", || received() >= 2 * CHUNK);
+    c.nodes[1].crash();
+    c.nodes[1].mount();
+    eventually(10, "n1 sees n2 live again", live);
+    // n1 reaches the new n2 (its address, its connection) again: a small
+    // file of its own gets its copy there.
+    fs::write(c.node(0).path("warm"), b"warm").unwrap();
+    eventually(30, "n1 copies a new file to the restarted n2", || {
+        xattr_value(&c.node(0).path("warm"), "user.converged.layout").contains("n1,n2")
+    });
+
+    f.sync_all().unwrap();
+    let holders = |l: &str, index: &str| -> String {
+        let row =
+            l.lines().find(|r| r.starts_with(&format!("{index} "))).unwrap_or_else(|| panic!("chunk {index}: {l}"));
+        row.rsplit(' ').next().unwrap().to_string()
+    };
+    let layout = xattr_value(&path, "user.converged.layout");
+    for index in ["0", "1"] {
+        assert_eq!(
+            holders(&layout, index),
+            "n1",
+            "n2 was recorded for a chunk it received before its restart:\n{layout}"
+        );
+    }
+    drop(f);
+    eventually(60, "the replicator gave every chunk its second copy", || {
+        let l = xattr_value(&path, "user.converged.layout");
+        ["0", "1", "2"].iter().all(|i| holders(&l, i).split(',').count() == 2)
+    });
+
+    c.nodes[0].crash();
+    drop_caches();
+    same(&fs::read(c.node(1).path("r.bin")).unwrap(), &data, "r.bin on n2 with n1 gone");
+}
