@@ -312,6 +312,12 @@ impl Filesystem for FuseAdapter {
         }
     }
 
+    fn forget(&self, _req: &Request, ino: INodeNo, _nlookup: u64) {
+        // Sent once, when the kernel drops the inode (with every lookup it
+        // counted): nothing will ask for it again.
+        self.core.forget(ino.0);
+    }
+
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let _s = debug_span!("getattr", ino = ino.0).entered();
         let _t = latency::timer(Area::Fuse, "getattr");

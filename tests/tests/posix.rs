@@ -268,6 +268,40 @@ fn unlinked_file_works_until_last_close_and_is_then_purged() {
     assert!(!backing.exists(), "backing file removed at last close");
 }
 
+/// A working directory removed under its process still answers the kernel,
+/// as on ext4: removing an entry in it makes its attributes stale, so the
+/// `chdir("..")` out of it after its own removal asks the daemon for them
+/// (the search-permission check). This is how xfstests generic/011
+/// (dirstress, five processes sharing one directory) failed at the end of
+/// about one run in twenty: "Cannot chdir out of working directory: ENOENT".
+#[test]
+fn a_removed_working_directory_still_lets_its_process_out() {
+    let m = Mount::new();
+    let script = r#"
+import os, sys
+d = sys.argv[1]
+os.chdir(d)
+os.rmdir("entry")
+os.rmdir(d)
+st = os.stat(".")
+os.chdir("..")
+print(st.st_nlink, st.st_mode & 0o170000 == 0o040000, os.getcwd())
+"#;
+    for round in 0..3 {
+        let d = m.path(&format!("d{round}"));
+        fs::create_dir_all(d.join("entry")).unwrap();
+        let out = std::process::Command::new("python3").args(["-c", script]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            said.trim(),
+            format!("0 True {}", m.mnt.display()),
+            "round {round}: the removed directory's stat, then the working directory after chdir .."
+        );
+        assert!(!d.exists());
+    }
+}
+
 #[test]
 fn xattrs_with_create_and_replace() {
     let m = Mount::new();

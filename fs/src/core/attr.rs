@@ -142,7 +142,18 @@ impl Core {
     }
 
     pub fn getattr(&self, ino: Ino) -> FsResult<Attr> {
-        self.settled(|| self.overlay(self.ns.getattr(ino)?))
+        match self.settled(|| self.overlay(self.ns.getattr(ino)?)) {
+            // Removed here and purged, and still held by the kernel (a
+            // working directory, an O_PATH descriptor): its last attributes.
+            Err(FsError::Meta(MetaError::NotFound)) if let Some(last) = self.removed.get(ino) => Ok(last),
+            r => r,
+        }
+    }
+
+    /// The kernel forgot `ino` (FUSE FORGET): it will not ask for a removed
+    /// inode's attributes again.
+    pub fn forget(&self, ino: Ino) {
+        self.removed.forget(ino);
     }
 
     /// setattr. A size change is a write: the file is opened for writing

@@ -37,7 +37,7 @@
 //!    held; others wait on `OpenInode::changed`, holding nothing.
 //! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
 //!    `doomed`, `unseal_later`, `spares`, `under_replicated`, `flush_now`,
-//!    `last_repair`, the tier's tables, the chunk store's version index,
+//!    `last_repair`, `removed`, the tier's tables, the chunk store's version index,
 //!    the cluster's member list (read from etcd with no lock held).
 //!
 //! And across the boundaries:
@@ -59,6 +59,7 @@ mod durability;
 mod open;
 mod read;
 mod reconcile;
+mod removed;
 mod repair;
 mod replicate;
 mod scrub;
@@ -175,6 +176,9 @@ pub struct Core {
     /// Directory handles open here: a removed directory stays until its
     /// last handle is released.
     open_dirs: dirs::OpenDirs,
+    /// Inodes that lost their last name here, for the kernel's questions
+    /// until it forgets them.
+    removed: removed::Removed,
     passthrough: AtomicBool,
     /// What waits for the next flush: purged backing files, files closed
     /// empty, and the wake-up of the flusher.
@@ -232,6 +236,7 @@ impl Core {
             open: OpenTable::default(),
             dirs: DashMap::new(),
             open_dirs: dirs::OpenDirs::default(),
+            removed: removed::Removed::default(),
             passthrough: AtomicBool::new(false),
             pending: durability::Pending::default(),
             spares: Mutex::default(),
@@ -514,6 +519,9 @@ impl Core {
             _ => Vec::new(),
         };
         let gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge)?;
+        if gone.orphaned {
+            self.removed.insert(gone.last.clone());
+        }
         if gone.purged {
             self.doom(gone.ino, holders);
             return Ok(());
@@ -530,6 +538,7 @@ impl Core {
         let may_purge = held.as_ref().map(|h| h.ino);
         let gone = self.ns.rmdir_purging(parent, name, &|ino| Some(ino) == may_purge)?;
         drop(held);
+        self.removed.insert(gone.last.clone());
         if !gone.purged {
             self.forget_orphan(gone)?;
         }
@@ -575,6 +584,7 @@ impl Core {
             }
         };
         if let Some(victim) = victim {
+            self.removed.insert(victim.last.clone());
             self.forget_orphan(victim)?;
         }
         if let Some(t) = self.tier.get() {

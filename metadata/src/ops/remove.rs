@@ -9,9 +9,12 @@ use crate::types::{Ino, Inode, Timespec};
 /// What an unlink left behind: the inode, and whether its last name is gone.
 /// An inode with no names is an orphan until [`Namespace::purge`] drops it
 /// (at once, or at last close when it is still open).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unlinked {
     pub ino: Ino,
+    /// The inode as the removal left it (one name fewer, the new ctime): what
+    /// a handle or a working directory on it still sees once it has no name.
+    pub last: Inode,
     /// A directory (its orphan is kept only while a handle is open on it).
     pub dir: bool,
     pub orphaned: bool,
@@ -35,7 +38,7 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
         txn.put(&schema::orphan(inode.ino), node.as_bytes());
     }
     put_inode(txn, &inode);
-    Unlinked { ino: inode.ino, dir, orphaned, purged: false }
+    Unlinked { ino: inode.ino, dir, orphaned, purged: false, last: inode }
 }
 
 /// Delete every record of `ino` (its layout, xattrs, orphan and unsealed marks, the inode).
