@@ -18,9 +18,11 @@
 //! and no I/O happens under it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -357,6 +359,36 @@ impl ChunkStore {
             .custom_flags(libc::O_CLOEXEC)
             .open(self.path(ino))
             .ok()
+    }
+
+    /// Make the backing file of `from` (whose inode is gone or was never a
+    /// regular file) the empty backing file of `to`, a number not
+    /// handed out yet: cut to nothing and renamed, never over an existing
+    /// file. A rename in the data dir instead of an unlink now and a create
+    /// later: the local filesystem allocates and frees no inode. `from`'s
+    /// version files go. On error nothing was renamed and the caller removes
+    /// `from` as before.
+    pub fn recycle(&self, from: Ino, to: Ino) -> FsResult<()> {
+        for (index, version) in self.versions_of(from) {
+            self.remove_version(from, index, version)
+                .map_err(|e| FsError::io(format!("remove a chunk version of inode {from}"), e))?;
+        }
+        let (old, new) = (self.path(from), self.path(to));
+        let file = OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&old);
+        file.and_then(|f| f.set_len(0)).map_err(|e| FsError::io(format!("empty backing file of inode {from}"), e))?;
+        let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).expect("data dir paths have no NUL");
+        let (old_c, new_c) = (c(&old), c(&new));
+        // SAFETY: two NUL-terminated paths that live across the call.
+        let r = unsafe {
+            libc::renameat2(libc::AT_FDCWD, old_c.as_ptr(), libc::AT_FDCWD, new_c.as_ptr(), libc::RENAME_NOREPLACE)
+        };
+        if r != 0 {
+            return Err(FsError::io(
+                format!("rename {} to {}", old.display(), new.display()),
+                io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
     }
 
     /// Remove the backing file of `ino` and every version file of it.

@@ -302,6 +302,41 @@ print(st.st_nlink, st.st_mode & 0o170000 == 0o040000, os.getcwd())
     }
 }
 
+/// The backing files of removed files become the backing files of the next
+/// creates (a rename on the data disk, not an inode freed and another
+/// allocated), and a new file never shows a byte of the old one.
+#[test]
+fn a_removed_files_backing_file_serves_a_new_file_empty() {
+    let m = Mount::new();
+    let backing = |ino: u64| m.data.join("chunks").join(format!("{ino:016x}"));
+    let mut local = Vec::new();
+    for i in 0..20 {
+        let p = m.path(&format!("old{i}"));
+        fs::write(&p, pattern((1 << 20) + i * 4097, i as u64)).unwrap();
+        local.push(fs::metadata(backing(fs::metadata(&p).unwrap().ino())).unwrap().ino());
+        fs::remove_file(&p).unwrap();
+    }
+    // Purged backing files go at the next flush (once a second).
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let mut reused = 0;
+    for i in 0..300 {
+        let p = m.path(&format!("new{i}"));
+        let mut f = File::create(&p).unwrap();
+        f.write_all(b"x").unwrap();
+        drop(f);
+        let ino = fs::metadata(&p).unwrap().ino();
+        if fs::metadata(backing(ino)).is_ok_and(|md| local.contains(&md.ino())) {
+            reused += 1;
+        }
+    }
+    assert!(reused > 0, "no removed file's backing file was used again");
+    drop_caches();
+    for i in 0..300 {
+        let data = fs::read(m.path(&format!("new{i}"))).unwrap();
+        assert!(data == b"x", "new{i} holds {} bytes, not the one written", data.len());
+    }
+}
+
 #[test]
 fn xattrs_with_create_and_replace() {
     let m = Mount::new();

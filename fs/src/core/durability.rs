@@ -114,12 +114,17 @@ impl Core {
                 Err(e) => return Err(e),
             }
         }
-        let mut strays = 0;
+        let mut gone = Vec::new();
         for ino in self.store.list()? {
             if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
-                self.store.remove(ino)?;
-                strays += 1;
+                gone.push(ino);
             }
+        }
+        let strays = gone.len();
+        // Spares of the last mount, and files purged before a crash: the
+        // spares of this one's first creates, or gone.
+        for ino in self.respare(gone) {
+            self.store.remove(ino)?;
         }
         self.flush()?;
         if !orphans.is_empty() || resealed > 0 || strays > 0 {
@@ -216,13 +221,18 @@ impl Core {
             self.pending.doomed.lock().extend(doomed);
             return Err(e);
         }
+        let mut gone = Vec::with_capacity(doomed.len());
         for (ino, holders) in doomed {
             // A metadata reopen after a disk-full error rolls back to the last
             // durable commit and may bring the inode back: then keep its data.
             if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
-                self.store.remove(ino)?;
                 self.delete_on_peers(ino, &holders);
+                gone.push(ino);
             }
+        }
+        // Backing files become the spares of the next creates, or go.
+        for ino in self.respare(gone) {
+            self.store.remove(ino)?;
         }
         self.keep_reserve();
         Ok(())

@@ -184,8 +184,9 @@ pub struct Core {
     /// empty, and the wake-up of the flusher.
     pending: durability::Pending,
     /// Backing files made ahead of time for the next inode numbers, so a
-    /// create does not wait for the local filesystem to create one.
-    spares: Mutex<std::collections::HashMap<Ino, File>>,
+    /// create does not wait for the local filesystem to create one: held
+    /// open when made here, closed when recycled from a purged inode.
+    spares: Mutex<std::collections::HashMap<Ino, Option<File>>>,
     /// The last repair pass's findings (leaf lock).
     last_repair: Mutex<Option<RepairPass>>,
     spares_low: parking_lot::Condvar,
@@ -207,8 +208,14 @@ pub struct Core {
     workers: OnceLock<Box<dyn Fn() -> String + Send + Sync>>,
 }
 
-/// Backing files kept ready ahead of creates.
+/// Backing files kept ready ahead of creates, made new.
 const SPARES: usize = 256;
+/// Spares at most, counting the backing files of purged inodes kept for
+/// the next numbers instead of removed: an unlink storm followed by a
+/// create storm (a rewritten dataset, rotated checkpoints) allocates no
+/// inode in the local filesystem. They are closed files, holding no
+/// descriptor.
+const RECYCLED_SPARES: usize = 16_384;
 
 fn chunk_range(offset: u64, len: u64, chunk_size: u32) -> std::ops::RangeInclusive<u32> {
     let cs = chunk_size.max(1) as u64;
@@ -776,13 +783,16 @@ impl Core {
 
     // ---- spares ----
 
+    /// The spare of `ino` when it is held open; a closed one is opened by
+    /// path, as a missing one is created.
     fn take_spare(&self, ino: Ino) -> Option<File> {
         let mut spares = self.spares.lock();
-        let f = spares.remove(&ino);
-        if spares.len() < SPARES / 2 {
+        let spare = spares.remove(&ino);
+        // Running low, or behind: wake the maker.
+        if spare.is_none() || spares.len() < SPARES / 2 {
             self.spares_low.notify_one();
         }
-        f
+        spare.flatten()
     }
 
     /// Wait until creates have used half the spares, or `period` passed.
@@ -801,11 +811,16 @@ impl Core {
     pub(crate) fn make_spares(&self) -> usize {
         let upcoming = self.ns.upcoming_inos(SPARES as u64);
         let stale: Vec<Ino> = self.spares.lock().keys().copied().filter(|i| *i < upcoming.start).collect();
+        let mut unused = Vec::new();
         for ino in stale {
-            self.spares.lock().remove(&ino);
-            if matches!(self.ns.getattr(ino), Ok(i) if i.kind != FileKind::Regular) {
-                let _ = self.store.remove(ino);
+            if self.spares.lock().remove(&ino).is_some()
+                && matches!(self.ns.getattr(ino), Ok(i) if i.kind != FileKind::Regular)
+            {
+                unused.push(ino);
             }
+        }
+        for ino in self.respare(unused) {
+            let _ = self.store.remove(ino);
         }
         let mut made = 0;
         for ino in upcoming {
@@ -826,10 +841,62 @@ impl Core {
                     break;
                 }
                 made += 1;
-                spares.insert(ino, f);
+                spares.insert(ino, Some(f));
             }
         }
         made
+    }
+
+    /// Keep the backing files of `from` (inodes purged, or numbers that
+    /// did not go to a regular file) as the spares of the next numbers that
+    /// have none: each emptied and renamed ([`ChunkStore::recycle`]), so
+    /// that an unlink and a create cost the local filesystem a rename
+    /// instead of an inode freed and another allocated. Returns those it
+    /// did not keep (the spares are full, no number is free, a rename
+    /// failed): the caller removes them.
+    fn respare(&self, from: Vec<Ino>) -> Vec<Ino> {
+        if from.is_empty() {
+            return from;
+        }
+        let upcoming = self.ns.upcoming_inos(RECYCLED_SPARES as u64);
+        let free: Vec<Ino> = {
+            let spares = self.spares.lock();
+            if self.spares_stopped.load(Ordering::SeqCst) {
+                return from;
+            }
+            let room = RECYCLED_SPARES.saturating_sub(spares.len()).min(from.len());
+            upcoming.filter(|i| !spares.contains_key(i)).take(room).collect()
+        };
+        let mut kept = Vec::with_capacity(free.len());
+        let mut left = Vec::new();
+        let mut to = free.into_iter();
+        for ino in from {
+            // A number handed out meanwhile may be opening its backing file
+            // by path: the rename never replaces a file, and an empty file
+            // is what that open would have made.
+            let Some(target) = to.by_ref().find(|t| self.open.get(*t).is_none()) else {
+                left.push(ino);
+                continue;
+            };
+            match self.store.recycle(ino, target) {
+                Ok(()) => kept.push(target),
+                Err(e) => {
+                    tracing::debug!(ino, target, error = %e, "could not recycle a backing file; removing it");
+                    left.push(ino);
+                }
+            }
+        }
+        let mut spares = self.spares.lock();
+        if self.spares_stopped.load(Ordering::SeqCst) {
+            // Shutdown already removed the spares it saw: these go too.
+            drop(spares);
+            for ino in kept {
+                let _ = self.store.remove(ino);
+            }
+            return left;
+        }
+        spares.extend(kept.into_iter().map(|i| (i, None)));
+        left
     }
 
     /// Flush the namespace to stable storage (unmount).
@@ -840,12 +907,15 @@ impl Core {
             self.spares_stopped.store(true, Ordering::SeqCst);
             std::mem::take(&mut *spares)
         };
+        // Numbers from here on were never handed out: no need to ask.
+        let next = self.ns.upcoming_inos(1).start;
         for (ino, _) in spares {
-            let unused = match self.ns.getattr(ino) {
-                Err(MetaError::NotFound) => true,
-                Ok(inode) => inode.kind != FileKind::Regular,
-                Err(_) => false,
-            };
+            let unused = ino >= next
+                || match self.ns.getattr(ino) {
+                    Err(MetaError::NotFound) => true,
+                    Ok(inode) => inode.kind != FileKind::Regular,
+                    Err(_) => false,
+                };
             if unused {
                 let _ = self.store.remove(ino);
             }
