@@ -294,7 +294,10 @@ fn namespace_rename_rules(name: &str, kv: Arc<dyn KvEngine>) {
     // The replaced empty directory is an orphan (nlink 0) for the caller to
     // purge at once, or once no handle is open on it.
     let gone = ns.rename(a.ino, b"b", ROOT, b"e", RenameMode::Replace).unwrap();
-    assert!(gone.is_some_and(|g| g.dir && g.orphaned && g.ino == e.ino), "{name}: empty dir replaced: {gone:?}");
+    assert!(
+        gone.as_ref().is_some_and(|g| g.dir && g.orphaned && g.ino == e.ino),
+        "{name}: empty dir replaced: {gone:?}"
+    );
     assert_eq!(ns.getattr(e.ino).unwrap().nlink, 0, "{name}: a replaced directory has no link");
     assert!(ns.purge(e.ino).unwrap(), "{name}");
     assert_eq!(errno(ns.getattr(e.ino)), libc::ENOENT, "{name}: empty dir replaced and purged");

@@ -183,7 +183,7 @@ impl OtherNode {
         let (p, n) = self.resolve_parent(from)?;
         let (np, nn) = self.resolve_parent(to)?;
         let victim = self.ns.rename(p, n.as_bytes(), np, nn.as_bytes(), mode)?;
-        if let Some(v) = victim {
+        if let Some(v) = &victim {
             if v.orphaned && !open_here(v.ino) {
                 self.ns.purge(v.ino)?;
             }
