@@ -16,6 +16,7 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
 };
 
+use crate::group_commit::{self, Group, Limits, Span};
 use crate::kv::{
     merge_pending, pending_deletes, ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite,
     PendingWrites, Versioned,
@@ -37,7 +38,15 @@ pub struct EtcdKv {
     /// This client's own commits, so the change feed can skip them (this
     /// node already knows what it changed).
     own: Arc<OwnCommits>,
+    /// Commits from this node's threads that meet share a transaction.
+    group: Group<Compare, TxnOp>,
 }
+
+/// etcd's defaults: `--max-txn-ops` 128 (compares and operations each) and
+/// `--max-request-bytes` 1.5 MiB, kept well under.
+const GROUP_LIMITS: Limits = Limits { ops: 128, bytes: 1 << 20, members: 64 };
+/// What a request spends per compare or operation besides its key and value.
+const OP_OVERHEAD: usize = 16;
 
 /// Own revisions remembered for the change feed.
 const OWN_REVISIONS: usize = 4096;
@@ -278,6 +287,7 @@ impl EtcdKv {
             timeout,
             lease: Default::default(),
             own: Default::default(),
+            group: Group::new(GROUP_LIMITS),
         })
     }
 
@@ -448,19 +458,28 @@ impl KvWrite for EtcdWrite<'_> {
             return Ok(None);
         }
         let mut compares = Vec::new();
+        let mut bytes = 0;
+        let mut reads = Vec::with_capacity(self.reads.len() + self.scanned.len());
+        let mut writes = Vec::with_capacity(self.pending.len() + self.deleted_ranges.len());
         for (k, mod_rev) in &self.reads {
             compares.push(if *mod_rev == 0 {
                 Compare::version(kv.key(k), CompareOp::Equal, 0)
             } else {
                 Compare::mod_revision(kv.key(k), CompareOp::Equal, *mod_rev)
             });
+            bytes += kv.prefix.len() + k.len() + OP_OVERHEAD;
+            reads.push(Span::key(k));
         }
         if self.rev > 0 {
             for (s, e) in &self.scanned {
                 // Nothing in a scanned range was created or changed after our snapshot.
                 compares.push(Compare::mod_revision(kv.key(s), CompareOp::Less, self.rev + 1).with_range(kv.key(e)));
+                bytes += 2 * kv.prefix.len() + s.len() + e.len() + OP_OVERHEAD;
             }
         }
+        // A range read at no pinned revision (none is compared) still keeps
+        // other commits that write in it out of this one's transaction.
+        reads.extend(self.scanned.iter().map(|(s, e)| Span::range(s, e)));
         let mut ops = Vec::new();
         for (s, e) in &self.deleted_ranges {
             // etcd refuses a transaction whose range delete overlaps a put:
@@ -470,31 +489,37 @@ impl KvWrite for EtcdWrite<'_> {
                 let (keys, _) = kv.scan_at(s, e, usize::MAX >> 1, self.rev, true)?;
                 for (k, _) in keys {
                     if !self.pending.contains_key(&k) {
+                        bytes += kv.prefix.len() + k.len() + OP_OVERHEAD;
                         ops.push(TxnOp::delete(kv.key(&k), None));
                     }
                 }
             } else {
                 ops.push(TxnOp::delete(kv.key(s), Some(DeleteOptions::new().with_range(kv.key(e)))));
+                bytes += 2 * kv.prefix.len() + s.len() + e.len() + OP_OVERHEAD;
             }
+            writes.push(Span::range(s, e));
         }
         for (k, v) in &self.pending {
+            bytes += kv.prefix.len() + k.len() + v.as_ref().map_or(0, Vec::len) + OP_OVERHEAD;
             ops.push(match v {
                 Some(v) => TxnOp::put(kv.key(k), v.clone(), None),
                 None => TxnOp::delete(kv.key(k), None),
             });
+            writes.push(Span::key(k));
         }
-        let txn = Txn::new().when(compares).and_then(ops);
-        let mut c = kv.client.kv_client();
-        round_trips::count(RoundTrip::Commit);
-        let mut in_flight = kv.own.begin();
-        let resp = kv.run(c.txn(txn))?;
-        if resp.succeeded() {
+        let member = group_commit::Member { compares, ops, bytes, reads, writes };
+        kv.group.commit(member, &|compares, ops| {
+            let txn = Txn::new().when(compares).and_then(ops);
+            let mut c = kv.client.kv_client();
+            round_trips::count(RoundTrip::Commit);
+            let mut in_flight = kv.own.begin();
+            let resp = kv.run(c.txn(txn))?;
             let rev = resp.header().map(|h| h.revision());
-            in_flight.revision = rev;
-            Ok(rev)
-        } else {
-            Err(KvError::Conflict)
-        }
+            if resp.succeeded() {
+                in_flight.revision = rev;
+            }
+            Ok((resp.succeeded(), rev))
+        })
     }
 }
 

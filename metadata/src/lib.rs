@@ -6,6 +6,7 @@
 
 pub mod acl;
 pub mod error;
+mod group_commit;
 pub mod kv;
 pub mod kv_cache;
 pub mod kv_etcd;
