@@ -38,8 +38,10 @@ pub struct EtcdKv {
     /// This client's own commits, so the change feed can skip them (this
     /// node already knows what it changed).
     own: Arc<OwnCommits>,
-    /// Commits from this node's threads that meet share a transaction.
+    /// Commits from this node's threads that meet share a transaction
+    /// (unless `alone`).
     group: Group<Compare, TxnOp>,
+    alone: bool,
 }
 
 /// etcd's defaults: `--max-txn-ops` 128 (compares and operations each) and
@@ -288,7 +290,15 @@ impl EtcdKv {
             lease: Default::default(),
             own: Default::default(),
             group: Group::new(GROUP_LIMITS),
+            alone: false,
         })
+    }
+
+    /// Every commit in a transaction of its own (no group commit): what
+    /// etcd itself gives, for `examples/etcd_rate.rs`.
+    pub fn alone(mut self) -> Self {
+        self.alone = true;
+        self
     }
 
     fn key(&self, k: &[u8]) -> Vec<u8> {
@@ -508,7 +518,7 @@ impl KvWrite for EtcdWrite<'_> {
             writes.push(Span::key(k));
         }
         let member = group_commit::Member { compares, ops, bytes, reads, writes };
-        kv.group.commit(member, &|compares, ops| {
+        let send = |compares, ops| {
             let txn = Txn::new().when(compares).and_then(ops);
             let mut c = kv.client.kv_client();
             round_trips::count(RoundTrip::Commit);
@@ -519,7 +529,14 @@ impl KvWrite for EtcdWrite<'_> {
                 in_flight.revision = rev;
             }
             Ok((resp.succeeded(), rev))
-        })
+        };
+        if kv.alone {
+            return match send(member.compares, member.ops)? {
+                (true, rev) => Ok(rev),
+                (false, _) => Err(KvError::Conflict),
+            };
+        }
+        kv.group.commit(member, &send)
     }
 }
 

@@ -544,17 +544,25 @@ impl Core {
     /// the page cache; the flusher syncs them before it drops the mark).
     fn final_seal(&self, ino: Ino, oi: &OpenInode, u: Unsealed) -> FsResult<()> {
         let unchanged = u.published.is_some() && stamp(&oi.file).ok() == u.published;
+        if unchanged && u.streamed.is_empty() {
+            // The last publish (a cluster's close) recorded every byte,
+            // chunk and copy of this session: only the lease mark is left to
+            // drop, which the flusher does for many files in one commit,
+            // leaving the sync-pending mark this seal would have.
+            self.unseal_later(ino, true);
+            return Ok(());
+        }
         let dirty = if unchanged { Dirty::None } else { u.dirty };
         let backing_empty = oi.file.metadata().is_ok_and(|m| m.len() == 0);
         if u.created_here && !u.size_recorded && backing_empty {
             // Created here and never written: recorded with size 0 at
             // create, nothing to read back or checksum.
-            self.unseal_later(ino);
+            self.unseal_later(ino, false);
             return Ok(());
         }
         let inode = self.ns.getattr(ino)?;
         if inode.size == 0 && backing_empty {
-            self.unseal_later(ino);
+            self.unseal_later(ino, false);
             return Ok(());
         }
         let how = SealAs {
