@@ -230,6 +230,45 @@ pub struct SetAttr {
     pub ctime: Option<Timespec>,
 }
 
+impl SetAttr {
+    /// Mode, owner, group, times and ctime applied to `inode` (not its
+    /// size, not an ACL): `now` stands for `TimeSet::Now` and for a ctime
+    /// not given.
+    pub fn apply_to(&self, inode: &mut Inode, now: Timespec) {
+        if let Some(mode) = self.mode {
+            inode.perm = (mode & 0o7777) as u16;
+        }
+        if let Some(uid) = self.uid {
+            inode.uid = uid;
+        }
+        if let Some(gid) = self.gid {
+            inode.gid = gid;
+        }
+        let resolve = |t: TimeSet| match t {
+            TimeSet::Now => now,
+            TimeSet::At(ts) => ts,
+        };
+        if let Some(t) = self.atime {
+            inode.atime = resolve(t);
+        }
+        if let Some(t) = self.mtime {
+            inode.mtime = resolve(t);
+        }
+        inode.ctime = self.ctime.unwrap_or(now);
+    }
+
+    /// `later` applied after `self`, as one change: what it sets wins.
+    pub fn merge(&mut self, later: &SetAttr) {
+        self.mode = later.mode.or(self.mode);
+        self.uid = later.uid.or(self.uid);
+        self.gid = later.gid.or(self.gid);
+        self.size = later.size.or(self.size);
+        self.atime = later.atime.or(self.atime);
+        self.mtime = later.mtime.or(self.mtime);
+        self.ctime = later.ctime.or(self.ctime);
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub enum TimeSet {
     Now,

@@ -99,6 +99,7 @@ impl Core {
                 fresh: false,
                 streamed: Default::default(),
                 floor: &std::cell::Cell::new(0),
+                attrs: None,
             };
             match self.seal_file(&inode, &file, &Dirty::All, how) {
                 // Sealed before the cluster is attached: replicas follow in the background.

@@ -131,6 +131,10 @@ pub(super) struct Unsealed {
     /// published): every new one is above it, so no two sends of different
     /// bytes ever share a version.
     floor: u64,
+    /// Mode, owner, group and times set on the file while it is written
+    /// here, held back until the next publish or seal records them with the
+    /// bytes (see [`WriteState::defer_attrs`]).
+    attrs: Option<SetAttr>,
 }
 
 /// A full chunk a writer's node copied to peers before its publish.
@@ -164,6 +168,7 @@ struct Publish {
     fresh: bool,
     streamed: std::collections::BTreeMap<u32, Streamed>,
     floor: u64,
+    attrs: Option<SetAttr>,
 }
 
 /// How a seal is committed.
@@ -183,6 +188,8 @@ pub(super) struct SealAs<'a> {
     /// Every chunk version this seal hands out is above this, which is
     /// raised to each one handed out (even by a seal that then fails).
     pub floor: &'a std::cell::Cell<u64>,
+    /// Attributes held back until this seal.
+    pub attrs: Option<SetAttr>,
 }
 
 /// What the last writer's release does.
@@ -249,6 +256,44 @@ impl WriteState {
     /// Work under way that others must wait out.
     pub fn in_transition(&self) -> bool {
         matches!(self, WriteState::Leasing | WriteState::Publishing(_) | WriteState::Sealing)
+    }
+
+    /// Hold back `attr` (mode, owner, group, times; never a size) until
+    /// the next publish or seal, which records it with the bytes; `now`
+    /// stands for `TimeSet::Now` and is the change's ctime. Only for a file
+    /// created by this session and not published yet (others see it empty
+    /// until then anyway), or one whose held-back changes a failed publish
+    /// left: a later change must not commit before an earlier one held
+    /// here. Returns whether it was held back.
+    pub(super) fn defer_attrs(&mut self, attr: &SetAttr, now: Timespec) -> bool {
+        let WriteState::Unsealed(u) = self else { return false };
+        if attr.size.is_some() || !(u.attrs.is_some() || (u.created_here && !u.publish_begun)) {
+            return false;
+        }
+        let resolve = |t: Option<TimeSet>| {
+            t.map(|t| {
+                TimeSet::At(match t {
+                    TimeSet::Now => now,
+                    TimeSet::At(ts) => ts,
+                })
+            })
+        };
+        let change = SetAttr {
+            atime: resolve(attr.atime),
+            mtime: resolve(attr.mtime),
+            ctime: Some(attr.ctime.unwrap_or(now)),
+            ..attr.clone()
+        };
+        u.attrs.get_or_insert_with(SetAttr::default).merge(&change);
+        true
+    }
+
+    /// Attribute changes held back for the next publish or seal.
+    pub(super) fn held_attrs(&self) -> Option<&SetAttr> {
+        match self {
+            WriteState::Unsealed(u) | WriteState::Publishing(u) => u.attrs.as_ref(),
+            _ => None,
+        }
     }
 
     /// Whether the backing file, not the metadata's layout, holds the bytes.
@@ -370,7 +415,7 @@ impl WriteState {
     /// starts again from (everything, when writes bypass the daemon).
     fn begin_publish(&mut self, now: Stamp, next: Dirty) -> Option<Publish> {
         let WriteState::Unsealed(u) = self else { return None };
-        if u.published == Some(now) || (u.created_here && now.0 == 0) {
+        if (u.published == Some(now) || (u.created_here && now.0 == 0)) && u.attrs.is_none() {
             return None;
         }
         debug_assert!(!u.streaming, "a publish waits out the stream");
@@ -382,6 +427,7 @@ impl WriteState {
             fresh: u.created_here && !u.publish_begun,
             streamed: std::mem::take(&mut u.streamed),
             floor: u.floor,
+            attrs: u.attrs.clone(),
         };
         u.publish_begun = true;
         *self = WriteState::Publishing(u);
@@ -402,6 +448,8 @@ impl WriteState {
             Ok(stamp) => {
                 u.published = Some(stamp);
                 u.size_recorded = true;
+                // Recorded with the bytes (no setattr joins a publish under way).
+                u.attrs = None;
                 WriteState::Unsealed(u)
             }
             Err(Lost::Nothing) => {
@@ -544,7 +592,7 @@ impl Core {
     /// the page cache; the flusher syncs them before it drops the mark).
     fn final_seal(&self, ino: Ino, oi: &OpenInode, u: Unsealed) -> FsResult<()> {
         let unchanged = u.published.is_some() && stamp(&oi.file).ok() == u.published;
-        if unchanged && u.streamed.is_empty() {
+        if unchanged && u.streamed.is_empty() && u.attrs.is_none() {
             // The last publish (a cluster's close) recorded every byte,
             // chunk and copy of this session: only the lease mark is left to
             // drop, which the flusher does for many files in one commit,
@@ -554,14 +602,14 @@ impl Core {
         }
         let dirty = if unchanged { Dirty::None } else { u.dirty };
         let backing_empty = oi.file.metadata().is_ok_and(|m| m.len() == 0);
-        if u.created_here && !u.size_recorded && backing_empty {
+        if u.created_here && !u.size_recorded && backing_empty && u.attrs.is_none() {
             // Created here and never written: recorded with size 0 at
             // create, nothing to read back or checksum.
             self.unseal_later(ino, false);
             return Ok(());
         }
         let inode = self.ns.getattr(ino)?;
-        if inode.size == 0 && backing_empty {
+        if inode.size == 0 && backing_empty && u.attrs.is_none() {
             self.unseal_later(ino, false);
             return Ok(());
         }
@@ -573,6 +621,7 @@ impl Core {
             fresh: u.created_here && !u.publish_begun,
             streamed: u.streamed,
             floor: &std::cell::Cell::new(u.floor),
+            attrs: u.attrs,
         };
         self.seal_file(&inode, &oi.file, &dirty, how).map(|_| ())
     }
@@ -758,7 +807,8 @@ impl Core {
             // Still unsealed: the `U` mark has it re-sealed after a crash,
             // so only size and mtime are recorded here.
             let (size, mtime) = stamp(&oi.file)?;
-            let seal = Seal { size, mtime, chunks: Vec::new(), keep_unsealed: true, lease, data_durable: true };
+            let seal =
+                Seal { size, mtime, chunks: Vec::new(), keep_unsealed: true, lease, data_durable: true, attrs: None };
             self.ns.seal(ino, &seal, Durability::Durable)?;
             oi.state.lock().write.size_recorded();
         } else {
@@ -799,7 +849,7 @@ impl Core {
             }
             st.write.begin_publish(now, next)
         };
-        let Some(Publish { dirty, lease, fresh, streamed, floor }) = dirty else { return Ok(false) };
+        let Some(Publish { dirty, lease, fresh, streamed, floor, attrs }) = dirty else { return Ok(false) };
         let floor = std::cell::Cell::new(floor);
         let how = SealAs {
             keep_unsealed: true,
@@ -809,6 +859,7 @@ impl Core {
             fresh,
             streamed,
             floor: &floor,
+            attrs,
         };
         let r =
             self.ns.getattr(ino).map_err(FsError::from).and_then(|inode| self.seal_file(&inode, &oi.file, &dirty, how));
@@ -1003,8 +1054,13 @@ impl Core {
         }
         short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
         let mtime = ts_from(md.mtime(), md.mtime_nsec());
-        let SealAs { keep_unsealed, durability, data_durable, lease, .. } = how;
-        let seal = Seal { size, mtime, chunks, keep_unsealed, lease, data_durable };
+        let SealAs { keep_unsealed, durability, data_durable, lease, mut attrs, .. } = how;
+        if let Some(a) = attrs.as_mut().filter(|a| a.mtime.is_some()) {
+            // The times set were put on the backing file, and a write since
+            // moved its mtime on: the backing file has the one to record.
+            a.mtime = Some(TimeSet::At(mtime));
+        }
+        let seal = Seal { size, mtime, chunks, keep_unsealed, lease, data_durable, attrs };
         let sealed = self.ns.seal(inode.ino, &seal, durability)?;
         self.stats.seals.fetch_add(1, Ordering::Relaxed);
         if let Some(t) = self.tier.get() {

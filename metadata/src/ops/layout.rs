@@ -20,7 +20,7 @@ use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::{chunk_at_version, decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
 use crate::schema;
-use crate::types::{ChunkRecord, Ino, Inode, Timespec};
+use crate::types::{ChunkRecord, Ino, Inode, SetAttr, Timespec};
 
 /// What [`Namespace::seal`] records.
 #[derive(Debug, Clone)]
@@ -42,6 +42,10 @@ pub struct Seal {
     /// crash in between re-seals the file from what the disk holds, so a
     /// durable checksum never describes bytes the disk never got.
     pub data_durable: bool,
+    /// Mode, owner, group and times set while the file was being written
+    /// here, held back by the writer's node until this seal (their `ctime`
+    /// given, an explicit `mtime` the backing file's at the seal).
+    pub attrs: Option<SetAttr>,
 }
 
 /// The value of an unsealed mark (the write lease): the holder's node id,
@@ -404,12 +408,22 @@ impl Namespace {
                     crate::ops::tier::mark_dirty(txn, ino, &self.node)?;
                 }
             }
+            let mut changed = false;
             if inode.size != seal.size || inode.mtime != seal.mtime {
                 inode.size = seal.size;
                 if seal.mtime > inode.mtime {
                     inode.mtime = seal.mtime;
                     inode.ctime = inode.ctime.max(seal.mtime);
                 }
+                changed = true;
+            }
+            if let Some(attrs) = &seal.attrs {
+                // The writer's node held these back until this seal: the
+                // file shows them together with the bytes.
+                crate::ops::setattr::apply_attrs(txn, &mut inode, attrs, Timespec::now())?;
+                changed = true;
+            }
+            if changed {
                 put_inode(txn, &inode);
             }
             if !seal.keep_unsealed {

@@ -2,11 +2,11 @@
 
 use crate::acl;
 use crate::error::{MetaError, MetaResult};
-use crate::kv::Durability;
+use crate::kv::{Durability, KvWrite};
 use crate::namespace::{get_inode, put_inode, Namespace};
 use crate::ops::layout::drop_chunks_from;
 use crate::schema;
-use crate::types::{FileKind, Ino, Inode, SetAttr, TimeSet, Timespec};
+use crate::types::{FileKind, Ino, Inode, SetAttr, Timespec};
 
 impl Namespace {
     /// Apply `attr`. A size change drops the layout records of chunks wholly
@@ -15,22 +15,6 @@ impl Namespace {
         self.write(Durability::Buffered, |txn| {
             let mut inode = get_inode(txn, ino)?;
             let now = Timespec::now();
-            if let Some(mode) = attr.mode {
-                inode.perm = (mode & 0o7777) as u16;
-                // An access ACL follows the mode (the kernel's posix_acl_chmod).
-                let key = schema::xattr(ino, acl::ACCESS);
-                if let Some(v) = txn.get(&key)? {
-                    let mut a = acl::Acl::parse(&v)?;
-                    a.chmod(inode.perm);
-                    txn.put(&key, &a.to_bytes());
-                }
-            }
-            if let Some(uid) = attr.uid {
-                inode.uid = uid;
-            }
-            if let Some(gid) = attr.gid {
-                inode.gid = gid;
-            }
             if let Some(size) = attr.size {
                 match inode.kind {
                     FileKind::Regular => {}
@@ -44,21 +28,36 @@ impl Namespace {
                 inode.size = size;
                 inode.mtime = now;
             }
-            let resolve = |t: TimeSet| match t {
-                TimeSet::Now => now,
-                TimeSet::At(ts) => ts,
-            };
-            if let Some(t) = attr.atime {
-                inode.atime = resolve(t);
-            }
-            if let Some(t) = attr.mtime {
-                inode.mtime = resolve(t);
-            }
-            inode.ctime = attr.ctime.unwrap_or(now);
+            apply_attrs(txn, &mut inode, attr, now)?;
             put_inode(txn, &inode);
             Ok(inode)
         })
     }
+}
+
+/// Mode (and the access ACL that follows it), owner, group, times and
+/// ctime of `attr` applied to `inode` (its size is the caller's): what a
+/// setattr does, and what a seal does with the changes a writer's node held
+/// back until its publish.
+pub(crate) fn apply_attrs(
+    txn: &mut (impl KvWrite + ?Sized),
+    inode: &mut Inode,
+    attr: &SetAttr,
+    now: Timespec,
+) -> MetaResult<()> {
+    if attr.mode.is_some() {
+        // An access ACL follows the mode (the kernel's posix_acl_chmod).
+        let key = schema::xattr(inode.ino, acl::ACCESS);
+        attr.apply_to(inode, now);
+        if let Some(v) = txn.get(&key)? {
+            let mut a = acl::Acl::parse(&v)?;
+            a.chmod(inode.perm);
+            txn.put(&key, &a.to_bytes());
+        }
+    } else {
+        attr.apply_to(inode, now);
+    }
+    Ok(())
 }
 
 impl Namespace {
