@@ -57,6 +57,7 @@ fn seal_one_chunk(ns: &Namespace, ino: u64, version: u64, replicas: &[&str]) {
         keep_unsealed: false,
         lease: None,
         data_durable: true,
+        attrs: None,
     };
     ns.seal(ino, &seal, Durability::Durable).unwrap();
 }
@@ -333,6 +334,7 @@ fn namespace_setattr_xattr_and_seal(name: &str, kv: Arc<dyn KvEngine>) {
         keep_unsealed: false,
         lease: None,
         data_durable: true,
+        attrs: None,
     };
     ns.seal(f.ino, &seal, Durability::Durable).unwrap();
     assert!(ns.unsealed().unwrap().is_empty(), "{name}");
@@ -405,6 +407,7 @@ fn write_lease_epochs_fence_stale_writers(name: &str, kv: Arc<dyn KvEngine>) {
         keep_unsealed,
         lease: Some(epoch),
         data_durable: true,
+        attrs: None,
     };
     let e1 = ns.mark_unsealed(f.ino).unwrap();
     assert!(e1 > converged_metadata::CREATE_LEASE, "{name}");
@@ -447,6 +450,7 @@ fn seals_of_unsynced_bytes_stay_marked_until_synced(name: &str, kv: Arc<dyn KvEn
         keep_unsealed: false,
         lease: None,
         data_durable,
+        attrs: None,
     };
     assert!(ns.sync_pending().unwrap().is_empty(), "{name}");
     ns.seal(f.ino, &seal(false), Durability::Buffered).unwrap();
@@ -500,6 +504,7 @@ fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
         keep_unsealed: false,
         lease: None,
         data_durable: true,
+        attrs: None,
     };
     ns.seal(f.ino, &seal, Durability::Durable).unwrap();
     assert_eq!(ns.chunks(f.ino).unwrap(), chunks, "{name}: every record back, in order");
@@ -535,6 +540,7 @@ fn large_layouts_switch_whole_across_a_crash(name: &str, kv: Arc<dyn KvEngine>) 
         keep_unsealed: false,
         lease: None,
         data_durable: true,
+        attrs: None,
     };
     let (v1, v2, v3) = (layout(1, 300), layout(2, 280), layout(3, 300));
     ns.seal(f.ino, &seal(&v1), Durability::Durable).unwrap();
@@ -598,6 +604,7 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
         keep_unsealed: false,
         lease: None,
         data_durable: true,
+        attrs: None,
     };
     ns.seal(f.ino, &seal(vec![(0, record.clone())]), Durability::Durable).unwrap();
     let rec = ns.tier(f.ino).unwrap().expect("a sealed file has a tier record");
@@ -824,6 +831,7 @@ fn etcd_write_lease_admits_one_writing_node() {
         keep_unsealed: true,
         lease: Some(lease),
         data_durable: true,
+        attrs: None,
     };
     let e = a.seal(f.ino, &seal(a_lease, "a"), Durability::Durable).unwrap_err();
     assert!(matches!(e, MetaError::LeaseLost { ref holder } if holder == "b"), "{e}");
@@ -935,6 +943,7 @@ fn a_seconds_sync_marks_clear_past_the_txn_limit(name: &str, kv: Arc<dyn KvEngin
             keep_unsealed: false,
             lease: None,
             data_durable: false,
+            attrs: None,
         };
         ns.seal(f.ino, &seal, Durability::Buffered).unwrap();
         inos.push(f.ino);

@@ -134,7 +134,7 @@ pub(super) struct Unsealed {
     /// Mode, owner, group and times set on the file while it is written
     /// here, held back until the next publish or seal records them with the
     /// bytes (see [`WriteState::defer_attrs`]).
-    attrs: Option<SetAttr>,
+    attrs: Option<Box<SetAttr>>,
 }
 
 /// A full chunk a writer's node copied to peers before its publish.
@@ -284,14 +284,14 @@ impl WriteState {
             ctime: Some(attr.ctime.unwrap_or(now)),
             ..attr.clone()
         };
-        u.attrs.get_or_insert_with(SetAttr::default).merge(&change);
+        u.attrs.get_or_insert_with(Box::default).merge(&change);
         true
     }
 
     /// Attribute changes held back for the next publish or seal.
     pub(super) fn held_attrs(&self) -> Option<&SetAttr> {
         match self {
-            WriteState::Unsealed(u) | WriteState::Publishing(u) => u.attrs.as_ref(),
+            WriteState::Unsealed(u) | WriteState::Publishing(u) => u.attrs.as_deref(),
             _ => None,
         }
     }
@@ -427,7 +427,7 @@ impl WriteState {
             fresh: u.created_here && !u.publish_begun,
             streamed: std::mem::take(&mut u.streamed),
             floor: u.floor,
-            attrs: u.attrs.clone(),
+            attrs: u.attrs.as_deref().cloned(),
         };
         u.publish_begun = true;
         *self = WriteState::Publishing(u);
@@ -621,7 +621,7 @@ impl Core {
             fresh: u.created_here && !u.publish_begun,
             streamed: u.streamed,
             floor: &std::cell::Cell::new(u.floor),
-            attrs: u.attrs,
+            attrs: u.attrs.map(|a| *a),
         };
         self.seal_file(&inode, &oi.file, &dirty, how).map(|_| ())
     }
