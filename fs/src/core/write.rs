@@ -592,14 +592,6 @@ impl Core {
     /// the page cache; the flusher syncs them before it drops the mark).
     fn final_seal(&self, ino: Ino, oi: &OpenInode, u: Unsealed) -> FsResult<()> {
         let unchanged = u.published.is_some() && stamp(&oi.file).ok() == u.published;
-        if unchanged && u.streamed.is_empty() && u.attrs.is_none() {
-            // The last publish (a cluster's close) recorded every byte,
-            // chunk and copy of this session: only the lease mark is left to
-            // drop, which the flusher does for many files in one commit,
-            // leaving the sync-pending mark this seal would have.
-            self.unseal_later(ino, true);
-            return Ok(());
-        }
         let dirty = if unchanged { Dirty::None } else { u.dirty };
         let backing_empty = oi.file.metadata().is_ok_and(|m| m.len() == 0);
         if u.created_here && !u.size_recorded && backing_empty && u.attrs.is_none() {
