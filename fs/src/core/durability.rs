@@ -39,13 +39,10 @@ pub(super) struct Pending {
     /// with the peers that held copies, told to remove theirs then.
     doomed: Mutex<Vec<(Ino, Vec<String>)>>,
     doomed_bytes: AtomicU64,
-    /// Files whose writing session ended with nothing to record: closed
-    /// while still empty, or (in a cluster) unchanged since the publish at
-    /// close. Their unsealed mark is cleared in one batch by the next flush
-    /// instead of a commit per close (what makes creating many files
-    /// cheap); `true`: the bytes are not synced, so a sync-pending mark
-    /// replaces it.
-    unseal_later: Mutex<Vec<(Ino, bool)>>,
+    /// Files closed while still empty: nothing to checksum, so their
+    /// unsealed mark is cleared in one batch by the next flush instead of a
+    /// commit per close (what makes creating many empty files cheap).
+    unseal_later: Mutex<Vec<Ino>>,
     /// Wakes the flusher early (a purge wants its space back).
     flush_now: (Mutex<bool>, Condvar),
 }
@@ -198,11 +195,9 @@ impl Core {
         }
     }
 
-    /// A file whose session ended with nothing to record keeps its
-    /// unsealed mark until the next flush; `unsynced`: its bytes may not be
-    /// on stable storage yet.
-    pub(super) fn unseal_later(&self, ino: Ino, unsynced: bool) {
-        self.pending.unseal_later.lock().push((ino, unsynced));
+    /// A file closed empty keeps its unsealed mark until the next flush.
+    pub(super) fn unseal_later(&self, ino: Ino) {
+        self.pending.unseal_later.lock().push(ino);
     }
 
     /// Wait until `period` passed or a flush is wanted now.
@@ -281,42 +276,30 @@ impl Core {
         if inos.is_empty() {
             return Ok(());
         }
-        // A file closed twice is queued twice; held once, with a
-        // sync-pending mark if either session left bytes unsynced.
+        // A file closed empty twice is queued twice; held once.
         inos.sort_unstable();
-        inos.dedup_by(|later, first| {
-            let same = later.0 == first.0;
-            if same {
-                first.1 |= later.1;
-            }
-            same
-        });
+        inos.dedup();
         // A batch of inodes is held at once here (one transaction's worth,
         // so an unlink or an open waits for one small commit at most), and
         // none is waited for: one that another holder has (an unlink, an
         // eviction) comes back in the next flush.
-        let batches: Vec<&[(Ino, bool)]> = inos.chunks(self.ns.unsealed_batch().min(inos.len())).collect();
+        let batches: Vec<&[Ino]> = inos.chunks(self.ns.unsealed_batch().min(inos.len())).collect();
         for (i, batch) in batches.iter().enumerate() {
             let mut held = Vec::with_capacity(batch.len());
-            let mut clear = Vec::with_capacity(batch.len());
             let mut later = Vec::new();
-            for &(ino, unsynced) in *batch {
+            for &ino in *batch {
                 match self.open.try_claim_closed(ino) {
-                    Some(Claim::Closed(h)) => {
-                        held.push(h);
-                        clear.push((ino, unsynced));
-                    }
-                    // Open again: a writer's own seal drops the mark (and
-                    // leaves its sync-pending one); readers only, a later batch.
+                    Some(Claim::Closed(h)) => held.push(h),
                     Some(Claim::Open(oi)) => {
                         if matches!(oi.state.lock().write, super::write::WriteState::Sealed) {
-                            later.push((ino, unsynced));
+                            later.push(ino);
                         }
                     }
-                    None => later.push((ino, unsynced)),
+                    None => later.push(ino),
                 }
             }
             self.pending.unseal_later.lock().extend(later);
+            let clear: Vec<Ino> = held.iter().map(|h| h.ino()).collect();
             let r = self.ns.clear_unsealed(&clear);
             drop(held);
             if let Err(e) = r {
@@ -326,7 +309,7 @@ impl Core {
                 return Err(e.into());
             }
             if let Some(t) = self.tier.get() {
-                for (ino, _) in clear {
+                for ino in clear {
                     t.enqueue(ino, t.cfg.backfill_delay);
                 }
             }

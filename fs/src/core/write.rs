@@ -597,12 +597,12 @@ impl Core {
         if u.created_here && !u.size_recorded && backing_empty && u.attrs.is_none() {
             // Created here and never written: recorded with size 0 at
             // create, nothing to read back or checksum.
-            self.unseal_later(ino, false);
+            self.unseal_later(ino);
             return Ok(());
         }
         let inode = self.ns.getattr(ino)?;
         if inode.size == 0 && backing_empty && u.attrs.is_none() {
-            self.unseal_later(ino, false);
+            self.unseal_later(ino);
             return Ok(());
         }
         let how = SealAs {

@@ -478,15 +478,11 @@ impl Namespace {
         }
     }
 
-    /// Drop the unsealed mark (the write lease) of files whose writing
-    /// sessions ended with nothing left to record: closed while still
-    /// empty, or unchanged since the last publish recorded them. Each comes
-    /// with whether its bytes may not be on stable storage yet: then a
-    /// sync-pending mark replaces the lease mark in the same commit, as a
-    /// seal at close would leave one. Many files in one transaction.
-    pub fn clear_unsealed(&self, inos: &[(Ino, bool)]) -> MetaResult<()> {
-        // Up to four operations per file (the mark, a sync-pending mark, a
-        // tier record, an object key), under the engine's per-transaction limit.
+    /// Drop the unsealed mark of files known to need no checksums (closed
+    /// while still empty), many in one transaction.
+    pub fn clear_unsealed(&self, inos: &[Ino]) -> MetaResult<()> {
+        // Up to three operations per file (the mark, a tier record, an
+        // object key), under the engine's per-transaction limit.
         for batch in inos.chunks(self.unsealed_batch().min(inos.len().max(1))) {
             self.clear_unsealed_batch(batch)?;
         }
@@ -498,24 +494,17 @@ impl Namespace {
         self.kv.txn_limit().map_or(usize::MAX, |limit| (limit / 4).max(1))
     }
 
-    fn clear_unsealed_batch(&self, inos: &[(Ino, bool)]) -> MetaResult<()> {
+    fn clear_unsealed_batch(&self, inos: &[Ino]) -> MetaResult<()> {
         if inos.is_empty() {
             return Ok(());
         }
-        let token = self.sync_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.write(Durability::Buffered, |txn| {
-            for (ino, unsynced) in inos {
+            for ino in inos {
                 let key = schema::unsealed(*ino);
                 // Another node's lease (taken since) is not ours to drop.
                 match txn.get(&key)? {
                     Some(mark) if self.is_mine(parse_lease_mark(&mark).0) => txn.delete(&key),
                     _ => continue,
-                }
-                // What the lease mark covered after a crash (the file is
-                // re-sealed from its backing file), the sync-pending mark
-                // covers from here until the bytes are synced.
-                if *unsynced {
-                    txn.put(&schema::sync_pending(*ino), &sync_mark(token, &self.node));
                 }
                 // Empty files are backfilled too (an empty object).
                 if self.tiered
