@@ -289,41 +289,37 @@ mod tests {
         }
     }
 
-    #[test]
-    fn commits_that_meet_share_transactions_and_none_is_lost() {
+    /// `threads` threads each incrementing the key `key(thread)` `times`
+    /// times through one group; returns the store and how many
+    /// transactions went out.
+    fn increments(threads: usize, times: usize, key: impl Fn(usize) -> String + Sync) -> (Store, usize) {
         let group = Group::new(Limits { ops: 128, bytes: 1 << 20, members: 64 });
         let (store, sends) = (Store::default(), AtomicUsize::new(0));
         std::thread::scope(|s| {
-            for t in 0..16 {
-                let (group, store, sends) = (&group, &store, &sends);
+            for t in 0..threads {
+                let (group, store, sends, key) = (&group, &store, &sends, &key);
                 s.spawn(move || {
-                    for _ in 0..50 {
-                        // Each thread its own key: independent, so shared.
-                        increment(group, store, sends, &format!("k{t}"));
+                    for _ in 0..times {
+                        increment(group, store, sends, &key(t));
                     }
                 });
             }
         });
+        (store, sends.into_inner())
+    }
+
+    #[test]
+    fn commits_that_meet_share_transactions_and_none_is_lost() {
+        // Each thread its own key: independent, so shared.
+        let (store, sent) = increments(16, 50, |t| format!("k{t}"));
         let s = store.lock();
         assert!((0..16).all(|t| s[&format!("k{t}")] == 50), "every increment landed once: {s:?}");
-        let sent = sends.load(Ordering::SeqCst);
         assert!(sent < 800, "800 commits went out in {sent} transactions: none shared");
     }
 
     #[test]
     fn commits_on_one_key_never_share_and_never_lose_an_update() {
-        let group = Group::new(Limits { ops: 128, bytes: 1 << 20, members: 64 });
-        let (store, sends) = (Store::default(), AtomicUsize::new(0));
-        std::thread::scope(|s| {
-            for _ in 0..8 {
-                let (group, store, sends) = (&group, &store, &sends);
-                s.spawn(move || {
-                    for _ in 0..25 {
-                        increment(group, store, sends, "one");
-                    }
-                });
-            }
-        });
+        let (store, _) = increments(8, 25, |_| "one".to_string());
         assert_eq!(store.lock()["one"], 200);
     }
 

@@ -58,6 +58,14 @@ fn per_op(before: &BTreeMap<String, (u64, u64)>, after: &BTreeMap<String, (u64, 
         .collect()
 }
 
+/// Fails when the FUSE operations on `mnt` since `before` cost more than
+/// `budget` etcd round trips, naming what each operation cost.
+fn within(mnt: &Path, before: &BTreeMap<String, (u64, u64)>, budget: u64, what: &str) {
+    let after = charged(mnt);
+    let spent = trips_between(before, &after);
+    assert!(spent <= budget, "{what} cost {spent} etcd round trips: {:?}", per_op(before, &after));
+}
+
 fn create_excl(p: &Path) -> Result<(), i32> {
     let c = CString::new(p.as_os_str().as_bytes()).unwrap();
     // SAFETY: open(2) with a valid path; the descriptor is closed at once.
@@ -159,14 +167,9 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     for i in 0..FILES {
         fs::write(udir.join(format!("w{i}")), pattern(4096 + i as usize, i)).unwrap();
     }
-    let written = trips_between(&before, &charged(&n1));
     // Three commits a file, and a few retries of a publish that met another
     // commit of the same directory's records.
-    assert!(
-        written <= 3 * FILES + 4,
-        "{FILES} files written and closed cost {written} etcd round trips: {:?}",
-        per_op(&before, &charged(&n1))
-    );
+    within(&n1, &before, 3 * FILES + 4, &format!("{FILES} files written and closed"));
     for i in 0..FILES {
         let p = u2.join(format!("w{i}"));
         assert_eq!(fs::read(&p).unwrap(), pattern(4096 + i as usize, i), "w{i} read on n2 after close");
@@ -201,14 +204,9 @@ with tarfile.open(sys.argv[1], "w") as t:
     let before = charged(&n1);
     let out = std::process::Command::new("tar").arg("-xf").arg(&tarball).arg("-C").arg(&tdir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let untarred = trips_between(&before, &charged(&n1));
     // Three commits a file, and the directory's mkdir and its own mode and
     // times (a directory's changes are not held back), a few retries.
-    assert!(
-        untarred <= 3 * FILES + 8,
-        "tar x of {FILES} files cost {untarred} etcd round trips: {:?}",
-        per_op(&before, &charged(&n1))
-    );
+    within(&n1, &before, 3 * FILES + 8, &format!("tar x of {FILES} files"));
     for i in 0..FILES {
         let p = c.node(1).mnt.join(format!("untar/files/t{i}"));
         let want: Vec<u8> = (0..1000 + i).map(|j| ((i * 7 + j) % 251) as u8).collect();
