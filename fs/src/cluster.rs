@@ -14,7 +14,7 @@
 use crate::latency::{self, Area};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,6 +66,8 @@ pub struct Cluster {
     hooks: Arc<std::sync::OnceLock<LocalHooks>>,
     /// The in-process network this node serves on, if that is its transport.
     net: Option<Arc<MemNetwork>>,
+    /// Bytes read from peers (remote reads, repair, staging), verified.
+    pub read_bytes: AtomicU64,
 }
 
 #[derive(Default)]
@@ -111,6 +113,7 @@ impl Cluster {
             suspects: Mutex::default(),
             hooks,
             net,
+            read_bytes: AtomicU64::new(0),
         })
     }
 
@@ -531,6 +534,7 @@ impl Cluster {
             match checked {
                 Ok(data) => {
                     self.mark(&peer.node, true);
+                    self.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
                     return Ok(data);
                 }
                 Err(e) => {

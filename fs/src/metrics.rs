@@ -84,6 +84,12 @@ impl Collector for DaemonCollector {
             let under = core.under_replicated_files() as i64;
             gauge(&mut encoder, "under_replicated_files", "Files with fewer copies than their policy", under)?;
             gauge(&mut encoder, "live_peers", "Other live nodes of the cluster", c.live_peers().len() as i64)?;
+            counter(
+                &mut encoder,
+                "peer_read_bytes",
+                "Bytes read from peers and verified (remote reads, readahead, repair, staging)",
+                &c.read_bytes,
+            )?;
             if let Some(p) = core.repair_report() {
                 let figures = [
                     (

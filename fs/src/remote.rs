@@ -101,6 +101,20 @@ impl Window {
         Arc::new(Window { result: Mutex::new(None), ready: Condvar::new() })
     }
 
+    /// Fetch `len` bytes at file offset `at` of chunk version `chunk` in
+    /// the background; a zero length is an empty answer at once.
+    fn start(cluster: &Arc<Cluster>, chunk: ChunkRef, rec: Arc<ChunkRecord>, at: u64, len: u32) -> Arc<Self> {
+        let w = Window::new();
+        if len == 0 {
+            w.set(Ok(Vec::new()));
+            return w;
+        }
+        let task = fetch(cluster, chunk, rec, at, len);
+        let w2 = w.clone();
+        cluster.spawn(async move { w2.set(task.await.unwrap_or_else(|e| Err(FsError::Peer(e.to_string())))) });
+        w
+    }
+
     /// Whether the fetch ended in an error (a later read starts it again).
     fn failed(&self) -> bool {
         matches!(*self.result.lock(), Some(Err(_)))
@@ -138,11 +152,24 @@ pub struct Readahead {
 /// Where window `start` lies: its chunk record and the chunk version to ask for.
 pub type Locate<'a> = &'a dyn Fn(u64) -> Option<(Arc<ChunkRecord>, ChunkRef)>;
 
+/// Bytes `[start, end)` of the file, being fetched in one request: a whole
+/// window, or, for a reader that jumps about, only the blocks it asked for.
+/// Past the chunk's recorded length (inside `end`) the bytes are zeros.
+pub struct Span {
+    pub start: u64,
+    pub end: u64,
+    pub window: Arc<Window>,
+}
+
 impl Readahead {
-    /// The windows covering `[offset, end)`, started if need be, and the
-    /// next [`READAHEAD`] windows when the reader is sequential. `locate`
-    /// gives the chunk record of a window, or `None` when no peer is needed
-    /// there (a hole, a local chunk, past the end).
+    /// The fetches covering `[offset, end)`. A sequential reader (one that
+    /// goes on where its last read ended, or starts at the beginning) is
+    /// served whole windows, kept for the reads that follow, and the next
+    /// [`READAHEAD`] windows are started. Any other read fetches only its
+    /// own blocks, with nothing ahead: a 4 KiB random read costs a 4 KiB
+    /// request, not a window. `locate` gives the chunk record of a window,
+    /// or `None` when no peer is needed there (a hole, a local chunk, past
+    /// the end).
     pub fn windows(
         &mut self,
         cluster: &Arc<Cluster>,
@@ -150,15 +177,17 @@ impl Readahead {
         end: u64,
         size: u64,
         locate: Locate<'_>,
-    ) -> Vec<(u64, Arc<Window>)> {
+    ) -> Vec<Span> {
         let sequential = offset == self.next || offset == 0;
         self.next = end;
         let first = offset / WINDOW * WINDOW;
+        let last_needed = end.div_ceil(WINDOW) * WINDOW;
+        if !sequential {
+            return self.blocks(cluster, offset, end, locate);
+        }
         // Windows behind the reader will not be read again by a sequential reader.
         self.windows.retain(|start, _| *start + 2 * WINDOW > first);
-        let last_needed = end.div_ceil(WINDOW) * WINDOW;
-        let ahead = if sequential { READAHEAD * WINDOW } else { 0 };
-        let stop = (last_needed + ahead).min(size.div_ceil(WINDOW) * WINDOW);
+        let stop = (last_needed + READAHEAD * WINDOW).min(size.div_ceil(WINDOW) * WINDOW);
         let mut out = Vec::new();
         let mut start = first;
         while start < stop {
@@ -170,19 +199,40 @@ impl Readahead {
                     self.windows.remove(&start);
                 }
                 let w = self.windows.entry(start).or_insert_with(|| {
-                    let w = Window::new();
                     let len = (start + WINDOW).min(chunk_end).saturating_sub(start) as u32;
-                    let task = fetch(cluster, chunk, rec, start, len);
-                    let w2 = w.clone();
-                    cluster
-                        .spawn(async move { w2.set(task.await.unwrap_or_else(|e| Err(FsError::Peer(e.to_string())))) });
-                    w
+                    Window::start(cluster, chunk, rec, start, len)
                 });
                 if start < last_needed {
-                    out.push((start, w.clone()));
+                    out.push(Span { start, end: start + WINDOW, window: w.clone() });
                 }
             }
             start += WINDOW;
+        }
+        out
+    }
+
+    /// The blocks of `[offset, end)`, one request per window they fall in,
+    /// served from a window already fetched where one covers them.
+    fn blocks(&mut self, cluster: &Arc<Cluster>, offset: u64, end: u64, locate: Locate<'_>) -> Vec<Span> {
+        let bs = BLOCK_SIZE as u64;
+        let mut out = Vec::new();
+        let mut start = offset / WINDOW * WINDOW;
+        while start < end {
+            let slot_end = start + WINDOW;
+            if let Some(w) = self.windows.get(&start).filter(|w| !w.failed()) {
+                out.push(Span { start, end: slot_end, window: w.clone() });
+            } else if let Some((rec, chunk)) = locate(start) {
+                let from = (offset.max(start) / bs * bs).max(start);
+                let to = end.min(slot_end).div_ceil(bs) * bs;
+                let chunk_end = chunk.start + rec.len as u64;
+                let len = to.min(chunk_end).saturating_sub(from) as u32;
+                out.push(Span {
+                    start: from,
+                    end: to.min(slot_end),
+                    window: Window::start(cluster, chunk, rec, from, len),
+                });
+            }
+            start = slot_end;
         }
         out
     }

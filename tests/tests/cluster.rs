@@ -261,3 +261,45 @@ fn a_dead_nodes_dirty_files_are_backfilled_by_the_live_nodes() {
         (1..3).map(|i| !xattr_value(&c.node(i).mnt, "user.converged.backfill").contains("uploaded_files=0 ")).collect();
     assert!(took.iter().any(|t| *t), "{took:?}");
 }
+
+/// A reader that jumps about a file held on another node costs the wire
+/// the blocks it reads, not a window each: n2's 4 KiB reads at scattered
+/// offsets of a one-copy file on n1 return n1's bytes and bring at most a
+/// few blocks each over the network (n2's own metrics); a sequential read
+/// of the same file then reads it whole.
+#[test]
+fn scattered_reads_of_a_remote_file_fetch_only_their_blocks() {
+    const BLOCK: usize = 4096;
+    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
+    let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
+    c.add_node(&["--metrics", &ports[1]]);
+    eventually(10, "n1 sees n2 live", || metric(&scrape(&ports[0]), "converged_live_peers").unwrap_or(0.0) >= 1.0);
+    let fetched = || metric(&scrape(&ports[1]), "converged_peer_read_bytes_total").unwrap_or(0.0) as usize;
+
+    fs::create_dir(c.node(0).path("solo")).unwrap();
+    setxattr(&c.node(0).path("solo"), "user.converged.replicas", b"1");
+    let data = pattern(96 << 20, 51);
+    fs::write(c.node(0).path("solo/samples.bin"), &data).unwrap();
+
+    let f = fs::File::open(c.node(1).path("solo/samples.bin")).unwrap();
+    // SAFETY: fadvise on a descriptor we own; it only sets readahead off.
+    unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, libc::POSIX_FADV_RANDOM) };
+    let before = fetched();
+    let offsets: Vec<usize> =
+        (0..64).map(|i| ((i * 7_340_033 + 12_345) % (data.len() - 2 * BLOCK)) / BLOCK * BLOCK + 100).collect();
+    for at in &offsets {
+        let mut buf = vec![0u8; BLOCK];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut buf, *at as u64).unwrap();
+        assert!(buf == data[*at..*at + BLOCK], "bytes differ at {at} on n2");
+    }
+    let cost = fetched() - before;
+    assert!(cost >= offsets.len() * BLOCK, "n2 read only {cost} bytes from n1 for {} reads", offsets.len());
+    assert!(
+        cost <= offsets.len() * 16 * BLOCK,
+        "{} scattered 4 KiB reads brought {cost} bytes over the network",
+        offsets.len()
+    );
+    drop(f);
+    let got = fs::read(c.node(1).path("solo/samples.bin")).unwrap();
+    assert!(got == data, "a sequential read on n2 differs");
+}

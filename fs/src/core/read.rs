@@ -239,19 +239,20 @@ impl Core {
                     let cluster = self.cluster.get().expect("a chunk held elsewhere implies a cluster");
                     let before = out.len();
                     let mut failed = None;
-                    for (start, w) in windows.iter() {
-                        if *start >= to || start + WINDOW <= pos {
+                    for span in windows.iter() {
+                        let (start, stop) = (span.start, span.end);
+                        if start >= to || stop <= pos {
                             continue;
                         }
-                        let data = match w.wait(cluster.call_deadline()) {
+                        let data = match span.window.wait(cluster.call_deadline()) {
                             Ok(data) => data,
                             Err(e) => {
                                 failed = Some(e);
                                 break;
                             }
                         };
-                        let from = pos.max(*start);
-                        let upto = to.min(start + WINDOW);
+                        let from = pos.max(start);
+                        let upto = to.min(stop);
                         let have = data.len() as u64;
                         let a = (from - start).min(have) as usize;
                         let b = (upto - start).min(have) as usize;
@@ -465,14 +466,7 @@ impl Core {
     }
 
     /// The peer windows covering `[offset, end)` (and readahead beyond).
-    fn remote_windows(
-        &self,
-        ino: Ino,
-        oi: &OpenInode,
-        layout: &Layout,
-        offset: u64,
-        end: u64,
-    ) -> Vec<(u64, Arc<remote::Window>)> {
+    fn remote_windows(&self, ino: Ino, oi: &OpenInode, layout: &Layout, offset: u64, end: u64) -> Vec<remote::Span> {
         let cluster = self.cluster.get().expect("a chunk held elsewhere implies a cluster");
         let cs = layout.chunk_size;
         let peer_chunk = |start: u64| {
