@@ -40,9 +40,7 @@ pub fn verify(ino: u64, rec: &ChunkRecord, chunk_start: u64, offset: u64, bytes:
 
 /// Start fetching `[offset, offset + len)` of the file (a file offset),
 /// inside chunk version `chunk` whose record is `rec`, from the first
-/// holder that answers, and verify it. The holders are chosen here, on the
-/// caller's thread, because choosing asks membership (a blocking call the
-/// transport runtime must not make).
+/// holder that answers, and verify it.
 pub fn fetch(
     cluster: &Arc<Cluster>,
     chunk: ChunkRef,
@@ -50,12 +48,25 @@ pub fn fetch(
     offset: u64,
     len: u32,
 ) -> tokio::task::JoinHandle<FsResult<Vec<u8>>> {
+    cluster.spawn(fetching(cluster, chunk, rec, offset, len))
+}
+
+/// The fetch [`fetch`] spawns, to run on the transport runtime. The holders
+/// are chosen here, on the caller's thread, because choosing asks
+/// membership (a blocking call the transport runtime must not make).
+fn fetching(
+    cluster: &Arc<Cluster>,
+    chunk: ChunkRef,
+    rec: Arc<ChunkRecord>,
+    offset: u64,
+    len: u32,
+) -> impl std::future::Future<Output = FsResult<Vec<u8>>> + Send + 'static {
     let order = cluster.read_order(&rec.replicas);
     let c = cluster.clone();
     // Each holder's answer is verified before the next is tried: a bad copy
     // on one peer is passed over for a good one on another.
     let check = move |data: &[u8]| verify(chunk.ino, &rec, chunk.start, offset, data);
-    cluster.spawn(async move { c.fetch(chunk, offset - chunk.start, len, order, check).await })
+    async move { c.fetch(chunk, offset - chunk.start, len, order, check).await }
 }
 
 /// A whole chunk version from its holders: every window fetched at once,
@@ -109,9 +120,9 @@ impl Window {
             w.set(Ok(Vec::new()));
             return w;
         }
-        let task = fetch(cluster, chunk, rec, at, len);
+        let fetch = fetching(cluster, chunk, rec, at, len);
         let w2 = w.clone();
-        cluster.spawn(async move { w2.set(task.await.unwrap_or_else(|e| Err(FsError::Peer(e.to_string())))) });
+        cluster.spawn(async move { w2.set(fetch.await) });
         w
     }
 
