@@ -77,6 +77,9 @@ pub trait KvRead {
 
 /// A read-write transaction. Writes are invisible to others until `commit`;
 /// dropping it without commit aborts.
+/// The records a range delete removed ([`KvWrite::delete_range_taking`]).
+pub type Taken = std::sync::Arc<parking_lot::Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;
+
 pub trait KvWrite: KvRead {
     fn put(&mut self, key: &[u8], value: &[u8]);
     fn delete(&mut self, key: &[u8]);
@@ -87,6 +90,16 @@ pub trait KvWrite: KvRead {
             self.delete(&k);
         }
         Ok(())
+    }
+    /// Delete every key in `[start, end)`, as [`KvWrite::delete_range`]
+    /// does, and leave in `into` the records the range held, once the
+    /// commit succeeds: what a removal needs to know of what it removed
+    /// (the holders of a purged file's chunks). The default reads the range
+    /// in this transaction first; etcd hands the records back with the
+    /// delete itself, so the commit stays one round trip.
+    fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &Taken) -> KvResult<()> {
+        *into.lock() = self.scan(start, end, usize::MAX >> 1)?;
+        self.delete_range(start, end)
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()>;
     /// Take `version` of `key` as read by this transaction without asking

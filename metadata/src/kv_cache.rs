@@ -402,6 +402,12 @@ impl KvWrite for CachedWrite<'_> {
         }
         self.inner.delete_range(start, end)
     }
+    fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
+        if cacheable_in_writes(start) || cacheable_in_writes(end) {
+            self.ranges.push((start.to_vec(), end.to_vec()));
+        }
+        self.inner.delete_range_taking(start, end, into)
+    }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
         self.commit_at(durability).map(|_| ())
     }

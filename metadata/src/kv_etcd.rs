@@ -396,6 +396,8 @@ struct EtcdWrite<'a> {
     scanned: Vec<(Vec<u8>, Vec<u8>)>,
     pending: PendingWrites,
     deleted_ranges: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Deleted ranges whose records the caller takes: where each goes.
+    taken: Vec<(Vec<u8>, Vec<u8>, crate::kv::Taken)>,
 }
 
 impl EtcdWrite<'_> {
@@ -454,6 +456,11 @@ impl KvWrite for EtcdWrite<'_> {
         self.deleted_ranges.push((start.to_vec(), end.to_vec()));
         Ok(())
     }
+    fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
+        self.delete_range(start, end)?;
+        self.taken.push((start.to_vec(), end.to_vec(), into.clone()));
+        Ok(())
+    }
     fn assume(&mut self, key: &[u8], version: i64) -> bool {
         // A key read twice keeps the version seen first: both must hold.
         self.reads.entry(key.to_vec()).or_insert(version);
@@ -491,12 +498,18 @@ impl KvWrite for EtcdWrite<'_> {
         // other commits that write in it out of this one's transaction.
         reads.extend(self.scanned.iter().map(|(s, e)| Span::range(s, e)));
         let mut ops = Vec::new();
+        // Range deletes whose records come back in the response: by op index.
+        let mut taking: Vec<(usize, crate::kv::Taken)> = Vec::new();
         for (s, e) in &self.deleted_ranges {
+            let into = self.taken.iter().find(|(ts, te, _)| ts == s && te == e).map(|(_, _, into)| into);
             // etcd refuses a transaction whose range delete overlaps a put:
             // then delete the range's keys one by one instead.
             let overlaps = self.pending.range(s.clone()..e.clone()).next().is_some();
             if overlaps {
                 let (keys, _) = kv.scan_at(s, e, usize::MAX >> 1, self.rev, true)?;
+                if let Some(into) = into {
+                    *into.lock() = keys.iter().filter(|(k, _)| !self.pending.contains_key(k)).cloned().collect();
+                }
                 for (k, _) in keys {
                     if !self.pending.contains_key(&k) {
                         bytes += kv.prefix.len() + k.len() + OP_OVERHEAD;
@@ -504,7 +517,12 @@ impl KvWrite for EtcdWrite<'_> {
                     }
                 }
             } else {
-                ops.push(TxnOp::delete(kv.key(s), Some(DeleteOptions::new().with_range(kv.key(e)))));
+                let mut opts = DeleteOptions::new().with_range(kv.key(e));
+                if let Some(into) = into {
+                    opts = opts.with_prev_key();
+                    taking.push((ops.len(), into.clone()));
+                }
+                ops.push(TxnOp::delete(kv.key(s), Some(opts)));
                 bytes += 2 * kv.prefix.len() + s.len() + e.len() + OP_OVERHEAD;
             }
             writes.push(Span::range(s, e));
@@ -516,6 +534,33 @@ impl KvWrite for EtcdWrite<'_> {
                 None => TxnOp::delete(kv.key(k), None),
             });
             writes.push(Span::key(k));
+        }
+        if !taking.is_empty() {
+            // Sent alone: the records come back in this transaction's own
+            // response (a shared one would have to hand each its part).
+            let txn = Txn::new().when(compares).and_then(ops);
+            let mut c = kv.client.kv_client();
+            round_trips::count(RoundTrip::Commit);
+            let mut in_flight = kv.own.begin();
+            let resp = kv.run(c.txn(txn))?;
+            if !resp.succeeded() {
+                return Err(KvError::Conflict);
+            }
+            let rev = resp.header().map(|h| h.revision());
+            in_flight.revision = rev;
+            let answers = resp.op_responses();
+            for (at, into) in taking {
+                if let Some(etcd_client::TxnOpResponse::Delete(d)) = answers.get(at) {
+                    *into.lock() = d
+                        .prev_kvs()
+                        .iter()
+                        .filter_map(|r| {
+                            Some((r.key().strip_prefix(kv.prefix.as_slice())?.to_vec(), r.value().to_vec()))
+                        })
+                        .collect();
+                }
+            }
+            return Ok(rev);
         }
         let member = group_commit::Member { compares, ops, bytes, reads, writes };
         let send = |compares, ops| {
@@ -560,6 +605,7 @@ impl KvEngine for EtcdKv {
             scanned: Vec::new(),
             pending: BTreeMap::new(),
             deleted_ranges: Vec::new(),
+            taken: Vec::new(),
         }))
     }
     /// Every etcd commit is already on a quorum's stable storage.

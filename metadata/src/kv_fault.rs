@@ -90,6 +90,9 @@ impl KvWrite for FaultyWrite<'_> {
     fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
         self.inner.delete_range(start, end)
     }
+    fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
+        self.inner.delete_range_taking(start, end, into)
+    }
     fn assume(&mut self, key: &[u8], version: i64) -> bool {
         self.inner.assume(key, version)
     }

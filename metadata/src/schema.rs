@@ -199,6 +199,11 @@ pub fn pending_chunks_of(ino: Ino) -> Vec<u8> {
     with_ino(PENDING_CHUNK, ino)
 }
 
+/// Whether `key` is a `P` record (a chunk of a layout written in batches).
+pub fn is_pending_chunk(key: &[u8]) -> bool {
+    key.first() == Some(&PENDING_CHUNK)
+}
+
 pub fn layout_commit(ino: Ino) -> Vec<u8> {
     with_ino(LAYOUT_COMMIT, ino)
 }

@@ -24,6 +24,7 @@ type Suite = fn(&str, Arc<dyn KvEngine>);
 const SUITES: &[(&str, Suite)] = &[
     ("kv_commit_is_atomic_and_abort_discards", kv_commit_is_atomic_and_abort_discards),
     ("kv_scan_is_ordered_bounded_and_sees_pending_writes", kv_scan_is_ordered_bounded_and_sees_pending_writes),
+    ("kv_range_delete_hands_back_what_it_removed", kv_range_delete_hands_back_what_it_removed),
     ("namespace_create_lookup_link_unlink", namespace_create_lookup_link_unlink),
     ("namespace_rename_rules", namespace_rename_rules),
     ("tmpfiles_are_orphans_until_linked", tmpfiles_are_orphans_until_linked),
@@ -192,6 +193,36 @@ fn kv_scan_is_ordered_bounded_and_sees_pending_writes(name: &str, kv: Arc<dyn Kv
     let got: Vec<u8> =
         kv.read_txn().unwrap().scan(&[b'k', 4], &[b'k', 8], 10).unwrap().into_iter().map(|(k, _)| k[1]).collect();
     assert_eq!(got, vec![4, 5, 7], "{name}: [start, end)");
+}
+
+/// A range delete that takes its records leaves, once committed, exactly
+/// what the range held (keys as the caller names them, values), and the
+/// range empty; also when the same transaction then writes into the range.
+fn kv_range_delete_hands_back_what_it_removed(name: &str, kv: Arc<dyn KvEngine>) {
+    for then_put in [false, true] {
+        let mut t = kv.write_txn().unwrap();
+        for i in [2u8, 4, 6] {
+            t.put(&[b'r', i], &[i, i]);
+        }
+        t.put(b"s", b"outside");
+        t.commit(Durability::Buffered).unwrap();
+        let taken = converged_metadata::kv::Taken::default();
+        let mut t = kv.write_txn().unwrap();
+        t.delete_range_taking(b"r", b"s", &taken).unwrap();
+        if then_put {
+            t.put(&[b'r', 9], b"new");
+        }
+        t.commit(Durability::Buffered).unwrap();
+        let want: Vec<(Vec<u8>, Vec<u8>)> = [2u8, 4, 6].iter().map(|i| (vec![b'r', *i], vec![*i, *i])).collect();
+        assert_eq!(*taken.lock(), want, "{name}: records taken (then a put: {then_put})");
+        let left: Vec<Vec<u8>> =
+            kv.read_txn().unwrap().scan(b"r", b"t", 10).unwrap().into_iter().map(|(k, _)| k).collect();
+        let want_left = match then_put {
+            false => vec![b"s".to_vec()],
+            true => vec![vec![b'r', 9], b"s".to_vec()],
+        };
+        assert_eq!(left, want_left, "{name}: what the range holds after (then a put: {then_put})");
+    }
 }
 
 #[test]

@@ -218,4 +218,17 @@ with tarfile.open(sys.argv[1], "w") as t:
             "t{i}'s mode, owner and mtime on n2"
         );
     }
+
+    // Unlinking the files written above (each with a copy on n2): one
+    // commit each. The purge's commit hands back the chunk records it
+    // removed, so the holders to tell are not read before it; n2 then
+    // removes its copies.
+    let inos: Vec<u64> = (0..FILES).map(|i| fs::metadata(udir.join(format!("w{i}"))).unwrap().ino()).collect();
+    assert!(inos.iter().all(|ino| c.holds(1, *ino)), "n2 holds a copy of each written file");
+    let before = charged(&n1);
+    for i in 0..FILES {
+        fs::remove_file(udir.join(format!("w{i}"))).unwrap();
+    }
+    within(&n1, &before, FILES + 2, &format!("{FILES} unlinks of written files"));
+    eventually(30, "n2 removed its copies of the unlinked files", || !inos.iter().any(|ino| c.holds(1, *ino)));
 }

@@ -157,24 +157,6 @@ impl Core {
         }
     }
 
-    /// The nodes other than this one that hold a copy of a chunk of `ino`
-    /// (none without a cluster): read before a purge, whose peer deletes
-    /// they address. A copy made after this read is found by the holder's
-    /// own sweep (`core/sweep.rs`).
-    pub(super) fn peer_holders(&self, ino: Ino) -> Vec<String> {
-        if self.cluster.get().is_none() {
-            return Vec::new();
-        }
-        let mut holders: Vec<String> = match self.ns.chunks(ino) {
-            Ok(chunks) => chunks.into_iter().flat_map(|(_, r)| r.replicas).collect(),
-            Err(_) => Vec::new(),
-        };
-        holders.sort();
-        holders.dedup();
-        holders.retain(|h| h != self.node_id());
-        holders
-    }
-
     /// Tell the live ones of `holders` to remove their copies of the purged
     /// `ino`, in the background: nothing waits for the answers. A holder
     /// that is down, or misses the request, removes its copy itself (its

@@ -518,18 +518,15 @@ impl Core {
             FileKind::Regular => held.as_ref().map(|h| h.ino()),
             _ => Some(target.ino),
         };
-        // An empty file has no chunk records to read holders from (a
-        // truncate drops those past the end): no round trip for it. Copies
-        // no record names are the sweep's.
-        let holders = match may_purge {
-            Some(ino) if target.kind == FileKind::Regular && target.size > 0 => self.peer_holders(ino),
-            _ => Vec::new(),
-        };
-        let gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge)?;
+        // The purge hands back the chunk records it removed: the peers they
+        // name remove their copies. Copies no record names are the sweep's.
+        let mut gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge)?;
         if gone.orphaned {
             self.removed.insert(gone.last.clone());
         }
         if gone.purged {
+            let mut holders = std::mem::take(&mut gone.holders);
+            holders.retain(|h| h != self.node_id());
             self.doom(gone.ino, holders);
             return Ok(());
         }
@@ -636,8 +633,8 @@ impl Core {
     /// Drop the records of an orphan; its backing file goes after the next
     /// durable flush. The caller holds it closed.
     fn purge(&self, ino: Ino) -> FsResult<()> {
-        let holders = self.peer_holders(ino);
-        if self.ns.purge(ino)? {
+        if let Some(mut holders) = self.ns.purge_orphan(ino)? {
+            holders.retain(|h| h != self.node_id());
             self.doom(ino, holders);
         }
         Ok(())

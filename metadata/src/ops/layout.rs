@@ -106,6 +106,22 @@ struct PendingChunk {
     record: ChunkRecord,
 }
 
+/// Every node the chunk records in `taken` name (records of a file's `C`
+/// and `P` ranges, as a purge removed them).
+pub(crate) fn holders_in(taken: &[&crate::kv::Taken]) -> MetaResult<Vec<String>> {
+    let mut holders = std::collections::BTreeSet::new();
+    for records in taken {
+        for (k, v) in records.lock().iter() {
+            let record: ChunkRecord = match schema::is_pending_chunk(k) {
+                true => decode::<PendingChunk>(k, v)?.record,
+                false => decode(k, v)?,
+            };
+            holders.extend(record.replicas);
+        }
+    }
+    Ok(holders.into_iter().collect())
+}
+
 /// The token of the batched layout of `ino` that is current, if one is.
 fn current_token(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Option<u64>> {
     let key = schema::layout_commit(ino);

@@ -1,7 +1,7 @@
 //! unlink, rmdir and purge (dropping an inode whose last name and last open are gone).
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvWrite};
+use crate::kv::{Durability, KvWrite, Taken};
 use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_inode, scan_all, Namespace};
 use crate::schema;
 use crate::types::{Ino, Inode, Timespec};
@@ -20,6 +20,9 @@ pub struct Unlinked {
     pub orphaned: bool,
     /// The orphan was purged in the same transaction (it was not open).
     pub purged: bool,
+    /// The nodes its purged chunk records named (on a shared engine, where
+    /// other nodes hold chunks): whom to tell to remove their copies.
+    pub holders: Vec<String>,
 }
 
 /// Drop one name of `inode` (already removed from its directory by the caller).
@@ -38,17 +41,24 @@ pub(crate) fn drop_link(txn: &mut (impl KvWrite + ?Sized), mut inode: Inode, now
         txn.put(&schema::orphan(inode.ino), node.as_bytes());
     }
     put_inode(txn, &inode);
-    Unlinked { ino: inode.ino, dir, orphaned, purged: false, last: inode }
+    Unlinked { ino: inode.ino, dir, orphaned, purged: false, last: inode, holders: Vec::new() }
 }
 
 /// Delete every record of `ino` (its layout, xattrs, orphan and unsealed marks, the inode).
 /// A backed object of the file is queued for deletion (`G` key).
-fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino) -> MetaResult<()> {
+/// With `layout`, the chunk records go into it as they are deleted (see
+/// [`crate::ops::layout::holders_in`]).
+fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino, layout: Option<&[Taken; 2]>) -> MetaResult<()> {
     crate::ops::tier::discard(txn, ino)?;
-    for prefix in [schema::chunks_of(ino), schema::pending_chunks_of(ino), schema::xattrs_of(ino)] {
-        let (start, end) = schema::prefix_range(&prefix);
-        txn.delete_range(&start, &end)?;
+    for (i, prefix) in [schema::chunks_of(ino), schema::pending_chunks_of(ino)].iter().enumerate() {
+        let (start, end) = schema::prefix_range(prefix);
+        match layout {
+            Some(taken) => txn.delete_range_taking(&start, &end, &taken[i])?,
+            None => txn.delete_range(&start, &end)?,
+        }
     }
+    let (start, end) = schema::prefix_range(&schema::xattrs_of(ino));
+    txn.delete_range(&start, &end)?;
     txn.delete(&schema::inode(ino));
     txn.delete(&schema::orphan(ino));
     txn.delete(&schema::unsealed(ino));
@@ -65,10 +75,15 @@ impl Namespace {
 
     /// Unlink, and when that removes the last name of an inode for which
     /// `can_purge` says yes (it is not open), purge it in the same
-    /// transaction: one commit per unlink instead of two.
+    /// transaction: one commit per unlink instead of two. On a shared
+    /// engine the purged chunk records come back with the commit (etcd
+    /// returns what a range delete removed), so the nodes holding copies
+    /// are known without a read before it.
     pub fn unlink_purging(&self, parent: Ino, name: &[u8], can_purge: &dyn Fn(Ino) -> bool) -> MetaResult<Unlinked> {
         check_name(name)?;
-        self.write(Durability::Buffered, |txn| {
+        let shared = self.clustered;
+        let taken: [Taken; 2] = Default::default();
+        let mut gone = self.write(Durability::Buffered, |txn| {
             let mut dir = get_dir(txn, parent)?;
             let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
             let inode = get_inode(txn, d.ino)?;
@@ -82,11 +97,15 @@ impl Namespace {
             put_inode(txn, &dir);
             let mut gone = drop_link(txn, inode, now, &self.node);
             if gone.orphaned && can_purge(gone.ino) {
-                purge_records(txn, gone.ino)?;
+                purge_records(txn, gone.ino, shared.then_some(&taken))?;
                 gone.purged = true;
             }
             Ok(gone)
-        })
+        })?;
+        if gone.purged && shared {
+            gone.holders = crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?;
+        }
+        Ok(gone)
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> MetaResult<()> {
@@ -122,7 +141,7 @@ impl Namespace {
             txn.delete(&schema::renamed_dir(inode.ino));
             let mut gone = drop_link(txn, inode, now, &self.node);
             if can_purge(gone.ino) {
-                purge_records(txn, gone.ino)?;
+                purge_records(txn, gone.ino, None)?;
                 gone.purged = true;
             }
             dir.nlink -= 1;
@@ -136,7 +155,16 @@ impl Namespace {
     /// Remove an orphan's records (inode, layout, xattrs). Returns false and
     /// does nothing when the inode got a name back or is already gone.
     pub fn purge(&self, ino: Ino) -> MetaResult<bool> {
-        self.write(Durability::Buffered, |txn| {
+        Ok(self.purge_orphan(ino)?.is_some())
+    }
+
+    /// [`Namespace::purge`], returning, when it purged, the nodes the
+    /// removed chunk records named (on a shared engine; see
+    /// [`Namespace::unlink_purging`]).
+    pub fn purge_orphan(&self, ino: Ino) -> MetaResult<Option<Vec<String>>> {
+        let shared = self.clustered;
+        let taken: [Taken; 2] = Default::default();
+        let purged = self.write(Durability::Buffered, |txn| {
             let inode = match get_inode(txn, ino) {
                 Ok(i) => i,
                 Err(MetaError::NotFound) => {
@@ -150,9 +178,14 @@ impl Namespace {
                 txn.delete(&schema::orphan(ino));
                 return Ok(false);
             }
-            purge_records(txn, ino)?;
+            purge_records(txn, ino, shared.then_some(&taken))?;
             Ok(true)
-        })
+        })?;
+        match (purged, shared) {
+            (false, _) => Ok(None),
+            (true, false) => Ok(Some(Vec::new())),
+            (true, true) => Ok(Some(crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?)),
+        }
     }
 
     /// Inodes left with no name while open on this node (a crash before last close).
