@@ -328,6 +328,27 @@ impl KvRead for CachedRead<'_> {
         // changes the cache already knows of.
         self.inner.scan(start, end, limit)
     }
+    /// Cached keys from memory, the rest in one batched read, kept.
+    fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        let mut out: Vec<Option<crate::kv::Found>> = vec![None; keys.len()];
+        let mut missing = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let hit = if self.fresh || !cacheable(k) { None } else { self.kv.cached(k) };
+            match hit {
+                Some(e) => out[i] = Some((e.value.map(|v| v.as_ref().clone()), None)),
+                None => missing.push(i),
+            }
+        }
+        let epoch = self.kv.epoch.load(Ordering::Acquire);
+        let asked: Vec<Vec<u8>> = missing.iter().map(|i| keys[*i].clone()).collect();
+        for (i, (value, versioned)) in missing.into_iter().zip(self.inner.get_many_versioned(&asked)?) {
+            if let (true, Some(v)) = (cacheable(&keys[i]), &versioned) {
+                self.kv.fill(&keys[i], v.value.clone(), v.version, v.at, epoch);
+            }
+            out[i] = Some((value, versioned));
+        }
+        Ok(out.into_iter().map(|o| o.expect("every key answered")).collect())
+    }
 }
 
 struct CachedWrite<'a> {

@@ -27,6 +27,8 @@ use crate::schema;
 
 /// Key-value pairs as a scan returns them.
 type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+/// A key's value (None: absent) and its mod revision (0: absent).
+type Versions = (Option<Vec<u8>>, i64);
 
 pub struct EtcdKv {
     rt: tokio::runtime::Runtime,
@@ -356,6 +358,47 @@ impl EtcdKv {
         })
     }
 
+    /// Get each of `keys` at `rev` (0: latest), in one read-only transaction
+    /// per 128 keys (`--max-txn-ops`), all at the revision the first one read at.
+    /// Returns (value, mod revision) of each, and that revision.
+    fn get_many_at(&self, keys: &[Vec<u8>], mut rev: i64) -> KvResult<(Vec<Versions>, i64)> {
+        let mut out = Vec::with_capacity(keys.len());
+        for batch in keys.chunks(128) {
+            let ops: Vec<TxnOp> = batch
+                .iter()
+                .map(|k| {
+                    let opts = if rev > 0 { GetOptions::new().with_revision(rev) } else { GetOptions::new() };
+                    TxnOp::get(self.key(k), Some(opts))
+                })
+                .collect();
+            let mut c = self.client.kv_client();
+            round_trips::count(RoundTrip::Read);
+            let resp = self.run(c.txn(Txn::new().and_then(ops)))?;
+            if rev == 0 {
+                rev = resp.header().map_or(0, |h| h.revision());
+            }
+            for answer in resp.op_responses() {
+                let etcd_client::TxnOpResponse::Get(g) = answer else {
+                    return Err(KvError::Backend {
+                        msg: "etcd: a read transaction answered with a write".into(),
+                        retryable: false,
+                    });
+                };
+                out.push(match g.kvs().first() {
+                    Some(kv) => (Some(kv.value().to_vec()), kv.mod_revision()),
+                    None => (None, 0),
+                });
+            }
+        }
+        if out.len() != keys.len() {
+            return Err(KvError::Backend {
+                msg: format!("etcd: {} answers to {} reads", out.len(), keys.len()),
+                retryable: false,
+            });
+        }
+        Ok((out, rev))
+    }
+
     fn scan_at(&self, start: &[u8], end: &[u8], limit: usize, rev: i64, serializable: bool) -> KvResult<(Pairs, i64)> {
         let opts = GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
         let resp = self.get_raw(self.key(start), opts, rev, serializable)?;
@@ -385,6 +428,14 @@ impl KvRead for EtcdRead<'_> {
         let (v, at) = self.kv.scan_at(start, end, limit, self.rev, self.rev > 0)?;
         self.rev = at;
         Ok(v)
+    }
+    fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (found, at) = self.kv.get_many_at(keys, self.rev)?;
+        self.rev = at;
+        Ok(found.into_iter().map(|(value, version)| (value.clone(), Some(Versioned { value, version, at }))).collect())
     }
 }
 

@@ -205,8 +205,9 @@ with tarfile.open(sys.argv[1], "w") as t:
     let out = std::process::Command::new("tar").arg("-xf").arg(&tarball).arg("-C").arg(&tdir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // Three commits a file, and the directory's mkdir and its own mode and
-    // times (a directory's changes are not held back), a few retries.
-    within(&n1, &before, 3 * FILES + 8, &format!("tar x of {FILES} files"));
+    // times (a directory's changes are not held back), its opens, a few
+    // retries.
+    within(&n1, &before, 3 * FILES + 12, &format!("tar x of {FILES} files"));
     for i in 0..FILES {
         let p = c.node(1).mnt.join(format!("untar/files/t{i}"));
         let want: Vec<u8> = (0..1000 + i).map(|j| ((i * 7 + j) % 251) as u8).collect();
@@ -218,6 +219,33 @@ with tarfile.open(sys.argv[1], "w") as t:
             "t{i}'s mode, owner and mtime on n2"
         );
     }
+
+    // A node that never read the files lists them with their attributes
+    // (`find -ls`, a data loader's scandir + stat) without a lookup per name:
+    // each page of the listing has its names, attributes and backfill
+    // records read ahead in one request. Removing them there then costs one
+    // commit each.
+    let ldir = n1.join("listed");
+    fs::create_dir(&ldir).unwrap();
+    for i in 0..FILES {
+        create_excl(&ldir.join(format!("l{i}"))).unwrap();
+    }
+    let n2 = c.node(1).mnt.clone();
+    let l2 = n2.join("listed");
+    eventually(10, "n2 sees n1's directory", || l2.is_dir());
+    let before = charged(&n2);
+    let mut listed = 0;
+    for e in fs::read_dir(&l2).unwrap() {
+        let e = e.unwrap();
+        assert!(fs::symlink_metadata(e.path()).unwrap().is_file(), "{:?} on n2", e.path());
+        listed += 1;
+    }
+    assert_eq!(listed, FILES, "n2 lists every file n1 made");
+    within(&n2, &before, 10, &format!("a listing with attributes of {FILES} files on a cold node"));
+    let before = charged(&n2);
+    fs::remove_dir_all(&l2).unwrap();
+    within(&n2, &before, FILES + 10, &format!("rm -r of {FILES} files on a cold node"));
+    eventually(10, "n1 sees them gone", || !ldir.exists());
 
     // Unlinking the files written above (each with a copy on n2): one
     // commit each. The purge's commit hands back the chunk records it

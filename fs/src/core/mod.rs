@@ -753,6 +753,16 @@ impl Core {
         Ok(self.dirs.get(&fh).map(|e| e.clone()).unwrap_or_default())
     }
 
+    /// Read ahead, in one request where the metadata is remote, what a
+    /// listing with attributes of `parent` asks next of `entries` (see
+    /// `Namespace::prefetch_entries`). A failure only leaves them to be
+    /// read one by one.
+    pub fn prefetch_entries(&self, parent: Ino, entries: &[(&[u8], Ino)]) {
+        if let Err(e) = self.ns.prefetch_entries(parent, entries) {
+            tracing::debug!(parent, error = %e, "could not read a listing's entries ahead");
+        }
+    }
+
     pub fn releasedir(&self, fh: u64) {
         self.dirs.remove(&fh);
         // The last handle of a removed directory: its records go now.
