@@ -148,8 +148,25 @@ impl Drop for EtcdMember {
 }
 
 /// A loopback port free at the time of asking.
+/// A port nothing listens on now, for a server a test starts. Picked at
+/// random below the kernel's ephemeral range (32768 and up), so that tests
+/// asking at once, each in a process of its own, rarely get the same one:
+/// `bind(0)` hands a port just released by one caller to the next, and two
+/// tests then start servers on it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::hash::{BuildHasher, Hasher};
+    let seed = std::collections::hash_map::RandomState::new();
+    let mut attempt = 0u64;
+    loop {
+        let mut h = seed.build_hasher();
+        h.write_u64(attempt);
+        h.write_u32(std::process::id());
+        let port = 10_000 + (h.finish() % 22_000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() && std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+        attempt += 1;
+    }
 }
 
 impl Drop for EtcdCluster {
