@@ -557,7 +557,13 @@ impl KvWrite for EtcdWrite<'_> {
             // then delete the range's keys one by one instead.
             let overlaps = self.pending.range(s.clone()..e.clone()).next().is_some();
             if overlaps {
-                let (keys, _) = kv.scan_at(s, e, usize::MAX >> 1, self.rev, true)?;
+                // Read at this transaction's revision (the latest, through
+                // the leader, when it read nothing yet: a follower may lag),
+                // and compared: a key that enters the range before the
+                // commit fails it, rather than outliving the delete.
+                let (keys, at) = kv.scan_at(s, e, usize::MAX >> 1, self.rev, self.rev > 0)?;
+                compares.push(Compare::mod_revision(kv.key(s), CompareOp::Less, at + 1).with_range(kv.key(e)));
+                bytes += 2 * kv.prefix.len() + s.len() + e.len() + OP_OVERHEAD;
                 if let Some(into) = into {
                     *into.lock() = keys.iter().filter(|(k, _)| !self.pending.contains_key(k)).cloned().collect();
                 }
