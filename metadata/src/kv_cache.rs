@@ -394,6 +394,16 @@ impl KvRead for CachedWrite<'_> {
     }
 }
 
+impl CachedWrite<'_> {
+    /// A range this transaction deletes: later reads of it go to the
+    /// engine, and the cache drops it at commit.
+    fn note_range(&mut self, start: &[u8], end: &[u8]) {
+        if cacheable_in_writes(start) || cacheable_in_writes(end) {
+            self.ranges.push((start.to_vec(), end.to_vec()));
+        }
+    }
+}
+
 impl KvWrite for CachedWrite<'_> {
     fn put(&mut self, key: &[u8], value: &[u8]) {
         if cacheable_in_writes(key) {
@@ -418,15 +428,11 @@ impl KvWrite for CachedWrite<'_> {
         }
     }
     fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
-        if cacheable_in_writes(start) || cacheable_in_writes(end) {
-            self.ranges.push((start.to_vec(), end.to_vec()));
-        }
+        self.note_range(start, end);
         self.inner.delete_range(start, end)
     }
     fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
-        if cacheable_in_writes(start) || cacheable_in_writes(end) {
-            self.ranges.push((start.to_vec(), end.to_vec()));
-        }
+        self.note_range(start, end);
         self.inner.delete_range_taking(start, end, into)
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {

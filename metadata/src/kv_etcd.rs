@@ -358,6 +358,20 @@ impl EtcdKv {
         })
     }
 
+    /// Send one commit transaction; a successful one's revision is marked
+    /// as this node's own, so the watch does not evict what it wrote.
+    fn send_commit(&self, compares: Vec<Compare>, ops: Vec<TxnOp>) -> KvResult<etcd_client::TxnResponse> {
+        let txn = Txn::new().when(compares).and_then(ops);
+        let mut c = self.client.kv_client();
+        round_trips::count(RoundTrip::Commit);
+        let mut in_flight = self.own.begin();
+        let resp = self.run(c.txn(txn))?;
+        if resp.succeeded() {
+            in_flight.revision = resp.header().map(|h| h.revision());
+        }
+        Ok(resp)
+    }
+
     /// Get each of `keys` at `rev` (0: latest), in one read-only transaction
     /// per 128 keys (`--max-txn-ops`), all at the revision the first one read at.
     /// Returns (value, mod revision) of each, and that revision.
@@ -595,16 +609,10 @@ impl KvWrite for EtcdWrite<'_> {
         if !taking.is_empty() {
             // Sent alone: the records come back in this transaction's own
             // response (a shared one would have to hand each its part).
-            let txn = Txn::new().when(compares).and_then(ops);
-            let mut c = kv.client.kv_client();
-            round_trips::count(RoundTrip::Commit);
-            let mut in_flight = kv.own.begin();
-            let resp = kv.run(c.txn(txn))?;
+            let resp = kv.send_commit(compares, ops)?;
             if !resp.succeeded() {
                 return Err(KvError::Conflict);
             }
-            let rev = resp.header().map(|h| h.revision());
-            in_flight.revision = rev;
             let answers = resp.op_responses();
             for (at, into) in taking {
                 if let Some(etcd_client::TxnOpResponse::Delete(d)) = answers.get(at) {
@@ -617,20 +625,12 @@ impl KvWrite for EtcdWrite<'_> {
                         .collect();
                 }
             }
-            return Ok(rev);
+            return Ok(resp.header().map(|h| h.revision()));
         }
         let member = group_commit::Member { compares, ops, bytes, reads, writes };
         let send = |compares, ops| {
-            let txn = Txn::new().when(compares).and_then(ops);
-            let mut c = kv.client.kv_client();
-            round_trips::count(RoundTrip::Commit);
-            let mut in_flight = kv.own.begin();
-            let resp = kv.run(c.txn(txn))?;
-            let rev = resp.header().map(|h| h.revision());
-            if resp.succeeded() {
-                in_flight.revision = rev;
-            }
-            Ok((resp.succeeded(), rev))
+            let resp = kv.send_commit(compares, ops)?;
+            Ok((resp.succeeded(), resp.header().map(|h| h.revision())))
         };
         if kv.alone {
             return match send(member.compares, member.ops)? {
