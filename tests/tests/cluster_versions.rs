@@ -141,6 +141,20 @@ fn readers_elsewhere_read_the_last_published_version_while_a_file_is_rewritten()
             same(&got, &old, &format!("{name} while n1 rewrites (round {round})"));
         }
     }
+    // A reader that jumps about (block-sized requests, no readahead) reads
+    // the published version too, at the bytes being rewritten and elsewhere.
+    drop_caches();
+    for (name, n) in [("n2", n2), ("n3", n3)] {
+        let r = fs::File::open(n.path("big")).unwrap();
+        // SAFETY: fadvise on a descriptor we own; it only turns readahead off.
+        unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&r), 0, 0, libc::POSIX_FADV_RANDOM) };
+        for i in 0..48usize {
+            let at = if i % 2 == 0 { (i % 3) * 64 * MIB + 4096 } else { (i * 3_999_971) % (old.len() - 8192) };
+            let mut buf = vec![0u8; 4096];
+            r.read_exact_at(&mut buf, at as u64).unwrap_or_else(|e| panic!("{name} at {at}: {e}"));
+            same(&buf, &old[at..at + 4096], &format!("{name} at {at} while n1 rewrites"));
+        }
+    }
     f.sync_all().unwrap();
     drop_caches();
     for (name, n) in [("n2", n2), ("n3", n3)] {
