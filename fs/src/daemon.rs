@@ -322,6 +322,8 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         if !args.read_only {
             let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
             workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
+            // The sweep hears which files other nodes changed.
+            engine.watch(core.sweep_hints().feed())?;
             workers.start(crate::workers::Sweeper::new(Arc::downgrade(&core), args.sweep_grace))?;
         }
     }

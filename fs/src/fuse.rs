@@ -87,17 +87,11 @@ pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Res
     let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
     std::thread::Builder::new().name("invalidate".into()).spawn(move || {
         for key in rx {
-            let ino_at = |at: usize| key.get(at..at + 8).map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")));
+            use converged_metadata::schema::{change_of, Change};
             // ENOENT: the kernel holds nothing for it. Anything else is worth a line.
-            let r = match key.first() {
-                Some(b'I' | b'C') => match ino_at(1) {
-                    Some(ino) => notifier.inval_inode(INodeNo(ino), 0, 0),
-                    None => Ok(()),
-                },
-                Some(b'D') => match ino_at(1) {
-                    Some(parent) => notifier.inval_entry(INodeNo(parent), OsStr::from_bytes(&key[9..])),
-                    None => Ok(()),
-                },
+            let r = match change_of(&key) {
+                Change::Inode(ino) => notifier.inval_inode(INodeNo(ino), 0, 0),
+                Change::Entry { parent, name } => notifier.inval_entry(INodeNo(parent), OsStr::from_bytes(name)),
                 _ => Ok(()),
             };
             if let Err(e) = r {
@@ -108,7 +102,8 @@ pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Res
         }
     })?;
     Ok(std::sync::Arc::new(move |key: &[u8]| {
-        if matches!(key.first(), Some(b'I' | b'C' | b'D')) {
+        use converged_metadata::schema::{change_of, Change};
+        if matches!(change_of(key), Change::Inode(_) | Change::Entry { .. }) {
             let _ = tx.send(key.to_vec());
         }
     }))
@@ -725,6 +720,12 @@ impl Filesystem for FuseAdapter {
         let _s = debug_span!("getxattr", ino = ino.0, name = ?name).entered();
         let _t = latency::timer(Area::Fuse, "getxattr");
         match self.core.getxattr(ino.0, name.as_bytes()) {
+            // A generated value may grow before the caller reads what it
+            // sized (a counter gains a digit): its size query is answered
+            // with room to spare, and the read returns what it is then.
+            Ok(v) if size == 0 && Core::is_generated_xattr(name.as_bytes()) => {
+                reply.size((v.len() + GENERATED_SLACK).min(XATTR_SIZE_MAX) as u32)
+            }
             Ok(v) => reply_sized(reply, &v, size),
             Err(e) => reply.error(errno("getxattr", e)),
         }
@@ -825,6 +826,11 @@ impl Filesystem for FuseAdapter {
 }
 
 /// getxattr/listxattr: size 0 asks for the length; too small a buffer is ERANGE.
+/// Room a size query of a generated attribute leaves for growth, and the
+/// largest value the kernel takes.
+const GENERATED_SLACK: usize = 4096;
+const XATTR_SIZE_MAX: usize = 65536;
+
 fn reply_sized(reply: ReplyXattr, value: &[u8], size: u32) {
     if size == 0 {
         reply.size(value.len() as u32);

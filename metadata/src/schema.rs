@@ -162,6 +162,39 @@ pub fn node_cached_in_writes(key: &[u8]) -> bool {
     matches!(key.first(), Some(&(UNSEALED | LEASE_EPOCH | LAYOUT_COMMIT)))
 }
 
+/// What a changed key from the change feed ([`crate::ChangeFeed`]) is
+/// about, for those that act on other nodes' changes without knowing the
+/// schema: the kernel's caches and the sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change<'a> {
+    /// The feed restarted: anything may have changed meanwhile.
+    Everything,
+    /// A file's attributes or chunk layout (`I`, `C`): what a kernel
+    /// caches of the inode.
+    Inode(Ino),
+    /// Another record of one file: its batched layout, write lease, lease
+    /// epoch, sync mark, orphan mark or tier record.
+    FileState(Ino),
+    /// A name in a directory.
+    Entry { parent: Ino, name: &'a [u8] },
+    /// Anything else (nodes, admin states, volume-wide keys, xattrs).
+    Other,
+}
+
+/// Classify a changed key (empty: the feed restarted).
+pub fn change_of(key: &[u8]) -> Change<'_> {
+    let ino = || key.get(1..9).map(|b| Ino::from_be_bytes(b.try_into().expect("8 bytes")));
+    match (key.first(), ino()) {
+        (None, _) => Change::Everything,
+        (Some(&(INODE | CHUNK)), Some(ino)) => Change::Inode(ino),
+        (Some(&(PENDING_CHUNK | LAYOUT_COMMIT | UNSEALED | LEASE_EPOCH | SYNC_PENDING | ORPHAN | TIER)), Some(ino)) => {
+            Change::FileState(ino)
+        }
+        (Some(&DENTRY), Some(parent)) => Change::Entry { parent, name: &key[9..] },
+        _ => Change::Other,
+    }
+}
+
 /// Whether `prefix` is one of the ranges [`listed_range`] names.
 pub fn is_listed_prefix(prefix: &[u8]) -> bool {
     prefix.len() == 9 && matches!(prefix[0], DENTRY | XATTR)
@@ -317,5 +350,20 @@ mod tests {
         assert!(dentry(7, b"a").as_slice() >= s.as_slice());
         assert!(dentry(7, &[0xff; 300]).as_slice() < e.as_slice());
         assert!(dentry(8, b"").as_slice() >= e.as_slice());
+    }
+
+    #[test]
+    fn changes_are_classified_by_what_they_are_about() {
+        assert_eq!(change_of(b""), Change::Everything);
+        assert_eq!(change_of(&inode(9)), Change::Inode(9));
+        assert_eq!(change_of(&chunk(9, 3)), Change::Inode(9));
+        for key in [tier(9), unsealed(9), lease_epoch(9), layout_commit(9), pending_chunk(9, 1), orphan(9)] {
+            assert_eq!(change_of(&key), Change::FileState(9), "{key:?}");
+        }
+        assert_eq!(change_of(&dentry(4, b"name")), Change::Entry { parent: 4, name: b"name" });
+        assert_eq!(change_of(&xattr(9, b"user.a")), Change::Other);
+        assert_eq!(change_of(&live_node("n1")), Change::Other);
+        // A key too short for its inode number is nothing in particular.
+        assert_eq!(change_of(b"I\x00\x01"), Change::Other);
     }
 }

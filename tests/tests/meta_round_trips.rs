@@ -260,3 +260,57 @@ with tarfile.open(sys.argv[1], "w") as t:
     within(&n1, &before, FILES + 2, &format!("{FILES} unlinks of written files"));
     eventually(30, "n2 removed its copies of the unlinked files", || !inos.iter().any(|ino| c.holds(1, *ino)));
 }
+
+/// Metadata reads a node made so far, on behalf of anything (requests and
+/// background workers), from its `user.converged.stats`.
+fn meta_reads(mnt: &Path) -> u64 {
+    let out = std::process::Command::new("getfattr")
+        .args(["--only-values", "-n", "user.converged.stats"])
+        .arg(mnt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("meta read "))
+        .unwrap_or_else(|| panic!("no meta read line: {text} {}", String::from_utf8_lossy(&out.stderr)));
+    line.split_whitespace().skip(3).map(|c| c.parse::<u64>().unwrap()).sum()
+}
+
+const HELD: u64 = 300;
+
+/// A node at rest does not read the records of every copy it holds: the
+/// sweep (which removes copies no record names) looks at the files whose
+/// records changed, as the change feed reports them, and at everything
+/// only in its slow safety pass. Here the sweep's period is 1 s: a sweep
+/// that looked at every copy each period would read three records per
+/// copy per second.
+#[test]
+fn a_node_at_rest_does_not_read_the_records_of_every_copy_it_holds() {
+    let Some(c) = Cluster::start(2, &["--sweep-grace", "2s"]) else { return };
+    let dir = c.node(0).mnt.join("held");
+    fs::create_dir(&dir).unwrap();
+    let mut inos = Vec::new();
+    for i in 0..HELD {
+        let p = dir.join(format!("f{i}"));
+        fs::write(&p, pattern(1024, i)).unwrap();
+        inos.push(fs::metadata(&p).unwrap().ino());
+    }
+    for i in 0..2 {
+        eventually(30, &format!("n{} holds a copy of every file", i + 1), || inos.iter().all(|ino| c.holds(i, *ino)));
+    }
+    // n2 looks at each file n1 changed once, within a period or two.
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    let before: Vec<u64> = (0..2).map(|i| meta_reads(&c.node(i).mnt)).collect();
+    std::thread::sleep(std::time::Duration::from_secs(10));
+    for (i, before) in before.iter().enumerate() {
+        let reads = meta_reads(&c.node(i).mnt) - before;
+        eprintln!("n{} at rest: {reads} metadata reads in 10 s holding {HELD} copies", i + 1);
+        assert!(reads < HELD, "n{} at rest made {reads} metadata reads in 10 s holding {HELD} copies", i + 1);
+    }
+    // Changes are still heard: the copies of a file n2 learns is gone
+    // leave it (told at once by n1, and found by its sweep otherwise).
+    fs::remove_file(dir.join("f0")).unwrap();
+    eventually(30, "n2 removed its copy of the deleted file", || !c.holds(1, inos[0]));
+    assert!(c.holds(1, inos[1]), "n2 keeps the copies still named");
+}

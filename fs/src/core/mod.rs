@@ -38,7 +38,9 @@
 //! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
 //!    `doomed`, `unseal_later`, `spares`, `under_replicated`, `flush_now`,
 //!    `last_repair`, `removed`, the tier's tables, the chunk store's version index,
-//!    the cluster's member list (read from etcd with no lock held).
+//!    the cluster's member list (read from etcd with no lock held), and
+//!    `sweep_hints` (also taken by the change feed, under the node cache's
+//!    subscriber list, which takes nothing else).
 //!
 //! And across the boundaries:
 //! - **No in-memory lock is taken inside a KV transaction closure**: what a
@@ -87,7 +89,7 @@ use open::{Claim, OpenTable};
 pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairTrigger};
 pub use replicate::Replicated;
 pub use scrub::Scrubbed;
-pub use sweep::Seen;
+pub use sweep::{Seen, SweepHints, SAFETY_PASS_EVERY, SAFETY_PASS_RATE};
 
 /// Who asks, for the few rules the daemon applies itself (permission
 /// checks are the kernel's).
@@ -197,6 +199,8 @@ pub struct Core {
     /// Files whose chunks have fewer copies than their policy asks, for the
     /// replicator (durability=local, or peers that did not answer).
     under_replicated: (Mutex<std::collections::BTreeSet<Ino>>, parking_lot::Condvar),
+    /// Files whose records changed, for the sweep (see `sweep.rs`).
+    sweep_hints: Arc<sweep::SweepHints>,
     /// The object store tier, when the mount has one.
     tier: OnceLock<Arc<Tiering>>,
     /// This core, for work it hands to background threads (object readahead).
@@ -252,6 +256,7 @@ impl Core {
             spares_stopped: AtomicBool::new(false),
             cluster: OnceLock::new(),
             under_replicated: Default::default(),
+            sweep_hints: Default::default(),
             tier: OnceLock::new(),
             me: OnceLock::new(),
             seals: attr::SealCounters::default(),
@@ -663,6 +668,13 @@ impl Core {
             }
             _ => Ok(self.ns.setxattr(ino, name, value, mode)?),
         }
+    }
+
+    /// Whether `name` is one of the daemon's own attributes whose value is
+    /// made at each read (statistics, worker states, layouts), so that it
+    /// may grow between a caller's size query and its read.
+    pub fn is_generated_xattr(name: &[u8]) -> bool {
+        matches!(name, TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR | SCRUB_XATTR | STATS_XATTR)
     }
 
     pub fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {

@@ -331,6 +331,11 @@ impl Core {
                 match self.ns.drop_holders(job.ino, job.index, job.version, &job.drop, job.want) {
                     Ok(true) => {
                         dropped = job.drop.len() as u64;
+                        if job.drop.iter().any(|n| n == cluster.node()) {
+                            // This node's own change: the change feed does not
+                            // report it here.
+                            self.sweep_hints.note(job.ino);
+                        }
                         tracing::info!(ino = job.ino, chunk = job.index, holders = ?job.drop, "dropped holders that no longer count");
                     }
                     Ok(false) => {}

@@ -16,9 +16,24 @@
 //! chunk of the file has a copy on a live node or the file is backed: a node
 //! whose id changed finds records naming its old id, and must not delete
 //! what may be the only copy.
+//!
+//! What is looked at, and when (so that an idle node reads nothing from
+//! the metadata for the copies it holds, however many):
+//! - files whose records another node changed, as the change feed reports
+//!   them ([`SweepHints`]), and those whose holders this node's repair
+//!   changed; with them the copies found unneeded once, for their second
+//!   look;
+//! - every copy held, by a safety pass at mount and then every
+//!   [`SAFETY_PASS_EVERY`] (jittered), paced at [`SAFETY_PASS_RATE`] files a
+//!   second, and at once when the feed restarted (changes may have been
+//!   missed) or an admin asks (`converged gc`, unpaced).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use converged_metadata::schema::{change_of, Change};
+use parking_lot::Mutex;
 
 use converged_metadata::types::*;
 use converged_metadata::MetaError;
@@ -29,8 +44,11 @@ use crate::error::{FsError, FsResult};
 /// What this node's copy of a file is, from one look at its records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Look {
-    /// Needed, or not ours to judge now (open, being written, a spare).
+    /// Needed.
     Keep,
+    /// Not ours to judge now (open here, being written, a spare): looked
+    /// at again next time.
+    Busy,
     /// The inode is gone: every copy of it goes.
     Purged,
     /// No chunk record names this node, and every chunk has a live copy
@@ -55,6 +73,77 @@ impl Seen {
     pub fn is_empty(&self) -> bool {
         self.files.is_empty() && self.chunks.is_empty()
     }
+
+    /// Files with a copy or chunk found unneeded once, waiting for their
+    /// second look.
+    pub fn waiting(&self) -> BTreeSet<Ino> {
+        self.files.keys().copied().chain(self.chunks.keys().map(|(ino, _)| *ino)).collect()
+    }
+
+    fn forget(&mut self, ino: Ino) {
+        self.files.remove(&ino);
+        self.chunks.retain(|(i, _), _| *i != ino);
+    }
+}
+
+/// How often every copy held is looked at even when no change was heard.
+pub const SAFETY_PASS_EVERY: Duration = Duration::from_secs(15 * 60);
+/// Files a second the safety pass looks at (each look is three metadata
+/// reads).
+pub const SAFETY_PASS_RATE: usize = 50;
+/// Files noted beyond this many before the sweep takes them make it look
+/// at everything instead (a node that hears another create a million
+/// files keeps no million-entry set).
+const HINTS_MAX: usize = 100_000;
+
+/// Files the sweep should look at before its next safety pass: those
+/// whose records changed, as the change feed and this node's repair note
+/// them. Owned by the core; its lock is a leaf (also taken on the change
+/// feed's thread, under the node cache's subscriber list).
+#[derive(Default)]
+pub struct SweepHints(Mutex<Hinted>);
+
+#[derive(Default)]
+struct Hinted {
+    files: BTreeSet<Ino>,
+    /// Changes may have been missed: look at every copy.
+    everything: bool,
+}
+
+impl SweepHints {
+    pub fn note(&self, ino: Ino) {
+        let mut h = self.0.lock();
+        if h.everything {
+            return;
+        }
+        h.files.insert(ino);
+        if h.files.len() > HINTS_MAX {
+            h.files.clear();
+            h.everything = true;
+        }
+    }
+
+    pub fn note_everything(&self) {
+        let mut h = self.0.lock();
+        h.files.clear();
+        h.everything = true;
+    }
+
+    /// What was noted since the last call, and whether everything was.
+    pub fn take(&self) -> (BTreeSet<Ino>, bool) {
+        let mut h = self.0.lock();
+        (std::mem::take(&mut h.files), std::mem::take(&mut h.everything))
+    }
+
+    /// A change feed subscriber that notes the files other nodes changed.
+    pub fn feed(self: &Arc<Self>) -> converged_metadata::ChangeFeed {
+        let hints = self.clone();
+        Arc::new(move |key: &[u8]| match change_of(key) {
+            Change::Inode(ino) | Change::FileState(ino) => hints.note(ino),
+            Change::Everything => hints.note_everything(),
+            Change::Entry { .. } | Change::Other => {}
+        })
+    }
 }
 
 impl Core {
@@ -66,14 +155,17 @@ impl Core {
             || self.spares.lock().contains_key(&ino)
             || self.ns.upcoming_inos(u64::MAX).contains(&ino)
         {
-            return Ok(Look::Keep);
+            return Ok(Look::Busy);
         }
         let (inode, chunks) = match self.ns.layout(ino) {
             Ok(l) => l,
             Err(MetaError::NotFound) => return Ok(Look::Purged),
             Err(e) => return Err(e.into()),
         };
-        if inode.kind != FileKind::Regular || chunks.is_empty() || self.ns.writer(ino)?.is_some() {
+        if self.ns.writer(ino)?.is_some() {
+            return Ok(Look::Busy);
+        }
+        if inode.kind != FileKind::Regular || chunks.is_empty() {
             return Ok(Look::Keep);
         }
         let backed = self.backed_object(ino)?.is_some();
@@ -98,26 +190,57 @@ impl Core {
         Ok(Look::Partly { chunk_size, others })
     }
 
-    /// One sweep over the copies held here. `seen`: when each unneeded copy
-    /// was first found so (kept between sweeps). Returns how many files'
-    /// copies and chunk ranges were removed.
-    pub(crate) fn sweep(&self, seen: &mut Seen, grace: Duration) -> FsResult<usize> {
-        let Some(cluster) = self.cluster.get() else { return Ok(0) };
-        let live: HashSet<String> = cluster.live_peers().into_iter().map(|n| n.id).collect();
-        let mut held = self.store.list()?;
-        held.extend(self.store.inodes_with_versions());
-        held.sort_unstable();
-        held.dedup();
+    /// Every file this node holds a copy of (a backing file or a version
+    /// file), in inode order.
+    pub(crate) fn held_files(&self) -> FsResult<Vec<Ino>> {
+        self.store.list()
+    }
+
+    fn holds(&self, ino: Ino) -> bool {
+        self.store.has_versions(ino) || self.store.path(ino).exists()
+    }
+
+    /// The files the sweep should look at besides its safety pass.
+    pub(crate) fn sweep_hints(&self) -> &Arc<SweepHints> {
+        &self.sweep_hints
+    }
+
+    /// Look at every copy held here: `seen` keeps only what is still held.
+    pub(crate) fn sweep_all(&self, seen: &mut Seen, grace: Duration) -> FsResult<usize> {
+        let held = self.held_files()?;
         seen.files.retain(|ino, _| held.binary_search(ino).is_ok());
         seen.chunks.retain(|(ino, _), _| held.binary_search(ino).is_ok());
+        self.sweep(seen, grace, held)
+    }
+
+    /// Look at this node's copies of `files` (those it no longer holds
+    /// are skipped). `seen`: when each unneeded copy was first found so
+    /// (kept between sweeps). Returns how many files' copies and chunk
+    /// ranges were removed.
+    pub(crate) fn sweep(
+        &self,
+        seen: &mut Seen,
+        grace: Duration,
+        files: impl IntoIterator<Item = Ino>,
+    ) -> FsResult<usize> {
+        let Some(cluster) = self.cluster.get() else { return Ok(0) };
+        let live: HashSet<String> = cluster.live_peers().into_iter().map(|n| n.id).collect();
         let mut removed = 0;
-        for ino in held {
+        for ino in files {
+            if !self.holds(ino) {
+                seen.forget(ino);
+                continue;
+            }
             let look = self.look(ino, &live)?;
             if !matches!(look, Look::Purged | Look::Moved) {
                 seen.files.remove(&ino);
             }
             match look {
                 Look::Keep => seen.chunks.retain(|(i, _), _| *i != ino),
+                Look::Busy => {
+                    seen.chunks.retain(|(i, _), _| *i != ino);
+                    self.sweep_hints.note(ino);
+                }
                 Look::Purged | Look::Moved => {
                     let first = *seen.files.entry(ino).or_insert_with(Instant::now);
                     if first.elapsed() < grace {

@@ -904,6 +904,10 @@ impl Core {
         // serves this node's writers (the sweep removes it once closed). A
         // chunk no peer took stays recorded here, as anywhere else.
         let leaving = cluster.is_some_and(|c| c.durability() == DurabilityMode::Replicated && !c.placeable(c.node()));
+        if leaving {
+            // This node's own change: the change feed does not report it here.
+            self.sweep_hints.note(inode.ino);
+        }
         let replicate_now = cluster.filter(|c| (want > 1 || leaving) && c.durability() == DurabilityMode::Replicated);
         let to_peers = if leaving { want } else { want - 1 };
         // A publish while writers go on (close or fsync in a cluster): the

@@ -269,14 +269,20 @@ impl Worker for Repairer {
 }
 
 /// Removes the copies held here that no record names any more (see
-/// `core/sweep.rs`), every half grace period; and answers `converged gc`:
-/// a new request makes it sweep at once, and once nothing found is left
-/// waiting it records that it swept for that request.
+/// `core/sweep.rs`): every half grace period it looks at the files whose
+/// records changed and those waiting for a second look, and a slice of
+/// its paced safety pass every second. It answers `converged gc`: a new
+/// request makes it look at every copy at once, and once nothing found
+/// is left waiting it records that it swept for that request.
 pub struct Sweeper {
     pub core: Weak<Core>,
     grace: Duration,
     seen: crate::core::Seen,
     last: Option<Instant>,
+    /// The safety pass: files still to look at (popped from the end), and
+    /// when the next pass starts.
+    pass: Vec<converged_metadata::types::Ino>,
+    pass_due: Instant,
     /// The gc request being answered, and when requests were last looked for.
     gc: (u64, Option<Instant>),
     /// The gc request a sweep was started at once for.
@@ -288,12 +294,33 @@ const GC_POLL: Duration = Duration::from_secs(2);
 
 impl Sweeper {
     pub fn new(core: Weak<Core>, grace: Duration) -> Self {
-        Sweeper { core, grace, seen: Default::default(), last: None, gc: (0, None), gc_started: 0 }
+        Sweeper {
+            core,
+            grace,
+            seen: Default::default(),
+            last: None,
+            // A node that was down missed the changes made meanwhile: its
+            // first pass starts at mount.
+            pass: Vec::new(),
+            pass_due: Instant::now(),
+            gc: (0, None),
+            gc_started: 0,
+        }
     }
 
-    /// How often the copies held here are looked at.
+    /// How often changed files and those waiting are looked at.
     fn period(&self) -> Duration {
         (self.grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
+    }
+
+    /// When the safety pass after one starting now is due: its period, give
+    /// or take a tenth, so that nodes mounted together spread out.
+    fn next_pass() -> Instant {
+        use std::hash::{BuildHasher, Hasher};
+        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let every = crate::core::SAFETY_PASS_EVERY;
+        let jitter = every / 10;
+        Instant::now() + every - jitter + jitter.mul_f64(2.0 * (random % 1000) as f64 / 1000.0)
     }
 
     /// A gc request not answered yet, if there is one.
@@ -310,6 +337,38 @@ impl Sweeper {
         }
         (self.gc.0 > 0).then_some(self.gc.0)
     }
+
+    /// This step's files: those changed or waiting when a period is up,
+    /// and the safety pass's next slice. `None`: an admin asked for
+    /// everything at once.
+    fn due(
+        &mut self,
+        core: &Core,
+        asked_now: bool,
+    ) -> crate::error::FsResult<Option<Vec<converged_metadata::types::Ino>>> {
+        if asked_now {
+            return Ok(None);
+        }
+        let mut files = std::collections::BTreeSet::new();
+        if self.last.is_none_or(|t| t.elapsed() >= self.period()) {
+            self.last = Some(Instant::now());
+            let (changed, everything) = core.sweep_hints().take();
+            if everything {
+                self.pass.clear();
+                self.pass_due = Instant::now();
+            }
+            files.extend(changed);
+            files.extend(self.seen.waiting());
+        }
+        if self.pass.is_empty() && Instant::now() >= self.pass_due {
+            self.pass = core.held_files()?;
+            self.pass.reverse(); // popped from the end: inode order
+            self.pass_due = Self::next_pass();
+        }
+        let slice = self.pass.len().saturating_sub(crate::core::SAFETY_PASS_RATE);
+        files.extend(self.pass.drain(slice..));
+        Ok(Some(files.into_iter().collect()))
+    }
 }
 
 impl Worker for Sweeper {
@@ -325,14 +384,15 @@ impl Worker for Sweeper {
         }
         let gc = self.pending_gc(&core);
         let asked_now = gc.is_some_and(|id| id != self.gc_started);
-        if !asked_now && self.last.is_some_and(|t| t.elapsed() < self.period()) {
-            return Step::Idle;
-        }
-        if let Some(id) = gc {
+        if let Some(id) = gc.filter(|_| asked_now) {
             self.gc_started = id;
         }
-        self.last = Some(Instant::now());
-        let r = core.sweep(&mut self.seen, self.grace);
+        let r = match self.due(&core, asked_now) {
+            Ok(None) => core.sweep_all(&mut self.seen, self.grace),
+            Ok(Some(files)) if files.is_empty() && gc.is_none() => return Step::Idle,
+            Ok(Some(files)) => core.sweep(&mut self.seen, self.grace, files),
+            Err(e) => Err(e),
+        };
         if let (Ok(_), Some(id)) = (&r, gc) {
             if self.seen.is_empty() {
                 match core.namespace().gc_done(id) {
