@@ -49,6 +49,9 @@ pub struct Namespace {
     /// Tokens of sync-pending marks: a clear after a sync drops only the
     /// mark of the seal it synced for.
     pub(crate) sync_tokens: std::sync::atomic::AtomicU64,
+    /// Whether this node may have sync-pending marks to look for: set at
+    /// open (a crash leaves them) and by seals that write one.
+    pub(crate) sync_marks: AtomicBool,
 }
 
 pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -154,6 +157,7 @@ impl Namespace {
             unsynced: AtomicBool::new(false),
             // Distinct across mounts too: marks left by a crashed daemon never match.
             sync_tokens: std::sync::atomic::AtomicU64::new(Timespec::now().sec as u64 * 1_000_000_000),
+            sync_marks: AtomicBool::new(true),
             on_no_space: OnceLock::new(),
             node: String::new(),
             clustered,

@@ -488,6 +488,7 @@ fn seals_of_unsynced_bytes_stay_marked_until_synced(name: &str, kv: Arc<dyn KvEn
     ns.seal(g.ino, &seal(false), Durability::Buffered).unwrap();
     let first = ns.sync_pending().unwrap();
     assert_eq!(first.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![f.ino, g.ino], "{name}");
+    assert_eq!(ns.sync_pending_since().unwrap(), first, "{name}: the flusher's look finds the marks");
     // f is sealed again after its sync began: its newer mark survives the clear.
     ns.seal(f.ino, &seal(false), Durability::Buffered).unwrap();
     ns.clear_sync_pending(&first).unwrap();
@@ -501,6 +502,12 @@ fn seals_of_unsynced_bytes_stay_marked_until_synced(name: &str, kv: Arc<dyn KvEn
     ns.unlink(ROOT, b"g").unwrap();
     ns.purge(g.ino).unwrap();
     assert!(ns.sync_pending().unwrap().is_empty(), "{name}: a purge drops the mark");
+    // The flusher's look: none found, then a seal's mark is found by the
+    // next look however soon it comes.
+    assert!(ns.sync_pending_since().unwrap().is_empty(), "{name}");
+    assert!(ns.sync_pending_since().unwrap().is_empty(), "{name}");
+    ns.seal(f.ino, &seal(false), Durability::Buffered).unwrap();
+    assert_eq!(ns.sync_pending_since().unwrap().len(), 1, "{name}: a mark written after a look that found none");
 }
 
 fn large_directories_list_in_pages(name: &str, kv: Arc<dyn KvEngine>) {

@@ -224,7 +224,7 @@ impl Core {
     /// One durable metadata commit, preceded by a sync of the bytes of every
     /// seal still marked sync-pending, whose marks it drops.
     pub(super) fn make_durable(&self) -> FsResult<()> {
-        let pending = self.ns.sync_pending()?;
+        let pending = self.ns.sync_pending_since()?;
         if pending.is_empty() {
             self.ns.sync_if_dirty()?;
             return Ok(());

@@ -342,6 +342,16 @@ impl Namespace {
     /// layout switches in one step for readers, however large (see the
     /// module's head).
     pub fn seal(&self, ino: Ino, seal: &Seal, durability: Durability) -> MetaResult<Inode> {
+        let r = self.seal_records(ino, seal, durability);
+        if !seal.keep_unsealed && !seal.data_durable {
+            // After the commit (also a failed one: it may have applied), so
+            // that the flusher's next look finds the mark.
+            self.sync_marks.store(true, std::sync::atomic::Ordering::Release);
+        }
+        r
+    }
+
+    fn seal_records(&self, ino: Ino, seal: &Seal, durability: Durability) -> MetaResult<Inode> {
         let token = self.sync_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let batched = self.kv.txn_limit().is_some() && seal.chunks.len() > CHUNKS_PER_BATCH;
         // A batched layout of an earlier seal that was made current but not
@@ -566,6 +576,23 @@ impl Namespace {
                 })
                 .collect())
         })
+    }
+
+    /// [`Namespace::sync_pending`] for the flusher: read only when this node
+    /// may have written a mark since the last look that found none (or
+    /// since it opened the volume: a crash leaves them), so that an idle
+    /// node asks the engine nothing.
+    pub fn sync_pending_since(&self) -> MetaResult<Vec<(Ino, u64)>> {
+        use std::sync::atomic::Ordering;
+        if !self.sync_marks.swap(false, Ordering::AcqRel) {
+            return Ok(Vec::new());
+        }
+        let marks = self.sync_pending().inspect_err(|_| self.sync_marks.store(true, Ordering::Release))?;
+        if !marks.is_empty() {
+            // Looked at again until a look finds them cleared.
+            self.sync_marks.store(true, Ordering::Release);
+        }
+        Ok(marks)
     }
 
     /// Drop the sync-pending marks of files whose backing files were synced
