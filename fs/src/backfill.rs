@@ -154,10 +154,14 @@ impl Core {
     /// marked files whose object is gone or wrong).
     fn rescan_if_asked(&self, t: &Tiering) {
         use std::sync::atomic::Ordering;
+        if !self.control().due(&mut t.rescan_since.lock()) {
+            return;
+        }
         let asked = match converged_metadata::ops::nodes::backfill_rescan_requested(self.namespace().engine()) {
             Ok(n) => n,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot read backfill rescan requests");
+                t.rescan_since.lock().retry();
                 return;
             }
         };

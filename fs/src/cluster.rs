@@ -11,6 +11,7 @@
 //! nodes in one process over a [`MemNetwork`] ([`Cluster::in_process`]),
 //! with faults injected on purpose.
 
+use crate::control::{ControlChanges, Since};
 use crate::latency::{self, Area};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use converged_metadata::membership::NodeInfo;
+use converged_metadata::schema::Control;
 use converged_metadata::{KvEngine, NodeAdmin};
 use converged_transport::{
     ChunkRef, FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
@@ -68,16 +70,24 @@ pub struct Cluster {
     net: Option<Arc<MemNetwork>>,
     /// Bytes read from peers (remote reads, repair, staging), verified.
     pub read_bytes: AtomicU64,
+    /// Which control-plane records changed: the member list is read again
+    /// when members or admin states did (see `control.rs`).
+    control: std::sync::OnceLock<Arc<ControlChanges>>,
 }
+
+/// What the member list follows.
+const MEMBER_RECORDS: &[Control] = &[Control::Members, Control::Admin];
 
 #[derive(Default)]
 struct Members {
     read_at: Option<Instant>,
+    since: Option<Since>,
     live: Vec<NodeInfo>,
     admin: BTreeMap<String, NodeAdmin>,
 }
 
-/// How long the live-node list is reused before asking membership again.
+/// How long the live-node list is reused before asking membership again,
+/// when no change feed says when it changed.
 const MEMBERS_TTL: Duration = Duration::from_secs(1);
 /// How long a peer that failed a call is tried after the others.
 const SUSPECT_FOR: Duration = Duration::from_secs(30);
@@ -111,6 +121,7 @@ impl Cluster {
             engine,
             members: Mutex::default(),
             suspects: Mutex::default(),
+            control: Default::default(),
             hooks,
             net,
             read_bytes: AtomicU64::new(0),
@@ -189,10 +200,26 @@ impl Cluster {
         m.live.iter().filter(|n| n.id != self.cfg.node && !n.addr.is_empty()).cloned().collect()
     }
 
-    /// The member list, read again when older than [`MEMBERS_TTL`] (the
+    /// Changes of the control-plane records, from the change feed.
+    pub fn set_control(&self, control: Arc<ControlChanges>) {
+        let _ = self.control.set(control);
+    }
+
+    /// The member list, read again when members or admin states changed,
+    /// or, with no change feed, when older than [`MEMBERS_TTL`] (the
     /// read happens with no lock held).
     fn refreshed_members(&self) -> parking_lot::MutexGuard<'_, Members> {
-        if self.members.lock().read_at.is_some_and(|t| t.elapsed() <= MEMBERS_TTL) {
+        let fresh = {
+            let mut m = self.members.lock();
+            match self.control.get().filter(|c| c.is_watched()) {
+                Some(c) => {
+                    let read = m.read_at.is_some();
+                    read && !c.due(m.since.get_or_insert_with(|| Since::new(MEMBER_RECORDS)))
+                }
+                None => m.read_at.is_some_and(|t| t.elapsed() <= MEMBERS_TTL),
+            }
+        };
+        if fresh {
             return self.members.lock();
         }
         let live = match self.engine.membership().map(|ms| ms.members()) {
@@ -207,9 +234,13 @@ impl Cluster {
             .inspect_err(|e| tracing::warn!(error = %e, "cannot read node admin states; using the last ones"))
             .ok();
         let mut m = self.members.lock();
-        if let Some(live) = live {
-            m.live = live;
-            m.read_at = Some(Instant::now());
+        match live {
+            Some(live) => {
+                m.live = live;
+                m.read_at = Some(Instant::now());
+            }
+            // Read again next time.
+            None => m.since = None,
         }
         if let Some(admin) = admin {
             m.admin = admin;

@@ -68,6 +68,9 @@ fn join_cluster(
     let mut info = node_info(args, data_dir, addr)?;
     m.register(&info, ttl).context("register in the cluster")?;
     tracing::info!(node = %info.id, ttl = args.lease_ttl, "registered in the cluster");
+    if let Some(core) = core.upgrade() {
+        core.control().moved(converged_metadata::schema::Control::Members);
+    }
     let weak = Arc::downgrade(engine);
     let data_dir = data_dir.to_path_buf();
     let mut renewed = Instant::now();
@@ -92,6 +95,10 @@ fn join_cluster(
             Ok(Heartbeat::Renewed) => renewed = Instant::now(),
             Ok(Heartbeat::Rejoined) => {
                 renewed = Instant::now();
+                // This node's own records: the change feed does not report them here.
+                if let Some(core) = core.upgrade() {
+                    core.control().moved(converged_metadata::schema::Control::Members);
+                }
                 if !lapsed {
                     tracing::warn!("membership lease had expired; registered again and fencing this node's writers");
                     fence();
@@ -322,8 +329,12 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         if !args.read_only {
             let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
             workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
-            // The sweep hears which files other nodes changed.
+            // The sweep hears which files other nodes changed, and the
+            // workers which control-plane records did.
             engine.watch(core.sweep_hints().feed())?;
+            if engine.watch(core.control().feed())? {
+                core.control().watching();
+            }
             workers.start(crate::workers::Sweeper::new(Arc::downgrade(&core), args.sweep_grace))?;
         }
     }

@@ -8,6 +8,7 @@ pub mod chunkstore;
 pub mod cli;
 pub mod cluster;
 pub mod config;
+pub mod control;
 pub mod core;
 mod daemon;
 pub mod devcluster;

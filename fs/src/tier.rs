@@ -129,6 +129,8 @@ pub struct Tiering {
     /// The last backfill rescan request this node acted on (`fsck --repair`
     /// marks files to upload again and asks for one).
     pub(crate) rescanned: std::sync::atomic::AtomicU64,
+    /// What reading rescan requests follows (a leaf lock).
+    pub(crate) rescan_since: Mutex<crate::control::Since>,
 }
 
 /// A one-line view of the backlog.
@@ -152,6 +154,7 @@ impl Tiering {
             checked: Default::default(),
             adopted: Mutex::default(),
             rescanned: Default::default(),
+            rescan_since: Mutex::new(crate::control::Since::new(&[converged_metadata::schema::Control::Rescan])),
         }
     }
 

@@ -702,6 +702,17 @@ impl KvEngine for EtcdKv {
                                 if own.is_own(kv.mod_revision(), timeout).await {
                                     continue;
                                 }
+                                // A heartbeat rewriting a node's records (its
+                                // free space, its last beat) is no news: a
+                                // node that joins or dies creates or deletes
+                                // them, and readers take the rest at their
+                                // slow safety reads.
+                                let rewrite = ev.event_type() == etcd_client::EventType::Put && kv.version() > 1;
+                                if rewrite
+                                    && kv.key().strip_prefix(prefix.as_slice()).is_some_and(schema::is_node_record)
+                                {
+                                    continue;
+                                }
                                 if let Some(key) = kv.key().strip_prefix(prefix.as_slice()) {
                                     on_change(key);
                                 }

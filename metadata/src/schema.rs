@@ -177,8 +177,35 @@ pub enum Change<'a> {
     FileState(Ino),
     /// A name in a directory.
     Entry { parent: Ino, name: &'a [u8] },
-    /// Anything else (nodes, admin states, volume-wide keys, xattrs).
+    /// A record of the cluster's control plane that nodes act on.
+    Control(Control),
+    /// Anything else (volume-wide keys, xattrs, garbage and key owners).
     Other,
+}
+
+/// The cluster-wide records nodes act on, by what reading them again
+/// serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Control {
+    /// Nodes that registered, and the live ones (`K`, `L`).
+    Members,
+    /// An admin's word on a node (`A`).
+    Admin,
+    /// A rebalance under way (`B`).
+    Rebalance,
+    /// Gc requests and answers (`W`, `Z`).
+    Gc,
+    /// Requests to queue files for upload again (`H`).
+    Rescan,
+}
+
+impl Control {
+    pub const ALL: [Control; 5] = [Control::Members, Control::Admin, Control::Rebalance, Control::Gc, Control::Rescan];
+}
+
+/// Whether `key` is a node's registration or liveness record (`K`, `L`).
+pub fn is_node_record(key: &[u8]) -> bool {
+    matches!(key.first(), Some(b'K' | b'L'))
 }
 
 /// Classify a changed key (empty: the feed restarted).
@@ -191,6 +218,11 @@ pub fn change_of(key: &[u8]) -> Change<'_> {
             Change::FileState(ino)
         }
         (Some(&DENTRY), Some(parent)) => Change::Entry { parent, name: &key[9..] },
+        (Some(b'K' | b'L'), _) => Change::Control(Control::Members),
+        (Some(b'A'), _) => Change::Control(Control::Admin),
+        (Some(b'B'), _) => Change::Control(Control::Rebalance),
+        (Some(b'W' | b'Z'), _) => Change::Control(Control::Gc),
+        (Some(b'H'), _) => Change::Control(Control::Rescan),
         _ => Change::Other,
     }
 }
@@ -362,7 +394,14 @@ mod tests {
         }
         assert_eq!(change_of(&dentry(4, b"name")), Change::Entry { parent: 4, name: b"name" });
         assert_eq!(change_of(&xattr(9, b"user.a")), Change::Other);
-        assert_eq!(change_of(&live_node("n1")), Change::Other);
+        assert_eq!(change_of(&live_node("n1")), Change::Control(Control::Members));
+        assert_eq!(change_of(&known_node("n1")), Change::Control(Control::Members));
+        assert_eq!(change_of(&node_admin("n1")), Change::Control(Control::Admin));
+        assert_eq!(change_of(REBALANCE), Change::Control(Control::Rebalance));
+        assert_eq!(change_of(GC_REQUEST), Change::Control(Control::Gc));
+        assert_eq!(change_of(&gc_done("n1")), Change::Control(Control::Gc));
+        assert_eq!(change_of(BACKFILL_RESCAN), Change::Control(Control::Rescan));
+        assert_eq!(change_of(&garbage(9)), Change::Other);
         // A key too short for its inode number is nothing in particular.
         assert_eq!(change_of(b"I\x00\x01"), Change::Other);
     }

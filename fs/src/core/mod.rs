@@ -201,6 +201,8 @@ pub struct Core {
     under_replicated: (Mutex<std::collections::BTreeSet<Ino>>, parking_lot::Condvar),
     /// Files whose records changed, for the sweep (see `sweep.rs`).
     sweep_hints: Arc<sweep::SweepHints>,
+    /// Which control-plane records changed, for the workers that act on them.
+    control: Arc<crate::control::ControlChanges>,
     /// The object store tier, when the mount has one.
     tier: OnceLock<Arc<Tiering>>,
     /// This core, for work it hands to background threads (object readahead).
@@ -257,6 +259,7 @@ impl Core {
             cluster: OnceLock::new(),
             under_replicated: Default::default(),
             sweep_hints: Default::default(),
+            control: Default::default(),
             tier: OnceLock::new(),
             me: OnceLock::new(),
             seals: attr::SealCounters::default(),
@@ -274,7 +277,14 @@ impl Core {
 
     /// Join the cluster: from now on chunks are replicated to peers and read
     /// from them when this node does not hold them.
+    /// Which control-plane records changed (members, admin states,
+    /// rebalance, gc and rescan requests).
+    pub fn control(&self) -> &Arc<crate::control::ControlChanges> {
+        &self.control
+    }
+
     pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
+        cluster.set_control(self.control.clone());
         let (weak, weak2, weak3, weak4) =
             (Arc::downgrade(self), Arc::downgrade(self), Arc::downgrade(self), Arc::downgrade(self));
         cluster.set_hooks(crate::chunkstore::LocalHooks {

@@ -141,7 +141,7 @@ impl SweepHints {
         Arc::new(move |key: &[u8]| match change_of(key) {
             Change::Inode(ino) | Change::FileState(ino) => hints.note(ino),
             Change::Everything => hints.note_everything(),
-            Change::Entry { .. } | Change::Other => {}
+            Change::Entry { .. } | Change::Control(_) | Change::Other => {}
         })
     }
 }

@@ -6,7 +6,9 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use super::{Step, Worker};
+use crate::control::Since;
 use crate::core::{repair_trigger, Core, Pacer, RepairConfig, Replicated};
+use converged_metadata::schema::Control;
 
 /// Makes buffered metadata durable every `period` (sooner when a purge
 /// wants its space back), after the bytes of the seals it carries.
@@ -188,13 +190,20 @@ impl Worker for Settler {
 /// delay, soon again after a pass that moved something, after a growing
 /// pause while copies fail (no source, no room), and every few minutes
 /// regardless. A pass reads every chunk record, so passes with nothing to
-/// do are kept rare.
+/// do are kept rare. What triggers one is read again only when the change
+/// feed says those records changed (see `control.rs`).
 pub struct Repairer {
     pub core: Weak<Core>,
     cfg: RepairConfig,
     pacer: Pacer,
     last: Option<Last>,
+    /// The trigger as last read, and what it follows.
+    trigger: Trigger,
+    since: Since,
 }
+
+/// What a repair pass's trigger follows.
+const TRIGGER_RECORDS: &[Control] = &[Control::Members, Control::Admin, Control::Rebalance];
 
 /// What the last pass saw, and when the next one is due without a change.
 struct Last {
@@ -215,7 +224,14 @@ const REPAIR_AGAIN: Duration = Duration::from_secs(2);
 
 impl Repairer {
     pub fn new(core: Weak<Core>, cfg: RepairConfig) -> Self {
-        Repairer { core, cfg, pacer: Pacer::new(cfg.bandwidth), last: None }
+        Repairer {
+            core,
+            cfg,
+            pacer: Pacer::new(cfg.bandwidth),
+            last: None,
+            trigger: None,
+            since: Since::new(TRIGGER_RECORDS),
+        }
     }
 }
 
@@ -227,7 +243,13 @@ impl Worker for Repairer {
     fn step(&mut self) -> Step {
         std::thread::sleep(Duration::from_secs(1));
         let Some(core) = self.core.upgrade() else { return Step::Stop };
-        let trigger = repair_trigger(&core);
+        if core.control().due(&mut self.since) {
+            self.trigger = repair_trigger(&core);
+            if self.trigger.is_none() {
+                self.since.retry();
+            }
+        }
+        let trigger = self.trigger.clone();
         let due = self.last.as_ref().is_none_or(|l| l.trigger != trigger || Instant::now() >= l.next);
         if !due {
             return Step::Idle;
@@ -283,14 +305,11 @@ pub struct Sweeper {
     /// when the next pass starts.
     pass: Vec<converged_metadata::types::Ino>,
     pass_due: Instant,
-    /// The gc request being answered, and when requests were last looked for.
-    gc: (u64, Option<Instant>),
+    /// The gc request being answered, and what reading requests follows.
+    gc: (u64, Since),
     /// The gc request a sweep was started at once for.
     gc_started: u64,
 }
-
-/// How often a node looks for a new `converged gc` request.
-const GC_POLL: Duration = Duration::from_secs(2);
 
 impl Sweeper {
     pub fn new(core: Weak<Core>, grace: Duration) -> Self {
@@ -303,7 +322,7 @@ impl Sweeper {
             // first pass starts at mount.
             pass: Vec::new(),
             pass_due: Instant::now(),
-            gc: (0, None),
+            gc: (0, Since::new(&[Control::Gc])),
             gc_started: 0,
         }
     }
@@ -325,14 +344,16 @@ impl Sweeper {
 
     /// A gc request not answered yet, if there is one.
     fn pending_gc(&mut self, core: &Core) -> Option<u64> {
-        if self.gc.1.is_none_or(|t| t.elapsed() >= GC_POLL) {
-            self.gc.1 = Some(Instant::now());
+        if core.control().due(&mut self.gc.1) {
             match converged_metadata::ops::nodes::gc_state(core.namespace().engine()) {
                 Ok((asked, done)) => {
                     let answered = done.get(core.node_name()).copied().unwrap_or(0);
                     self.gc.0 = if asked > answered { asked } else { 0 };
                 }
-                Err(e) => tracing::debug!(error = %e, "cannot read gc requests"),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot read gc requests");
+                    self.gc.1.retry();
+                }
             }
         }
         (self.gc.0 > 0).then_some(self.gc.0)
