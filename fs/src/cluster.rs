@@ -73,6 +73,10 @@ pub struct Cluster {
     /// Which control-plane records changed: the member list is read again
     /// when members or admin states did (see `control.rs`).
     control: std::sync::OnceLock<Arc<ControlChanges>>,
+    /// When this node first found each dead node's lease gone, on its own
+    /// monotonic clock: how long a node has been dead is measured from
+    /// there, never from the dead node's wall clock (a leaf lock).
+    dead_since: Mutex<HashMap<String, Instant>>,
 }
 
 /// What the member list follows.
@@ -122,6 +126,7 @@ impl Cluster {
             members: Mutex::default(),
             suspects: Mutex::default(),
             control: Default::default(),
+            dead_since: Mutex::default(),
             hooks,
             net,
             read_bytes: AtomicU64::new(0),
@@ -223,7 +228,10 @@ impl Cluster {
             return self.members.lock();
         }
         let live = match self.engine.membership().map(|ms| ms.members()) {
-            Some(Ok(all)) => Some(all.into_iter().filter(|x| x.alive).map(|x| x.info).collect()),
+            Some(Ok(all)) => {
+                self.note_deaths(&all);
+                Some(all.into_iter().filter(|x| x.alive).map(|x| x.info).collect())
+            }
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "cannot read cluster membership; using the last list");
                 None
@@ -336,9 +344,25 @@ impl Cluster {
 
     /// Nodes that registered once and whose membership lease is gone.
     pub fn dead_nodes(&self) -> FsResult<BTreeSet<String>> {
-        let Some(ms) = self.engine.membership() else { return Ok(BTreeSet::new()) };
-        let all = ms.members().map_err(|e| FsError::Peer(format!("cluster membership: {e}")))?;
-        Ok(all.into_iter().filter(|m| !m.alive).map(|m| m.info.id).collect())
+        Ok(self.members_now()?.into_iter().filter(|m| !m.alive).map(|m| m.info.id).collect())
+    }
+
+    /// Note which registered nodes are dead in a member list just read: a
+    /// node newly found so is dead from now on, one alive again no more.
+    fn note_deaths(&self, members: &[converged_metadata::membership::Member]) {
+        let now = Instant::now();
+        let mut since = self.dead_since.lock();
+        since.retain(|id, _| members.iter().any(|m| !m.alive && m.info.id == *id));
+        for m in members.iter().filter(|m| !m.alive) {
+            since.entry(m.info.id.clone()).or_insert(now);
+        }
+    }
+
+    /// How long node `id` has been dead, as this node saw its lease go:
+    /// from the first member list read here without it (a node dead before
+    /// this one started counts from then; a node's clock plays no part).
+    pub fn dead_for(&self, id: &str) -> Option<Duration> {
+        self.dead_since.lock().get(id).map(Instant::elapsed)
     }
 
     /// Whether this node is the live node that takes over `ino`'s work
@@ -379,7 +403,9 @@ impl Cluster {
     /// Every node that registered on the volume, live or dead, read now.
     pub fn members_now(&self) -> FsResult<Vec<converged_metadata::membership::Member>> {
         let Some(ms) = self.engine.membership() else { return Ok(Vec::new()) };
-        ms.members().map_err(|e| FsError::Peer(format!("cluster membership: {e}")))
+        let members = ms.members().map_err(|e| FsError::Peer(format!("cluster membership: {e}")))?;
+        self.note_deaths(&members);
+        Ok(members)
     }
 
     /// Ask `node` to drop every copy it holds of `ino` (a purged file).

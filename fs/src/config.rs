@@ -151,6 +151,11 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
     pub peer_timeout: f64,
 
+    /// For tests: shift the wall-clock time this node writes into its membership records
+    /// (registration, heartbeats) by this many seconds, as a node with a wrong clock would.
+    #[arg(long, default_value_t = 0, hide = true, allow_hyphen_values = true, value_name = "SECONDS")]
+    pub clock_offset: i64,
+
     /// Seconds without a heartbeat after which the cluster considers this node dead.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600), value_name = "SECONDS")]
     pub lease_ttl: u64,

@@ -26,7 +26,7 @@ fn node_info(
     addr: String,
 ) -> anyhow::Result<converged_metadata::membership::NodeInfo> {
     let (capacity, free) = disk_space(data_dir);
-    let now = converged_metadata::types::Timespec::now();
+    let now = wall_clock(args.clock_offset);
     Ok(converged_metadata::membership::NodeInfo {
         id: node_id(args),
         addr,
@@ -36,6 +36,15 @@ fn node_info(
         started: now,
         heartbeat: now,
     })
+}
+
+/// This node's wall clock as it writes it into its membership records
+/// (`--clock-offset` shifts it, for tests). Nothing compares it with another
+/// node's: how long a node has been dead is measured where it is seen dead.
+fn wall_clock(offset: i64) -> converged_metadata::types::Timespec {
+    let mut t = converged_metadata::types::Timespec::now();
+    t.sec += offset;
+    t
 }
 
 pub(crate) fn disk_space(p: &Path) -> (u64, u64) {
@@ -74,6 +83,7 @@ fn join_cluster(
     let weak = Arc::downgrade(engine);
     let data_dir = data_dir.to_path_buf();
     let mut renewed = Instant::now();
+    let offset = args.clock_offset;
     std::thread::Builder::new().name("heartbeat".into()).spawn(move || loop {
         std::thread::sleep(ttl / 3);
         let Some(engine) = weak.upgrade() else { return };
@@ -90,7 +100,7 @@ fn join_cluster(
             fence();
         }
         (info.capacity, info.free) = disk_space(&data_dir);
-        info.heartbeat = converged_metadata::types::Timespec::now();
+        info.heartbeat = wall_clock(offset);
         match m.heartbeat(&info) {
             Ok(Heartbeat::Renewed) => renewed = Instant::now(),
             Ok(Heartbeat::Rejoined) => {

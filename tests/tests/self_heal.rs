@@ -20,7 +20,7 @@ use common::*;
 const MIB: usize = 1 << 20;
 
 /// The node options of these tests: a dead node is rebuilt around 4 s
-/// after its last heartbeat (3 s lease), unneeded copies go 3 s after they
+/// after its lease expired (3 s lease), unneeded copies go 3 s after they
 /// were found so.
 const HEAL: [&str; 4] = ["--repair-delay", "4s", "--sweep-grace", "3s"];
 
@@ -103,6 +103,56 @@ fn a_dead_nodes_chunks_are_rebuilt_before_a_second_failure() {
     assert!(report.contains("/ckpt/shard-"), "fsck names the paths: {report}");
     read_all(&c, 2, &files);
     read_all(&c, 3, &files);
+}
+
+/// How long a node has been dead is measured from when the others saw
+/// etcd expire its lease, never from the dead node's clock: a node whose
+/// clock ran an hour behind (by its heartbeats it died an hour ago) is
+/// still waited for the repair delay, and one whose clock ran an hour
+/// ahead (it seems to die in the future) is rebuilt around once the delay
+/// has passed, not an hour later.
+#[test]
+fn repair_waits_its_delay_whatever_the_dead_nodes_clock_said() {
+    const DELAY: [&str; 2] = ["--repair-delay", "10s"];
+    let Some(mut c) = Cluster::start(2, &DELAY) else { return };
+    c.add_node(&[DELAY[0], DELAY[1], "--clock-offset", "-3600"]);
+    c.add_node(&[DELAY[0], DELAY[1], "--clock-offset", "3600"]);
+    fs::create_dir(c.node(0).path("d")).unwrap();
+    setxattr(&c.node(0).path("d"), "user.converged.replicas", b"2");
+    let n1 = c.node(0).mnt.clone();
+    let layout = |name: &str| xattr_value(&n1.join(name), "user.converged.layout");
+    // Each file's writer holds a copy of it.
+    let behind = pattern(8 * MIB, 61);
+    fs::write(c.node(2).path("d/behind.bin"), &behind).unwrap();
+    let ahead = pattern(8 * MIB, 62);
+    fs::write(c.node(3).path("d/ahead.bin"), &ahead).unwrap();
+    eventually(60, "two copies of every chunk", || health(&c) == (0, 0));
+    assert!(layout("d/behind.bin").contains("n3"), "{}", layout("d/behind.bin"));
+    assert!(layout("d/ahead.bin").contains("n4"), "{}", layout("d/ahead.bin"));
+
+    // n3, an hour behind, dies: it is waited for.
+    c.nodes[2].crash();
+    eventually(30, "n3 is seen dead", || status(&c).contains("3 live, 1 dead"));
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(
+        layout("d/behind.bin").contains("n3"),
+        "n3's copy was given up before the repair delay: {}",
+        layout("d/behind.bin")
+    );
+    eventually(60, "behind.bin rebuilt around n3 after the delay", || {
+        let l = layout("d/behind.bin");
+        !l.contains("n3") && health(&c) == (0, 0)
+    });
+    same(&fs::read(c.node(0).path("d/behind.bin")).unwrap(), &behind, "behind.bin");
+
+    // n4, an hour ahead, dies: it is rebuilt around after the delay.
+    c.nodes[3].crash();
+    eventually(30, "n4 is seen dead", || status(&c).contains("2 live, 2 dead"));
+    eventually(60, "ahead.bin rebuilt around n4 after the delay", || {
+        let l = layout("d/ahead.bin");
+        !l.contains("n4") && health(&c) == (0, 0)
+    });
+    same(&fs::read(c.node(1).path("d/ahead.bin")).unwrap(), &ahead, "ahead.bin");
 }
 
 /// A backed file at one copy whose only holder dies: it reads back from

@@ -10,6 +10,13 @@
 //! | dead for less than `--repair-delay`      | no, not repaired | no        | no (it may come back)   |
 //! | dead for longer, or forgotten            | no               | no        | once enough others hold |
 //!
+//! A node is dead once etcd expired its membership lease; how long it has
+//! been dead is measured on this node's monotonic clock from the first
+//! member list read here without its lease ([`Cluster::dead_for`](crate::cluster::Cluster::dead_for)), so no
+//! node's wall clock (the dead node's last heartbeat time included) moves
+//! the repair earlier or later. A node that starts counts the nodes it finds
+//! dead from its start: repair waits at most one more delay.
+//!
 //! A chunk with fewer good copies than its policy, not counting holders that
 //! are only briefly down, gets new copies now: one live node chosen by
 //! rendezvous hashing over (inode, chunk) does it, so the work spreads over
@@ -162,7 +169,6 @@ impl Core {
         let Some(cluster) = self.cluster.get() else { return Ok(None) };
         let members = cluster.members_now()?;
         let admin = self.ns.node_admin_states()?;
-        let now = Timespec::now();
         let mut standing = HashMap::new();
         let mut next_due: Option<Duration> = None;
         for m in members {
@@ -170,12 +176,12 @@ impl Core {
                 (true, None) => Holder::Good,
                 (true, Some(_)) => Holder::Leaving,
                 (false, _) => {
-                    let dead_for = (now.sec - m.info.heartbeat.sec).max(0) as u64;
+                    let dead_for = cluster.dead_for(&m.info.id).unwrap_or_default();
                     let drained = admin.contains_key(&m.info.id);
-                    if drained || Duration::from_secs(dead_for) >= delay {
+                    if drained || dead_for >= delay {
                         Holder::Gone
                     } else {
-                        let due = delay - Duration::from_secs(dead_for);
+                        let due = delay - dead_for;
                         next_due = Some(next_due.map_or(due, |d| d.min(due)));
                         Holder::Down
                     }
