@@ -132,10 +132,15 @@ fn killed_node_loses_no_fsynced_byte_and_comes_back() {
 #[test]
 fn a_corrupt_local_copy_is_read_from_a_replica_and_repaired() {
     // --verify-reads: every read goes through the daemon's checks.
-    let Some(c) = Cluster::start(2, &["--verify-reads"]) else { return };
+    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
+    let Some(mut c) = Cluster::start(1, &["--verify-reads", "--metrics", &ports[0]]) else { return };
+    c.add_node(&["--verify-reads", "--metrics", &ports[1]]);
     let data = pattern(3 << 20, 15);
     fs::write(c.node(0).path("weights.bin"), &data).unwrap();
     let ino = fs::metadata(c.node(0).path("weights.bin")).unwrap().ino();
+    // The kernel releases a closed file after close(2) returns, and the
+    // seal at release reads the backing file: tamper only once it is done.
+    eventually(10, "A released weights.bin", || metric(&scrape(&ports[0]), "converged_open_files") == Some(0.0));
     // Flip a byte of A's own copy behind the daemon's back.
     let backing = c.backing(0, ino);
     let mut raw = fs::read(&backing).unwrap();
