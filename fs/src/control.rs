@@ -59,7 +59,7 @@ impl ControlChanges {
     /// A change feed subscriber that moves the generations.
     pub fn feed(self: &Arc<Self>) -> converged_metadata::ChangeFeed {
         let this = self.clone();
-        Arc::new(move |key: &[u8]| match change_of(key) {
+        Arc::new(move |key: &[u8], _: Option<&[u8]>| match change_of(key) {
             Change::Control(c) => this.moved(c),
             Change::Everything => Control::ALL.iter().for_each(|c| this.moved(*c)),
             _ => {}
@@ -127,16 +127,16 @@ mod tests {
         let mut s = Since::new(MEMBERS);
         assert!(c.due(&mut s), "the first read is due");
         assert!(!c.due(&mut s), "nothing changed");
-        feed(&converged_metadata::schema::gc_done("n2"));
-        feed(&converged_metadata::schema::inode(7));
+        feed(&converged_metadata::schema::gc_done("n2"), None);
+        feed(&converged_metadata::schema::inode(7), None);
         assert!(!c.due(&mut s), "changes of other kinds");
-        feed(&converged_metadata::schema::live_node("n2"));
+        feed(&converged_metadata::schema::live_node("n2"), None);
         assert!(c.due(&mut s), "a member changed");
         assert!(!c.due(&mut s), "read since");
         s.again = Some(Instant::now());
         assert!(c.due(&mut s), "read once more after a change");
         assert!(!c.due(&mut s));
-        feed(b"");
+        feed(b"", None);
         assert!(c.due(&mut s), "the feed restarted");
         s.again = None;
         s.read = Some(Instant::now() - SAFETY_READ * 2);

@@ -341,7 +341,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
             // The sweep hears which files other nodes changed, and the
             // workers which control-plane records did.
-            engine.watch(core.sweep_hints().feed())?;
+            engine.watch(core.sweep_hints().feed(core.node_name().to_string()))?;
             if engine.watch(core.control().feed())? {
                 core.control().watching();
             }

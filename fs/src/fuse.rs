@@ -101,7 +101,7 @@ pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Res
             }
         }
     })?;
-    Ok(std::sync::Arc::new(move |key: &[u8]| {
+    Ok(std::sync::Arc::new(move |key: &[u8], _: Option<&[u8]>| {
         use converged_metadata::schema::{change_of, Change};
         if matches!(change_of(key), Change::Inode(_) | Change::Entry { .. }) {
             let _ = tx.send(key.to_vec());

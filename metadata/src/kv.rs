@@ -168,8 +168,9 @@ pub trait KvEngine: Send + Sync + 'static {
         None
     }
     /// Call `on_change` with the key of every change other clients commit,
-    /// soon after they commit it; an empty key means changes may have been
-    /// missed (the feed reconnected) and every cached key is suspect.
+    /// and the value it now holds (`None`: deleted), soon after they commit
+    /// it; an empty key means changes may have been missed (the feed
+    /// reconnected) and every cached key is suspect.
     /// Returns false when the engine has no such feed: an embedded engine
     /// has no other clients.
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
@@ -179,4 +180,4 @@ pub trait KvEngine: Send + Sync + 'static {
 }
 
 /// A subscriber to [`KvEngine::watch`].
-pub type ChangeFeed = std::sync::Arc<dyn Fn(&[u8]) + Send + Sync>;
+pub type ChangeFeed = std::sync::Arc<dyn Fn(&[u8], Option<&[u8]>) + Send + Sync>;

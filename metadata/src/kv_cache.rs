@@ -194,7 +194,7 @@ impl CachedKv {
         let feed: ChangeFeed = {
             let (cache, epoch, subscribers) = (cache.clone(), epoch.clone(), subscribers.clone());
             let listings = listings.clone();
-            Arc::new(move |key: &[u8]| {
+            Arc::new(move |key: &[u8], value: Option<&[u8]>| {
                 if key.is_empty() {
                     listings.evict(key, &epoch);
                     cache.invalidate_all();
@@ -203,7 +203,7 @@ impl CachedKv {
                     cache.invalidate(key);
                 }
                 for s in subscribers.lock().iter() {
-                    s(key);
+                    s(key, value);
                 }
             })
         };

@@ -693,7 +693,7 @@ impl KvEngine for EtcdKv {
                             if resp.canceled() {
                                 // Compacted past `from`: changes were missed.
                                 from = 0;
-                                on_change(b"");
+                                on_change(b"", None);
                                 break;
                             }
                             for ev in resp.events() {
@@ -714,7 +714,8 @@ impl KvEngine for EtcdKv {
                                     continue;
                                 }
                                 if let Some(key) = kv.key().strip_prefix(prefix.as_slice()) {
-                                    on_change(key);
+                                    let put = ev.event_type() == etcd_client::EventType::Put;
+                                    on_change(key, put.then(|| kv.value()));
                                 }
                             }
                         }
@@ -722,7 +723,7 @@ impl KvEngine for EtcdKv {
                     }
                     Err(e) => tracing::warn!(error = %e, "etcd watch failed; retrying"),
                 }
-                on_change(b"");
+                on_change(b"", None);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });

@@ -264,6 +264,16 @@ pub fn pending_chunks_of(ino: Ino) -> Vec<u8> {
     with_ino(PENDING_CHUNK, ino)
 }
 
+/// Whether `key` is a `C` record (a chunk of a file's layout).
+pub fn is_chunk(key: &[u8]) -> bool {
+    key.first() == Some(&CHUNK)
+}
+
+/// Whether `key` is a record of a layout written in batches (`P`, `Q`).
+pub fn is_batched_layout(key: &[u8]) -> bool {
+    matches!(key.first(), Some(&(PENDING_CHUNK | LAYOUT_COMMIT)))
+}
+
 /// Whether `key` is a `P` record (a chunk of a layout written in batches).
 pub fn is_pending_chunk(key: &[u8]) -> bool {
     key.first() == Some(&PENDING_CHUNK)

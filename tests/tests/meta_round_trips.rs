@@ -168,8 +168,9 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
         fs::write(udir.join(format!("w{i}")), pattern(4096 + i as usize, i)).unwrap();
     }
     // Three commits a file, and a few retries of a publish that met another
-    // commit of the same directory's records (up to six seen in a run).
-    within(&n1, &before, 3 * FILES + 8, &format!("{FILES} files written and closed"));
+    // commit of the same directory's records (up to nine seen in a run
+    // beside another test; a round trip added per file costs 40).
+    within(&n1, &before, 3 * FILES + 12, &format!("{FILES} files written and closed"));
     for i in 0..FILES {
         let p = u2.join(format!("w{i}"));
         assert_eq!(fs::read(&p).unwrap(), pattern(4096 + i as usize, i), "w{i} read on n2 after close");

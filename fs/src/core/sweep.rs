@@ -135,13 +135,25 @@ impl SweepHints {
         (std::mem::take(&mut h.files), std::mem::take(&mut h.everything))
     }
 
-    /// A change feed subscriber that notes the files other nodes changed.
-    pub fn feed(self: &Arc<Self>) -> converged_metadata::ChangeFeed {
+    /// A change feed subscriber that notes the files whose records another
+    /// node changed in a way that may leave a copy on `node` unneeded: an
+    /// inode or chunk record deleted, a chunk record that no longer names
+    /// `node`, a batched layout. A new file's records naming `node`, and
+    /// attribute, lease and tier changes, are no work for the sweep (a file
+    /// busy with a writer is looked at again anyway; the safety pass covers
+    /// the rest).
+    pub fn feed(self: &Arc<Self>, node: String) -> converged_metadata::ChangeFeed {
+        use converged_metadata::schema::{is_batched_layout, is_chunk};
         let hints = self.clone();
-        Arc::new(move |key: &[u8]| match change_of(key) {
-            Change::Inode(ino) | Change::FileState(ino) => hints.note(ino),
+        Arc::new(move |key: &[u8], value: Option<&[u8]>| match change_of(key) {
             Change::Everything => hints.note_everything(),
-            Change::Entry { .. } | Change::Control(_) | Change::Other => {}
+            Change::Inode(ino) => match value {
+                None => hints.note(ino),
+                Some(v) if is_chunk(key) && !converged_metadata::chunk_value_names(key, v, &node) => hints.note(ino),
+                Some(_) => {}
+            },
+            Change::FileState(ino) if is_batched_layout(key) => hints.note(ino),
+            Change::FileState(_) | Change::Entry { .. } | Change::Control(_) | Change::Other => {}
         })
     }
 }
