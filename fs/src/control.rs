@@ -23,6 +23,14 @@ pub const SAFETY_READ: Duration = Duration::from_secs(120);
 /// How soon after a change it reads once more.
 const SETTLE: Duration = Duration::from_secs(1);
 
+/// `every`, give or take a tenth at random: nodes mounted together spread
+/// their periodic work out.
+pub fn jittered(every: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    every.mul_f64(0.9 + 0.2 * (random % 1000) as f64 / 1000.0)
+}
+
 /// Generations of the control-plane records, moved by the change feed.
 #[derive(Default)]
 pub struct ControlChanges {
@@ -42,11 +50,7 @@ pub struct Since {
 impl Since {
     /// A reader of `what`, due at once.
     pub fn new(what: &'static [Control]) -> Self {
-        // Nodes mounted together spread their safety reads out.
-        use std::hash::{BuildHasher, Hasher};
-        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
-        let every = SAFETY_READ.mul_f64(0.9 + 0.2 * (random % 1000) as f64 / 1000.0);
-        Since { what, generation: 0, read: None, again: None, every }
+        Since { what, generation: 0, read: None, again: None, every: jittered(SAFETY_READ) }
     }
 
     /// The read failed: due again at the next question.

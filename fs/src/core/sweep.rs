@@ -19,10 +19,11 @@
 //!
 //! What is looked at, and when (so that an idle node reads nothing from
 //! the metadata for the copies it holds, however many):
-//! - files whose records another node changed, as the change feed reports
-//!   them ([`SweepHints`]), and those whose holders this node's repair
-//!   changed; with them the copies found unneeded once, for their second
-//!   look;
+//! - files whose records another node changed in a way that may free a
+//!   copy here, as the change feed reports them ([`SweepHints`]), and those
+//!   whose holders this node's repair or a draining seal changed; with them
+//!   the copies found unneeded once, for their second look, and those busy
+//!   (open, being written) when last looked at;
 //! - every copy held, by a safety pass at mount and then every
 //!   [`SAFETY_PASS_EVERY`] (jittered), paced at [`SAFETY_PASS_RATE`] files a
 //!   second, and at once when the feed restarted (changes may have been
@@ -88,8 +89,8 @@ impl Seen {
 
 /// How often every copy held is looked at even when no change was heard.
 pub const SAFETY_PASS_EVERY: Duration = Duration::from_secs(15 * 60);
-/// Files a second the safety pass looks at (each look is three metadata
-/// reads).
+/// Files a second the safety pass looks at (each look is about four
+/// metadata reads).
 pub const SAFETY_PASS_RATE: usize = 50;
 /// Files noted beyond this many before the sweep takes them make it look
 /// at everything instead (a node that hears another create a million

@@ -332,14 +332,9 @@ impl Sweeper {
         (self.grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
     }
 
-    /// When the safety pass after one starting now is due: its period, give
-    /// or take a tenth, so that nodes mounted together spread out.
+    /// When the safety pass after one starting now is due.
     fn next_pass() -> Instant {
-        use std::hash::{BuildHasher, Hasher};
-        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
-        let every = crate::core::SAFETY_PASS_EVERY;
-        let jitter = every / 10;
-        Instant::now() + every - jitter + jitter.mul_f64(2.0 * (random % 1000) as f64 / 1000.0)
+        Instant::now() + crate::control::jittered(crate::core::SAFETY_PASS_EVERY)
     }
 
     /// A gc request not answered yet, if there is one.
