@@ -57,6 +57,9 @@ fn start_etcd(args: &DevClusterArgs) -> anyhow::Result<(Etcd, String)> {
     let child = Command::new(&args.etcd)
         .args(["--name", "dev", "--data-dir"])
         .arg(&dir)
+        // Every create and seal is a revision: without compaction etcd keeps
+        // them all, grows to its space quota and then refuses writes.
+        .args(["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h"])
         .arg("--listen-client-urls")
         .arg(format!("http://127.0.0.1:{client}"))
         .arg("--advertise-client-urls")
