@@ -227,16 +227,12 @@ impl Cluster {
         if fresh {
             return self.members.lock();
         }
-        let live = match self.engine.membership().map(|ms| ms.members()) {
-            Some(Ok(all)) => {
-                self.note_deaths(&all);
-                Some(all.into_iter().filter(|x| x.alive).map(|x| x.info).collect())
-            }
-            Some(Err(e)) => {
+        let live = match self.members_now() {
+            Ok(all) => Some(all.into_iter().filter(|x| x.alive).map(|x| x.info).collect()),
+            Err(e) => {
                 tracing::warn!(error = %e, "cannot read cluster membership; using the last list");
                 None
             }
-            None => None,
         };
         let admin = converged_metadata::ops::nodes::admin_states(self.engine.as_ref())
             .inspect_err(|e| tracing::warn!(error = %e, "cannot read node admin states; using the last ones"))

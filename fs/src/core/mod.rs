@@ -673,9 +673,7 @@ impl Core {
             }
             IMPORT_XATTR if caller.uid != 0 => Err(MetaError::NotPermitted("only root may import a bucket").into()),
             IMPORT_XATTR => self.start_import(ino, value, mode),
-            TIER_XATTR | LAYOUT_XATTR | BACKFILL_XATTR | WORKERS_XATTR | SCRUB_XATTR | STATS_XATTR => {
-                Err(FsError::Invalid("read-only attribute"))
-            }
+            name if Self::is_generated_xattr(name) => Err(FsError::Invalid("read-only attribute")),
             _ => Ok(self.ns.setxattr(ino, name, value, mode)?),
         }
     }
