@@ -95,6 +95,181 @@ pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()>
     Ok(())
 }
 
+/// `len` bytes of `file` from `offset` (zeros past its end), in a buffer
+/// that goes back to a small pool once every holder dropped it: a chunk on
+/// its way to peers is 64 MiB, and fresh memory costs a page fault at each
+/// first touch of each page, at every chunk.
+pub fn read_shared(file: &File, offset: u64, len: usize) -> io::Result<bytes::Bytes> {
+    let mut buf = {
+        let mut pool = CHUNK_SPARES.lock();
+        pool.used = Some(std::time::Instant::now());
+        pool.spare.pop().unwrap_or_default()
+    };
+    // A reused buffer is overwritten, not cleared; only growth is zeroed.
+    buf.resize(len, 0);
+    read_exact_at(file, &mut buf, offset)?;
+    Ok(bytes::Bytes::from_owner(ChunkSpare(buf)))
+}
+
+/// Drop the pooled chunk buffers when none was asked for in `idle`: a
+/// node that stopped writing large files gives their memory back.
+pub fn trim_chunk_spares(idle: std::time::Duration) {
+    let mut pool = CHUNK_SPARES.lock();
+    if pool.used.is_some_and(|t| t.elapsed() >= idle) {
+        pool.spare.clear();
+        pool.used = None;
+    }
+}
+
+struct ChunkPool {
+    spare: Vec<Vec<u8>>,
+    /// When a buffer was last taken.
+    used: Option<std::time::Instant>,
+}
+
+/// Whole-chunk buffers for [`read_shared`]. A leaf lock, held only to push
+/// or pop.
+static CHUNK_SPARES: parking_lot::Mutex<ChunkPool> =
+    parking_lot::Mutex::new(ChunkPool { spare: Vec::new(), used: None });
+/// Chunk buffers kept: a replication window's worth, and one being read.
+const CHUNK_SPARES_KEPT: usize = 4;
+
+struct ChunkSpare(Vec<u8>);
+
+impl AsRef<[u8]> for ChunkSpare {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for ChunkSpare {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.0);
+        let mut pool = CHUNK_SPARES.lock();
+        if pool.used.is_some() && pool.spare.len() < CHUNK_SPARES_KEPT {
+            pool.spare.push(buf);
+        }
+    }
+}
+
+/// Writes a new file once, front to back, past the page cache where the
+/// filesystem allows it (`O_DIRECT`): a replica's copy of a chunk is read
+/// rarely (a failed primary, a peer's remote read), so it need not take
+/// page cache from the writer here, and its later sync has only the file's
+/// size left to put on disk. Bytes go through one aligned buffer; the tail
+/// is written padded to a block and the file cut back to its length. Where
+/// `O_DIRECT` is refused (tmpfs, some FUSE or network filesystems) the
+/// writes are plain buffered ones.
+pub struct OnceWriter {
+    file: File,
+    direct: bool,
+    buf: SpareBuffer,
+    /// Where the aligned region of `buf` starts.
+    at: usize,
+    filled: usize,
+    written: u64,
+}
+
+/// Buffers of finished writers, kept for the next ones: a fresh buffer
+/// costs page faults on every first touch, at every chunk a peer sends.
+/// A leaf lock, held only to push or pop.
+static SPARE_BUFFERS: parking_lot::Mutex<Vec<Vec<u8>>> = parking_lot::Mutex::new(Vec::new());
+/// Spare buffers kept (more than the writers that run at once here: a
+/// replication window's worth from each of a few peers).
+const SPARE_KEPT: usize = 8;
+
+/// A buffer that goes back to the spares when dropped.
+struct SpareBuffer(Vec<u8>);
+
+impl SpareBuffer {
+    fn take() -> Self {
+        SpareBuffer(SPARE_BUFFERS.lock().pop().unwrap_or_else(|| vec![0u8; DIRECT_WRITE + DIRECT_ALIGN]))
+    }
+}
+
+impl Drop for SpareBuffer {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.0);
+        let mut spare = SPARE_BUFFERS.lock();
+        if !buf.is_empty() && spare.len() < SPARE_KEPT {
+            spare.push(buf);
+        }
+    }
+}
+
+/// Alignment of `O_DIRECT` buffers, offsets and lengths (the page size;
+/// every logical block size divides it).
+const DIRECT_ALIGN: usize = 4096;
+/// Bytes per `O_DIRECT` write.
+const DIRECT_WRITE: usize = 1 << 20;
+
+impl OnceWriter {
+    /// Create (or truncate) `path` for writing.
+    pub fn create(path: &std::path::Path) -> io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let open = |flags| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_CLOEXEC | flags)
+                .open(path)
+        };
+        let (file, direct) = match open(libc::O_DIRECT) {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(0)?, false),
+            Err(e) => return Err(e),
+        };
+        let buf = match direct {
+            true => SpareBuffer::take(),
+            false => SpareBuffer(Vec::new()),
+        };
+        let at = buf.0.as_ptr().align_offset(DIRECT_ALIGN);
+        Ok(Self { file, direct, buf, at, filled: 0, written: 0 })
+    }
+
+    /// Append `data`.
+    pub fn push(&mut self, mut data: &[u8]) -> io::Result<()> {
+        if !self.direct {
+            self.file.write_all_at(data, self.written)?;
+            self.written += data.len() as u64;
+            return Ok(());
+        }
+        while !data.is_empty() {
+            let take = data.len().min(DIRECT_WRITE - self.filled);
+            let start = self.at + self.filled;
+            self.buf.0[start..start + take].copy_from_slice(&data[..take]);
+            self.filled += take;
+            data = &data[take..];
+            if self.filled == DIRECT_WRITE {
+                self.flush(DIRECT_WRITE)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, len: usize) -> io::Result<()> {
+        self.file.write_all_at(&self.buf.0[self.at..self.at + len], self.written)?;
+        self.written += len as u64;
+        self.filled = 0;
+        Ok(())
+    }
+
+    /// Write what is left and hand back the file, `len` bytes long
+    /// (not synced).
+    pub fn finish(mut self) -> io::Result<File> {
+        if self.direct && self.filled > 0 {
+            let len = self.written + self.filled as u64;
+            let padded = self.filled.next_multiple_of(DIRECT_ALIGN);
+            self.buf.0[self.at + self.filled..self.at + padded].fill(0);
+            self.flush(padded)?;
+            self.file.set_len(len)?;
+        }
+        Ok(self.file)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::fs::OpenOptions;
@@ -115,5 +290,22 @@ mod tests {
         assert_eq!(block_crcs(&f, 0, len).unwrap(), want);
         // A range past the end reads as zeros too.
         assert_eq!(block_crcs(&f, 0, len + 70_000).unwrap().len(), want.len() + 1);
+    }
+
+    /// What a once-writer wrote reads back byte for byte, whatever the
+    /// pieces it was handed and however the length falls against blocks.
+    #[test]
+    fn a_once_written_file_reads_back_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        for len in [0usize, 1, 4095, 4096, DIRECT_WRITE - 1, DIRECT_WRITE, 3 * DIRECT_WRITE + 12_345] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+            let path = dir.path().join(format!("v{len}"));
+            let mut w = OnceWriter::create(&path).unwrap();
+            for piece in data.chunks(70_001) {
+                w.push(piece).unwrap();
+            }
+            w.finish().unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), data, "{len} bytes");
+        }
     }
 }

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use converged_metadata::types::Ino;
 use converged_transport::{Caller, ChunkRef};
 
-pub use crate::blocks::{block_crcs, read_exact_at};
+pub use crate::blocks::{block_crcs, read_exact_at, OnceWriter};
 use crate::error::{FsError, FsResult};
 
 pub struct ChunkStore {
@@ -125,15 +125,43 @@ impl ChunkStore {
     /// [`ChunkStore::sync_versions`] does that later). Another version of the
     /// chunk, in the backing file or a version file, is left as it is.
     pub fn write_version(&self, c: &ChunkRef, data: &[u8], why: Arrival, durable: bool) -> io::Result<()> {
+        let mut data = Some(data);
+        self.write_version_from(c, data.map_or(0, |d| d.len() as u64), why, durable, &mut || data.take())
+    }
+
+    /// [`ChunkStore::write_version`], the version's `len` bytes taken from
+    /// `next` as they come (a peer's write, written as it arrives). A short
+    /// stream (`next` gives `None` early) or a failed write leaves no file.
+    pub fn write_version_from<B: AsRef<[u8]>>(
+        &self,
+        c: &ChunkRef,
+        len: u64,
+        why: Arrival,
+        durable: bool,
+        next: &mut dyn FnMut() -> Option<B>,
+    ) -> io::Result<()> {
         let path = self.version_path(c.ino, c.index, c.version);
-        let f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&path)?;
-        f.write_all_at(data, 0)?;
+        let written = (|| {
+            let mut w = OnceWriter::create(&path)?;
+            let mut got = 0u64;
+            while got < len {
+                let Some(piece) = next() else {
+                    let e = converged_transport::ServiceError::short_write(got, len);
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, e.msg));
+                };
+                let piece = piece.as_ref();
+                w.push(piece)?;
+                got += piece.len() as u64;
+            }
+            w.finish()
+        })();
+        let f = match written {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+        };
         if durable {
             f.sync_data()?;
             File::open(&self.dir)?.sync_all()?;
@@ -143,7 +171,7 @@ impl ChunkStore {
             Arrival::Received => &self.written.received,
             Arrival::Kept => &self.written.kept,
         };
-        counter.fetch_add(data.len() as u64, Ordering::Relaxed);
+        counter.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
 
@@ -543,6 +571,15 @@ impl converged_transport::ChunkService for PeerChunks {
     fn write_unsynced(&self, c: &ChunkRef, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
         self.store.write_version(c, data, Arrival::Received, false).map_err(service_err)
     }
+    fn write_from(
+        &self,
+        c: &ChunkRef,
+        len: u64,
+        durable: bool,
+        next: &mut dyn FnMut() -> Option<bytes::Bytes>,
+    ) -> Result<(), converged_transport::ServiceError> {
+        self.store.write_version_from(c, len, Arrival::Received, durable, next).map_err(service_err)
+    }
     fn sync(&self, ino: u64, versions: &[(u32, u64)]) -> Result<(), converged_transport::ServiceError> {
         self.store.sync_versions(ino, versions).map_err(service_err)
     }
@@ -596,6 +633,14 @@ mod tests {
         store.sync_versions(7, &[(0, 1)]).unwrap();
         assert_eq!(std::fs::read(store.version_path(7, 0, 1)).unwrap(), b"streamed");
         assert!(store.sync_versions(7, &[(0, 1)]).is_err(), "a version is synced once");
+
+        // A peer's write that stops short leaves no file and nothing to vouch for.
+        let mut pieces = vec![&b"half"[..]].into_iter();
+        let e = store.write_version_from(&chunk(4), 8, Arrival::Received, false, &mut || pieces.next()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(!store.version_path(7, 0, 4).exists());
+        assert!(!store.has_version(7, 0, 4));
+        assert!(store.sync_versions(7, &[(0, 4)]).is_err());
 
         store.write_version(&chunk(3), b"left by a crash", Arrival::Received, false).unwrap();
         drop(store);

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::schema::Control;
 use converged_metadata::{KvEngine, NodeAdmin};
@@ -429,7 +430,7 @@ impl Cluster {
     pub async fn push(
         self: Arc<Self>,
         chunk: ChunkRef,
-        data: Arc<Vec<u8>>,
+        data: Bytes,
         want: usize,
         ranked: Vec<NodeInfo>,
     ) -> Vec<String> {
@@ -442,7 +443,7 @@ impl Cluster {
     pub async fn push_with(
         self: Arc<Self>,
         chunk: ChunkRef,
-        data: Arc<Vec<u8>>,
+        data: Bytes,
         want: usize,
         ranked: Vec<NodeInfo>,
         durable: bool,

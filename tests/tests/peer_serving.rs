@@ -146,13 +146,24 @@ fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes
         let n2 = bind("n2");
         // n2 holds no lease of the file and no copy: a new version from it is refused...
         let forged = ChunkRef { version: version + 1, ..chunk };
-        refused(n2.write(&peer, &forged, &vec![0u8; data.len()]).await, libc::EACCES, "write of a new version by n2");
+        refused(
+            n2.write(&peer, &forged, &bytes::Bytes::from(vec![0u8; data.len()])).await,
+            libc::EACCES,
+            "write of a new version by n2",
+        );
         // ...as is the version n1 holds, and a delete of a file whose records name n1.
-        refused(n2.write(&peer, &chunk, &vec![0u8; data.len()]).await, libc::EACCES, "write over n1's version by n2");
+        refused(
+            n2.write(&peer, &chunk, &bytes::Bytes::from(vec![0u8; data.len()])).await,
+            libc::EACCES,
+            "write over n1's version by n2",
+        );
         refused(n2.delete(&peer, ino).await, libc::EACCES, "delete of n1's file by n2");
         // The node the record names may copy its own version (background replication does).
         let n1_again = bind("n1");
-        n1_again.write(&peer, &chunk, &data).await.expect("a recorded holder may write its version");
+        n1_again
+            .write(&peer, &chunk, &bytes::Bytes::from(data.clone()))
+            .await
+            .expect("a recorded holder may write its version");
     });
     drop_caches();
     same(&std::fs::read(m.path("ckpt.pt")).unwrap(), &data, "the file after the refused writes and delete");
@@ -167,7 +178,11 @@ fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes
     m.mount();
     rt.block_on(async {
         let n1_again = bind("n1");
-        refused(n1_again.write(&peer, &chunk, &data).await, libc::EROFS, "a write to a read-only node");
+        refused(
+            n1_again.write(&peer, &chunk, &bytes::Bytes::from(data.clone())).await,
+            libc::EROFS,
+            "a write to a read-only node",
+        );
         refused(n1_again.delete(&peer, ino).await, libc::EROFS, "a delete on a read-only node");
     });
     same(&std::fs::read(m.path("ckpt.pt")).unwrap(), &data, "the file on the read-only node");

@@ -66,6 +66,31 @@ pub trait ChunkService: Send + Sync + 'static {
     fn write_unsynced(&self, chunk: &ChunkRef, data: &[u8]) -> Result<(), ServiceError> {
         self.write(chunk, data)
     }
+    /// Store version `chunk` like [`ChunkService::write`] (or, when not
+    /// `durable`, [`ChunkService::write_unsynced`]), its `len` bytes taken
+    /// from `next` piece by piece as they arrive from the peer (`None`: the
+    /// sender stopped short, and nothing is stored). By default the pieces
+    /// are gathered first; a store that can write them as they come need
+    /// not hold a whole chunk in memory.
+    fn write_from(
+        &self,
+        chunk: &ChunkRef,
+        len: u64,
+        durable: bool,
+        next: &mut dyn FnMut() -> Option<bytes::Bytes>,
+    ) -> Result<(), ServiceError> {
+        let mut data = Vec::with_capacity(len as usize);
+        while (data.len() as u64) < len {
+            match next() {
+                Some(piece) => data.extend_from_slice(&piece),
+                None => return Err(ServiceError::short_write(data.len() as u64, len)),
+            }
+        }
+        match durable {
+            true => self.write(chunk, &data),
+            false => self.write_unsynced(chunk, &data),
+        }
+    }
     /// Put the chunk versions of `ino` stored by
     /// [`ChunkService::write_unsynced`] on stable storage. Fails for a
     /// version this service cannot vouch for (one it did not receive since
@@ -105,4 +130,11 @@ pub trait ChunkService: Send + Sync + 'static {
 pub struct ServiceError {
     pub errno: i32,
     pub msg: String,
+}
+
+impl ServiceError {
+    /// A peer's write whose stream ended after `got` of its `len` bytes.
+    pub fn short_write(got: u64, len: u64) -> Self {
+        ServiceError { errno: 5, msg: format!("the sender stopped after {got} of {len} bytes") }
+    }
 }

@@ -11,6 +11,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 
 use crate::{ChunkRef, ChunkService, Peer, ServiceError, TransportError};
@@ -34,7 +35,7 @@ pub trait PeerTransport: Send + Sync + 'static {
         &'a self,
         peer: &'a Peer,
         chunk: &'a ChunkRef,
-        data: &'a [u8],
+        data: &'a Bytes,
     ) -> BoxFuture<'a, Result<(), TransportError>>;
     /// Store `data` on `peer` without waiting for its stable storage; a
     /// [`PeerTransport::sync`] must follow. By default a durable write.
@@ -42,7 +43,7 @@ pub trait PeerTransport: Send + Sync + 'static {
         &'a self,
         peer: &'a Peer,
         chunk: &'a ChunkRef,
-        data: &'a [u8],
+        data: &'a Bytes,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         self.write(peer, chunk, data)
     }
@@ -93,7 +94,7 @@ impl PeerTransport for crate::QuicTransport {
         &'a self,
         peer: &'a Peer,
         chunk: &'a ChunkRef,
-        data: &'a [u8],
+        data: &'a Bytes,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(crate::QuicTransport::write(self, peer, chunk, data))
     }
@@ -101,7 +102,7 @@ impl PeerTransport for crate::QuicTransport {
         &'a self,
         peer: &'a Peer,
         chunk: &'a ChunkRef,
-        data: &'a [u8],
+        data: &'a Bytes,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(crate::QuicTransport::write_unsynced(self, peer, chunk, data))
     }
@@ -197,7 +198,7 @@ impl PeerTransport for MemTransport {
         &'a self,
         peer: &'a Peer,
         chunk: &'a ChunkRef,
-        data: &'a [u8],
+        data: &'a Bytes,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             self.call(peer, |s| {
@@ -310,7 +311,7 @@ impl<T: PeerTransport> PeerTransport for FaultyTransport<T> {
         &'a self,
         peer: &'a Peer,
         chunk: &'a ChunkRef,
-        data: &'a [u8],
+        data: &'a Bytes,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             self.fail(peer).await?;
@@ -398,7 +399,7 @@ mod tests {
         let net = MemNetwork::new();
         net.join("b", Arc::new(MemChunks::default()));
         let t = MemTransport::new(net.clone());
-        t.write(&peer("b"), &chunk(7), b"hello").await.unwrap();
+        t.write(&peer("b"), &chunk(7), &Bytes::from_static(b"hello")).await.unwrap();
         assert_eq!(t.read(&peer("b"), &chunk(7), 1, 10).await.unwrap(), b"ello");
         let e = t.read(&peer("c"), &chunk(7), 0, 1).await.unwrap_err();
         assert!(e.is_retryable(), "an unknown node is a connect failure: {e}");
@@ -413,7 +414,7 @@ mod tests {
         let net = MemNetwork::new();
         net.join("b", Arc::new(MemChunks::default()));
         let t = FaultyTransport::new(MemTransport::new(net));
-        t.write(&peer("b"), &chunk(1), &[1, 2, 3]).await.unwrap();
+        t.write(&peer("b"), &chunk(1), &Bytes::from_static(&[1, 2, 3])).await.unwrap();
         t.set("b", Some(PeerFault::Down));
         assert!(matches!(t.read(&peer("b"), &chunk(1), 0, 3).await, Err(TransportError::Connect { .. })));
         t.set("b", Some(PeerFault::Silent(Duration::from_millis(20))));
@@ -421,7 +422,7 @@ mod tests {
         t.set("b", Some(PeerFault::CorruptReads));
         assert_eq!(t.read(&peer("b"), &chunk(1), 0, 3).await.unwrap(), vec![!1u8, !2, !3]);
         t.set("b", Some(PeerFault::RefuseWrites(libc::ENOSPC)));
-        let e = t.write(&peer("b"), &chunk(1), &[9]).await.unwrap_err();
+        let e = t.write(&peer("b"), &chunk(1), &Bytes::from_static(&[9])).await.unwrap_err();
         assert!(matches!(e, TransportError::Remote { err: ServiceError { errno: libc::ENOSPC, .. }, .. }));
         t.set("b", None);
         assert_eq!(t.read(&peer("b"), &chunk(1), 0, 3).await.unwrap(), vec![1, 2, 3]);

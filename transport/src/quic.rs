@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 
 use crate::tls::{NodeTls, TlsError};
@@ -126,7 +127,7 @@ impl QuicTransport {
         Ok(conn)
     }
 
-    async fn call(&self, peer: &Peer, req: Request, payload: &[u8]) -> Result<(Response, Vec<u8>), TransportError> {
+    async fn call(&self, peer: &Peer, req: Request, payload: Bytes) -> Result<(Response, Vec<u8>), TransportError> {
         self.call_within(peer, req, payload, self.timeout).await
     }
 
@@ -134,14 +135,17 @@ impl QuicTransport {
         &self,
         peer: &Peer,
         req: Request,
-        payload: &[u8],
+        payload: Bytes,
         timeout: Duration,
     ) -> Result<(Response, Vec<u8>), TransportError> {
         let work = async {
             let conn = self.connection(peer).await?;
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(peer, e))?;
             send.write_all(&req.encode()).await.map_err(|e| stream_err(peer, e))?;
-            send.write_all(payload).await.map_err(|e| stream_err(peer, e))?;
+            // Handed to quinn as it is: no copy into its send buffer.
+            if !payload.is_empty() {
+                send.write_chunk(payload).await.map_err(|e| stream_err(peer, e))?;
+            }
             send.finish().map_err(|e| stream_err(peer, e))?;
             let mut header = [0u8; HEADER_LEN];
             recv.read_exact(&mut header).await.map_err(|e| stream_err(peer, e))?;
@@ -175,34 +179,34 @@ impl QuicTransport {
 
     /// `len` bytes of version `chunk.version` of a chunk on `peer`, from `at` bytes into it.
     pub async fn read(&self, peer: &Peer, chunk: &ChunkRef, at: u64, len: u32) -> Result<Vec<u8>, TransportError> {
-        Ok(self.call(peer, Request::Read { chunk: *chunk, at, len }, &[]).await?.1)
+        Ok(self.call(peer, Request::Read { chunk: *chunk, at, len }, Bytes::new()).await?.1)
     }
 
     /// Store `data`, the whole of a chunk version, on `peer`, on its stable
     /// storage when this returns.
-    pub async fn write(&self, peer: &Peer, chunk: &ChunkRef, data: &[u8]) -> Result<(), TransportError> {
+    pub async fn write(&self, peer: &Peer, chunk: &ChunkRef, data: &Bytes) -> Result<(), TransportError> {
         let len = u32::try_from(data.len()).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or_else(|| {
             TransportError::Protocol { peer: peer.node.clone(), err: WireError::PayloadTooLarge(u32::MAX) }
         })?;
-        self.call(peer, Request::Write { chunk: *chunk, len }, data).await.map(|_| ())
+        self.call(peer, Request::Write { chunk: *chunk, len }, data.clone()).await.map(|_| ())
     }
 
     /// Store `data` on `peer` without waiting for its stable storage (a
     /// [`QuicTransport::sync`] of it must follow).
-    pub async fn write_unsynced(&self, peer: &Peer, chunk: &ChunkRef, data: &[u8]) -> Result<(), TransportError> {
+    pub async fn write_unsynced(&self, peer: &Peer, chunk: &ChunkRef, data: &Bytes) -> Result<(), TransportError> {
         let len = u32::try_from(data.len()).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or_else(|| {
             TransportError::Protocol { peer: peer.node.clone(), err: WireError::PayloadTooLarge(u32::MAX) }
         })?;
-        self.call(peer, Request::WriteUnsynced { chunk: *chunk, len }, data).await.map(|_| ())
+        self.call(peer, Request::WriteUnsynced { chunk: *chunk, len }, data.clone()).await.map(|_| ())
     }
 
     /// Have `peer` put versions of `ino` it received unsynced on stable storage.
     pub async fn sync(&self, peer: &Peer, ino: u64, versions: &[(u32, u64)]) -> Result<(), TransportError> {
-        self.call(peer, Request::Sync { ino, versions: versions.to_vec() }, &[]).await.map(|_| ())
+        self.call(peer, Request::Sync { ino, versions: versions.to_vec() }, Bytes::new()).await.map(|_| ())
     }
 
     pub async fn delete(&self, peer: &Peer, ino: u64) -> Result<(), TransportError> {
-        self.call(peer, Request::Delete { ino }, &[]).await.map(|_| ())
+        self.call(peer, Request::Delete { ino }, Bytes::new()).await.map(|_| ())
     }
 
     pub async fn checksums(
@@ -212,7 +216,7 @@ impl QuicTransport {
         at: u64,
         len: u64,
     ) -> Result<Vec<u32>, TransportError> {
-        match self.call(peer, Request::Checksums { chunk: *chunk, at, len }, &[]).await?.0 {
+        match self.call(peer, Request::Checksums { chunk: *chunk, at, len }, Bytes::new()).await?.0 {
             Response::Checksums { crcs } => Ok(crcs),
             other => Err(stream_err(peer, format!("unexpected answer {other:?}"))),
         }
@@ -222,7 +226,7 @@ impl QuicTransport {
     /// the copy is recorded. Fetching 64 MiB from an object store takes
     /// longer than a chunk read, hence its own deadline.
     pub async fn stage(&self, peer: &Peer, ino: u64, chunk: u32, timeout: Duration) -> Result<(), TransportError> {
-        self.call_within(peer, Request::Stage { ino, chunk }, &[], timeout).await.map(|_| ())
+        self.call_within(peer, Request::Stage { ino, chunk }, Bytes::new(), timeout).await.map(|_| ())
     }
 
     /// Close every connection and stop accepting.
@@ -367,6 +371,10 @@ const fn libc_eio() -> i32 {
 /// Permission denied: what a refused write or delete answers.
 const EACCES: i32 = 13;
 
+/// Pieces of a peer's chunk write (a datagram's worth each) received ahead
+/// of the store's writes.
+const RECEIVE_AHEAD: usize = 256;
+
 /// Reads up to this many bytes are served without a blocking thread.
 const INLINE_READ: u32 = 64 << 10;
 
@@ -400,17 +408,40 @@ async fn answer(
         }
         Request::Write { chunk, len } | Request::WriteUnsynced { chunk, len } => {
             let durable = matches!(req, Request::Write { .. });
-            let mut data = vec![0u8; len as usize];
-            read_payload(recv, &mut data).await.map_err(io_error)?;
-            blocking(Box::new(move || {
+            // The store writes the pieces as they arrive, on a blocking
+            // thread, a bounded queue behind the network.
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(RECEIVE_AHEAD);
+            let store = tokio::task::spawn_blocking(move || {
                 service.may_write(&caller, &chunk)?;
-                let stored = match durable {
-                    true => service.write(&chunk, &data),
-                    false => service.write_unsynced(&chunk, &data),
-                };
-                stored.map(|()| (Response::Done, Vec::new()))
-            }))
-            .await
+                service.write_from(&chunk, len as u64, durable, &mut || rx.blocking_recv())?;
+                Ok((Response::Done, Vec::new()))
+            });
+            let mut tx = Some(tx);
+            let mut left = len as usize;
+            while left > 0 {
+                match recv.read_chunk(left, true).await {
+                    Ok(Some(piece)) => {
+                        left -= piece.bytes.len();
+                        // A store that refused (or failed) stopped taking
+                        // pieces: the rest is read and dropped, so that the
+                        // sender hears its answer rather than a reset stream.
+                        if let Some(t) = &tx {
+                            if t.send(piece.bytes).await.is_err() {
+                                tx = None;
+                            }
+                        }
+                    }
+                    // Short: the store hears the end and stores nothing.
+                    Ok(None) => break,
+                    Err(e) => {
+                        drop(tx);
+                        let _ = store.await;
+                        return Err(io_error(e));
+                    }
+                }
+            }
+            drop(tx);
+            store.await.map_err(io_error)?
         }
         Request::Sync { ino, versions } => {
             blocking(Box::new(move || service.sync(ino, &versions).map(|()| (Response::Done, Vec::new())))).await

@@ -4,17 +4,19 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use converged_transport::{
-    ChunkRef, ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, ServiceError, TransportError,
+    ChunkRef, ChunkService, ClusterCa, NodeTls, Peer, QuicTransport, Request, Response, ServiceError, TransportError,
 };
 use parking_lot::Mutex;
 
 /// Chunk versions kept in memory: the service side of the test.
+/// The flag makes it refuse every write (what an unauthorized one gets).
 #[derive(Default)]
-struct MemChunks(Mutex<HashMap<ChunkRef, Vec<u8>>>);
+struct MemChunks(Mutex<HashMap<ChunkRef, Vec<u8>>>, AtomicBool);
 
 impl ChunkService for MemChunks {
     fn read(&self, chunk: &ChunkRef, at: u64, len: u32) -> Result<Vec<u8>, ServiceError> {
@@ -27,6 +29,12 @@ impl ChunkService for MemChunks {
     fn write(&self, chunk: &ChunkRef, data: &[u8]) -> Result<(), ServiceError> {
         self.0.lock().insert(*chunk, data.to_vec());
         Ok(())
+    }
+    fn may_write(&self, _: &converged_transport::Caller, _: &ChunkRef) -> Result<(), ServiceError> {
+        match self.1.load(Ordering::Relaxed) {
+            true => Err(ServiceError { errno: 13, msg: "refused".into() }),
+            false => Ok(()),
+        }
     }
     fn delete(&self, ino: u64) -> Result<(), ServiceError> {
         self.0.lock().retain(|c, _| c.ino != ino);
@@ -68,7 +76,7 @@ async fn peers_with_cluster_certificates_move_chunks() {
     let peer2 = Peer { addr: n2.local_addr(), node: "n2".into() };
 
     let data = pattern(5 << 20);
-    n1.write(&peer2, &chunk(7), &data).await.unwrap();
+    n1.write(&peer2, &chunk(7), &bytes::Bytes::from(data.clone())).await.unwrap();
     assert_eq!(store2.0.lock()[&chunk(7)], data, "bytes landed on n2");
     assert_eq!(n1.read(&peer2, &chunk(7), 0, 5 << 20).await.unwrap(), data);
     assert_eq!(n1.read(&peer2, &chunk(7), 1_000_000, 4096).await.unwrap(), data[1_000_000..1_004_096]);
@@ -158,6 +166,42 @@ async fn garbage_on_a_stream_resets_only_that_stream() {
     send.finish().unwrap();
     let reply = recv.read_to_end(1024).await.unwrap();
     assert!(reply.ends_with(b"intact"));
+}
+
+/// A peer's write is stored as its bytes arrive: one whose stream ends
+/// short stores nothing and is answered with an error; one the store
+/// refuses is answered with the refusal (its bytes read and dropped), not
+/// a reset stream that would read as a failed peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_cut_short_stores_nothing_and_a_refusal_is_answered() {
+    let ca = ClusterCa::generate("cluster").unwrap();
+    let store = Arc::new(MemChunks::default());
+    let server = node(&ca.issue("n2").unwrap(), store.clone());
+    let peer = Peer { addr: server.local_addr(), node: "n2".into() };
+    let tls = ca.issue("n1").unwrap();
+
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(tls.client_config().unwrap());
+    let conn = ep.connect(peer.addr, "n2").unwrap().await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(&Request::WriteUnsynced { chunk: chunk(5), len: 1 << 20 }.encode()).await.unwrap();
+    send.write_all(&pattern(300_000)).await.unwrap();
+    send.finish().unwrap();
+    let reply = recv.read_to_end(1 << 16).await.unwrap();
+    match Response::decode(&reply).unwrap() {
+        Response::Error { errno, msg } => assert_eq!(errno, 5, "{msg}"),
+        other => panic!("a write cut short was answered {other:?}"),
+    }
+    assert!(!store.0.lock().contains_key(&chunk(5)), "nothing stored from a short write");
+
+    store.1.store(true, Ordering::Relaxed);
+    let client = node(&tls, Arc::default());
+    let e = client.write(&peer, &chunk(6), &bytes::Bytes::from(pattern(8 << 20))).await.unwrap_err();
+    assert!(matches!(e, TransportError::Remote { err: ServiceError { errno: 13, .. }, .. }), "{e}");
+    assert!(!store.0.lock().contains_key(&chunk(6)));
+    store.1.store(false, Ordering::Relaxed);
+    client.write(&peer, &chunk(6), &bytes::Bytes::from(pattern(8 << 20))).await.unwrap();
+    assert_eq!(store.0.lock()[&chunk(6)], pattern(8 << 20));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

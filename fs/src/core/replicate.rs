@@ -3,7 +3,6 @@
 //! files re-sealed at mount). The replicator worker calls one step at a time.
 
 use std::fs::File;
-use std::sync::Arc;
 use std::time::Duration;
 
 use converged_metadata::types::*;
@@ -118,7 +117,7 @@ impl Core {
             let missing = want - rec.replicas.len();
             let ranked = cluster.plan(ino, index, &rec.replicas);
             let chunk = remote::chunk_ref(ino, index as u64, cs, &rec);
-            let copies = cluster.block_on(cluster.clone().push(chunk, Arc::new(data), missing, ranked));
+            let copies = cluster.block_on(cluster.clone().push(chunk, bytes::Bytes::from(data), missing, ranked));
             short |= rec.replicas.len() + copies.len() < want;
             if !copies.is_empty() {
                 self.ns.add_replicas(ino, index, rec.version, &copies)?;

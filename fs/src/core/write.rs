@@ -47,7 +47,7 @@ use converged_transport::ChunkRef;
 
 use super::open::OpenInode;
 use super::{chunk_range, ts_from, Caller, Core};
-use crate::chunkstore::{block_crcs, read_exact_at};
+use crate::chunkstore::block_crcs;
 use crate::cluster::DurabilityMode;
 use crate::error::{FsError, FsResult};
 
@@ -929,7 +929,7 @@ impl Core {
                 tracing::warn!(ino = chunk.ino, chunk = chunk.index, error = %e, "could not keep the published version of a chunk beside the one being written");
             }
         };
-        type Inflight = (usize, ChunkRef, Arc<Vec<u8>>, tokio::task::JoinHandle<Vec<String>>);
+        type Inflight = (usize, ChunkRef, bytes::Bytes, tokio::task::JoinHandle<Vec<String>>);
         let land = |chunks: &mut Vec<(u32, ChunkRecord)>, (at, chunk, data, task): Inflight| {
             let c = replicate_now.expect("only replicating chunks are in flight");
             let copies = c.block_on(task).unwrap_or_default();
@@ -974,13 +974,16 @@ impl Core {
                 }
             }
             // Bytes that leave the backing file are read once, and
-            // checksummed as they are sent or kept.
-            let data = match replicate_now.is_some() || keep_here {
-                true => {
-                    let mut data = vec![0u8; len as usize];
-                    read_exact_at(file, &mut data, start).map_err(|e| FsError::io("read chunk to replicate", e))?;
-                    Some(data)
-                }
+            // checksummed as they are sent or kept. A chunk streamed to
+            // peers is checksummed where it lies first: unchanged since, it
+            // does not leave again.
+            let read_chunk = || {
+                crate::blocks::read_shared(file, start, len as usize)
+                    .map_err(|e| FsError::io("read chunk to replicate", e))
+            };
+            let needs_bytes = replicate_now.is_some() || keep_here;
+            let data = match needs_bytes && !how.streamed.contains_key(&index) {
+                true => Some(read_chunk()?),
                 false => None,
             };
             let block_crcs = match &data {
@@ -1014,10 +1017,13 @@ impl Core {
             how.floor.set(version);
             let record = ChunkRecord { version, len: len as u32, replicas: mine(), block_crcs };
             let chunk = ChunkRef { ino: inode.ino, index, version: record.version, start };
+            let data = match (data, needs_bytes) {
+                (None, true) => Some(read_chunk()?),
+                (data, _) => data,
+            };
             match (replicate_now, data) {
                 (Some(c), Some(data)) => {
                     let ranked = c.plan(inode.ino, index, &record.replicas);
-                    let data = Arc::new(data);
                     let push = c.clone().push(chunk, data.clone(), to_peers, ranked);
                     inflight.push_back((chunks.len(), chunk, data, c.spawn(push)));
                 }
@@ -1144,15 +1150,15 @@ impl Core {
                 continue;
             }
             let start = index as u64 * cs;
-            let mut data = vec![0u8; cs as usize];
-            read_exact_at(&oi.file, &mut data, start).map_err(|e| FsError::io("read chunk to stream", e))?;
+            let data = crate::blocks::read_shared(&oi.file, start, cs as usize)
+                .map_err(|e| FsError::io("read chunk to stream", e))?;
             let block_crcs: Vec<u32> = data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect();
             let version = session_version(previous, job.lease, floor);
             floor = version;
             let ranked = c.plan(ino, index, &[self.node_id().to_string()]);
             let chunk = ChunkRef { ino, index, version, start };
             // Unsynced: the publish that records it has the holder sync it.
-            let task = c.spawn(c.clone().push_with(chunk, Arc::new(data), want - 1, ranked, false));
+            let task = c.spawn(c.clone().push_with(chunk, data, want - 1, ranked, false));
             inflight.push((index, version, block_crcs, task));
         }
         for (index, version, block_crcs, task) in inflight {

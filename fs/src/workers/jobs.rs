@@ -91,6 +91,10 @@ pub struct Streamer {
 /// fast writer takes to fill a quarter of a 64 MiB chunk.
 const STREAM_PERIOD: Duration = Duration::from_millis(50);
 
+/// How long buffers of chunks sent to peers are kept after the last one was
+/// asked for (the next checkpoint's chunks reuse them).
+const KEEP_CHUNK_BUFFERS: Duration = Duration::from_secs(10);
+
 impl Worker for Streamer {
     fn name(&self) -> String {
         "streamer".into()
@@ -100,7 +104,10 @@ impl Worker for Streamer {
         std::thread::sleep(STREAM_PERIOD);
         let Some(core) = self.core.upgrade() else { return Step::Stop };
         match core.stream_step() {
-            0 => Step::Idle,
+            0 => {
+                crate::blocks::trim_chunk_spares(KEEP_CHUNK_BUFFERS);
+                Step::Idle
+            }
             n => Step::Worked(format!("streamed {n} chunks to replicas ahead of their publish")),
         }
     }
