@@ -1152,6 +1152,9 @@ impl Core {
             let start = index as u64 * cs;
             let data = crate::blocks::read_shared(&oi.file, start, cs as usize)
                 .map_err(|e| FsError::io("read chunk to stream", e))?;
+            // The local copy heads for the disk while the copies cross the
+            // network: the publish then waits for the tail on both.
+            crate::blocks::start_writeback(&oi.file, start, cs);
             let block_crcs: Vec<u32> = data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect();
             let version = session_version(previous, job.lease, floor);
             floor = version;
