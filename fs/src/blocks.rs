@@ -214,10 +214,14 @@ impl Drop for SpareBuffer {
 const DIRECT_ALIGN: usize = 4096;
 /// Bytes per `O_DIRECT` write.
 const DIRECT_WRITE: usize = 1 << 20;
+/// Files from this size on are written past the page cache.
+pub const DIRECT_FROM: u64 = DIRECT_WRITE as u64;
 
 impl OnceWriter {
-    /// Create (or truncate) `path` for writing.
-    pub fn create(path: &std::path::Path) -> io::Result<Self> {
+    /// Create (or truncate) `path` for writing about `len` bytes: below
+    /// [`DIRECT_FROM`] plainly (a small file's padded direct write and
+    /// size fix-up cost more than they save, and it is likely read soon).
+    pub fn create(path: &std::path::Path, len: u64) -> io::Result<Self> {
         use std::os::unix::fs::OpenOptionsExt;
         let open = |flags| {
             std::fs::OpenOptions::new()
@@ -228,8 +232,8 @@ impl OnceWriter {
                 .custom_flags(libc::O_CLOEXEC | flags)
                 .open(path)
         };
-        let (file, direct) = match open(libc::O_DIRECT) {
-            Ok(f) => (f, true),
+        let (file, direct) = match open(if len >= DIRECT_FROM { libc::O_DIRECT } else { 0 }) {
+            Ok(f) => (f, len >= DIRECT_FROM),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(0)?, false),
             Err(e) => return Err(e),
         };
@@ -330,7 +334,7 @@ mod tests {
         for len in [0usize, 1, 4095, 4096, DIRECT_WRITE - 1, DIRECT_WRITE, 3 * DIRECT_WRITE + 12_345] {
             let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
             let path = dir.path().join(format!("v{len}"));
-            let mut w = OnceWriter::create(&path).unwrap();
+            let mut w = OnceWriter::create(&path, len as u64).unwrap();
             for piece in data.chunks(70_001) {
                 w.push(piece).unwrap();
             }

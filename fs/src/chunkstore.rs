@@ -142,7 +142,7 @@ impl ChunkStore {
     ) -> io::Result<()> {
         let path = self.version_path(c.ino, c.index, c.version);
         let written = (|| {
-            let mut w = OnceWriter::create(&path)?;
+            let mut w = OnceWriter::create(&path, len)?;
             let mut got = 0u64;
             while got < len {
                 let Some(piece) = next() else {
