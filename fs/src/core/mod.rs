@@ -9,6 +9,9 @@
 //!   choice of the kernel's I/O mode for a handle.
 //! - `write.rs`: the write path; a file's write state is one enum
 //!   ([`write::WriteState`]) whose transitions all live there.
+//! - `seal.rs`: what a seal records (plan, a pass over the chunks, the
+//!   streamed copies vouched for, the commit), and the streamer's copying of
+//!   full chunks to peers while a writer goes on.
 //! - `read.rs`: the read path; one `locate` step says where each range of a
 //!   file comes from (hole, local copy, peer, object store).
 //! - `attr.rs`: attributes, and truncation through the write path.
@@ -65,6 +68,7 @@ mod removed;
 mod repair;
 mod replicate;
 mod scrub;
+mod seal;
 mod sweep;
 mod versions;
 mod write;

@@ -38,42 +38,21 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use converged_metadata::types::*;
-use converged_metadata::{ChunkRecord, Durability, MetaError, Seal};
-use converged_transport::ChunkRef;
+use converged_metadata::{Durability, MetaError, Seal};
 
 use super::open::OpenInode;
 use super::{chunk_range, ts_from, Caller, Core};
-use crate::chunkstore::block_crcs;
 use crate::cluster::DurabilityMode;
 use crate::error::{FsError, FsResult};
-
-/// Chunks whose replica writes may be in flight at once while sealing.
-const REPLICATION_WINDOW: usize = 3;
 
 /// How long an open for writing waits for another node's write lease.
 const LEASE_WAIT: Duration = Duration::from_secs(2);
 
 /// The most bytes one copy_file_range request copies.
 pub const COPY_PER_CALL: u64 = 64 << 20;
-/// The offset of the first data at or after `from` in `file` (SEEK_DATA),
-/// None when only a hole follows. A filesystem that cannot tell answers
-/// `from` (all data).
-fn data_at_or_after(file: &File, from: u64) -> Option<u64> {
-    // SAFETY: lseek on our own fd; the backing file's offset is never used for I/O.
-    let r = unsafe { libc::lseek(file.as_raw_fd(), from as i64, libc::SEEK_DATA) };
-    if r >= 0 {
-        return Some(r as u64);
-    }
-    match std::io::Error::last_os_error().raw_os_error() {
-        Some(libc::ENXIO) => None,
-        _ => Some(from),
-    }
-}
-
 /// Size and mtime of a backing file: what a publish saw, to skip the next
 /// one (and the final seal) when nothing changed since.
 pub(super) type Stamp = (u64, Timespec);
@@ -148,16 +127,16 @@ pub(super) struct Streamed {
 }
 
 /// The chunks a stream looked at, with what it copied of each.
-type Looked = Vec<(u32, Option<Streamed>)>;
+pub(super) type Looked = Vec<(u32, Option<Streamed>)>;
 
 /// What a stream of a writing session's chunks starts from.
 pub(super) struct StreamJob {
-    lease: u64,
-    floor: u64,
+    pub lease: u64,
+    pub floor: u64,
     /// Chunks looked at already this session.
-    seen: std::collections::BTreeSet<u32>,
+    pub seen: std::collections::BTreeSet<u32>,
     /// The file has no chunk records yet.
-    fresh: bool,
+    pub fresh: bool,
 }
 
 /// What a publish seals: the chunks to checksum, under which lease, and
@@ -870,216 +849,12 @@ impl Core {
         }
         r.map(|_| true)
     }
-
-    /// Compute checksums for the dirty chunks of `inode` from `file` and
-    /// record them with the size and mtime the backing file has. This node
-    /// is the primary of every chunk it seals (unless it is draining: see
-    /// `leaving` below); in a cluster the other
-    /// replicas are written before the record (durability=replicated) or
-    /// after it, in the background (durability=local). A chunk whose bytes
-    /// did not change keeps its record, version and replicas.
-    pub(super) fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, how: SealAs<'_>) -> FsResult<Inode> {
-        let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
-        let size = md.len();
-        let cs = inode.chunk_size.max(1) as u64;
-        let nchunks = size.div_ceil(cs) as u32;
-        let which: Vec<u32> = match dirty {
-            Dirty::All => (0..nchunks).collect(),
-            Dirty::Chunks(set) => set.iter().copied().filter(|c| *c < nchunks).collect(),
-            Dirty::None => Vec::new(),
-        };
-        let old: std::collections::HashMap<u32, ChunkRecord> = match which.is_empty() || how.fresh {
-            true => Default::default(),
-            false => self.ns.chunks(inode.ino)?.into_iter().collect(),
-        };
-        let cluster = self.cluster.get();
-        let want = match cluster {
-            Some(c) if !which.is_empty() => {
-                self.ns.replicas_policy(inode.ino)?.unwrap_or(c.default_replicas()).max(1) as usize
-            }
-            _ => 1,
-        };
-        // A draining (or drained) node keeps no copy of what it seals: each
-        // chunk goes to `want` other nodes, and the backing file here only
-        // serves this node's writers (the sweep removes it once closed). A
-        // chunk no peer took stays recorded here, as anywhere else.
-        let leaving = cluster.is_some_and(|c| c.durability() == DurabilityMode::Replicated && !c.placeable(c.node()));
-        if leaving {
-            // This node's own change: the change feed does not report it here.
-            self.sweep_hints.note(inode.ino);
-        }
-        let replicate_now = cluster.filter(|c| (want > 1 || leaving) && c.durability() == DurabilityMode::Replicated);
-        let to_peers = if leaving { want } else { want - 1 };
-        // A publish while writers go on (close or fsync in a cluster): the
-        // backing file keeps changing in place and holds no published
-        // version. A chunk version no peer took a copy of is kept here in a
-        // version file, so that it can be served and replicated as sealed.
-        let keep_here = cluster.is_some() && how.keep_unsealed;
-        let epoch = how.lease.unwrap_or(converged_metadata::CREATE_LEASE);
-        let mut short = false;
-        let mut chunks: Vec<(u32, ChunkRecord)> = Vec::with_capacity(which.len());
-        // Replica writes in flight (position in `chunks`, the bytes, task):
-        // the next chunk is read and checksummed while earlier ones cross
-        // the network.
-        let mut inflight = std::collections::VecDeque::new();
-        // Holders of streamed chunks this seal records: what each must sync.
-        let mut to_sync: std::collections::BTreeMap<String, Vec<(u32, u64)>> = Default::default();
-        let keep_version = |chunk: &ChunkRef, data: &[u8]| {
-            if let Err(e) = self.store.write_version(chunk, data, crate::chunkstore::Arrival::Kept, true) {
-                tracing::warn!(ino = chunk.ino, chunk = chunk.index, error = %e, "could not keep the published version of a chunk beside the one being written");
-            }
-        };
-        type Inflight = (usize, ChunkRef, bytes::Bytes, tokio::task::JoinHandle<Vec<String>>);
-        let land = |chunks: &mut Vec<(u32, ChunkRecord)>, (at, chunk, data, task): Inflight| {
-            let c = replicate_now.expect("only replicating chunks are in flight");
-            let copies = c.block_on(task).unwrap_or_default();
-            let (index, record) = &mut chunks[at];
-            if leaving && copies.is_empty() {
-                record.replicas.push(self.node_id().to_string());
-            }
-            if copies.len() + record.replicas.len() < want {
-                tracing::warn!(
-                    ino = inode.ino,
-                    chunk = *index,
-                    copies = copies.len() + record.replicas.len(),
-                    want,
-                    "chunk under-replicated: too few peers answered"
-                );
-            }
-            if copies.is_empty() && keep_here {
-                keep_version(&chunk, &data);
-            }
-            record.replicas.extend(copies);
-        };
-        // The backing file's next data at or after an offset (None: only a
-        // hole follows), asked once per run of holes.
-        let mut next_data: Option<Option<u64>> = None;
-        for index in which {
-            let start = index as u64 * cs;
-            let len = (size - start).min(cs);
-            if !old.contains_key(&index) {
-                // A chunk that is a hole in the backing file and had no
-                // record stays a hole: no record, nothing to checksum. (A
-                // hole over a recorded chunk is recorded as zeros, so the
-                // old bytes do not show through.) A file written at 16 TiB
-                // would otherwise record 262,144 chunks of zeros.
-                let nd = match next_data {
-                    Some(Some(d)) if d >= start => Some(d),
-                    Some(None) => None,
-                    _ => data_at_or_after(file, start),
-                };
-                next_data = Some(nd);
-                if nd.is_none_or(|d| d >= start + len) {
-                    continue;
-                }
-            }
-            // Bytes that leave the backing file are read once, and
-            // checksummed as they are sent or kept. A chunk streamed to
-            // peers is checksummed where it lies first: unchanged since, it
-            // does not leave again.
-            let read_chunk = || {
-                crate::blocks::read_shared(file, start, len as usize)
-                    .map_err(|e| FsError::io("read chunk to replicate", e))
-            };
-            let needs_bytes = replicate_now.is_some() || keep_here;
-            let data = match needs_bytes && !how.streamed.contains_key(&index) {
-                true => Some(read_chunk()?),
-                false => None,
-            };
-            let block_crcs = match &data {
-                Some(data) => data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect(),
-                None => block_crcs(file, start, len).map_err(|e| FsError::io("checksum backing file", e))?,
-            };
-            let previous = old.get(&index);
-            if let Some(o) = previous {
-                let kept = o.replicas.iter().any(|r| r == self.node_id()) || (leaving && !o.replicas.is_empty());
-                if o.len as u64 == len && o.block_crcs == block_crcs && kept {
-                    short |= o.replicas.len() < want;
-                    continue;
-                }
-            }
-            let mine = || if leaving { Vec::new() } else { vec![self.node_id().to_string()] };
-            // Streamed to peers while the writer went on, and unchanged since.
-            // Its copies were written unsynced: each holder syncs them all
-            // at once before the commit.
-            if let Some(s) = how.streamed.get(&index).filter(|s| s.len as u64 == len && s.block_crcs == block_crcs) {
-                if !leaving && !s.copies.is_empty() {
-                    let mut replicas = mine();
-                    replicas.extend(s.copies.iter().cloned());
-                    for holder in &s.copies {
-                        to_sync.entry(holder.clone()).or_default().push((index, s.version));
-                    }
-                    chunks.push((index, ChunkRecord { version: s.version, len: len as u32, replicas, block_crcs }));
-                    continue;
-                }
-            }
-            let version = session_version(previous, epoch, how.floor.get());
-            how.floor.set(version);
-            let record = ChunkRecord { version, len: len as u32, replicas: mine(), block_crcs };
-            let chunk = ChunkRef { ino: inode.ino, index, version: record.version, start };
-            let data = match (data, needs_bytes) {
-                (None, true) => Some(read_chunk()?),
-                (data, _) => data,
-            };
-            match (replicate_now, data) {
-                (Some(c), Some(data)) => {
-                    let ranked = c.plan(inode.ino, index, &record.replicas);
-                    let push = c.clone().push(chunk, data.clone(), to_peers, ranked);
-                    inflight.push_back((chunks.len(), chunk, data, c.spawn(push)));
-                }
-                (None, Some(data)) => keep_version(&chunk, &data),
-                (_, None) => {}
-            }
-            chunks.push((index, record));
-            while inflight.len() >= REPLICATION_WINDOW {
-                land(&mut chunks, inflight.pop_front().expect("not empty"));
-            }
-        }
-        while let Some(f) = inflight.pop_front() {
-            land(&mut chunks, f);
-        }
-        if let (Some(c), false) = (cluster, to_sync.is_empty()) {
-            // A holder that cannot vouch for its streamed copies (it failed,
-            // or restarted since) is not recorded: the file is then short
-            // of copies, and the replicator sends them again.
-            let synced = c.sync(inode.ino, to_sync.clone());
-            for (holder, list) in &to_sync {
-                if synced.contains(holder) {
-                    continue;
-                }
-                for (index, _) in list {
-                    if let Some((_, r)) = chunks.iter_mut().find(|(i, _)| i == index) {
-                        r.replicas.retain(|h| h != holder);
-                    }
-                }
-            }
-        }
-        short |= chunks.iter().any(|(_, r)| r.replicas.len() < want);
-        let mtime = ts_from(md.mtime(), md.mtime_nsec());
-        let SealAs { keep_unsealed, durability, data_durable, lease, mut attrs, .. } = how;
-        if let Some(a) = attrs.as_mut().filter(|a| a.mtime.is_some()) {
-            // The times set were put on the backing file, and a write since
-            // moved its mtime on: the backing file has the one to record.
-            a.mtime = Some(TimeSet::At(mtime));
-        }
-        let seal = Seal { size, mtime, chunks, keep_unsealed, lease, data_durable, attrs };
-        let sealed = self.ns.seal(inode.ino, &seal, durability)?;
-        self.stats.seals.fetch_add(1, Ordering::Relaxed);
-        if let Some(t) = self.tier.get() {
-            t.enqueue(inode.ino, t.cfg.backfill_delay);
-        }
-        if short {
-            self.under_replicated.0.lock().insert(inode.ino);
-            self.under_replicated.1.notify_one();
-        }
-        Ok(sealed)
-    }
 }
 
 impl Core {
     /// One pass of the streamer: the full chunks that writers here have
     /// moved past are copied to peers while the writes go on (in a cluster
-    /// whose durability is `replicated`), at most [`REPLICATION_WINDOW`] of
+    /// whose durability is `replicated`), at most [`REPLICATION_WINDOW`](super::seal::REPLICATION_WINDOW) of
     /// a file at once, so that a publish (close, fsync) sends only what
     /// changed since and the tail. A chunk is looked at once per writing
     /// session: the first time the file reaches past its end with no hole in
@@ -1114,69 +889,6 @@ impl Core {
         }
         copied
     }
-
-    /// Copy to peers the chunks of one writer's file that are due (see
-    /// [`Core::stream_step`]); no lock is held. Returns each chunk looked at
-    /// (with what was streamed of it) and the highest version handed out.
-    fn stream_file(
-        &self,
-        c: &Arc<crate::cluster::Cluster>,
-        oi: &OpenInode,
-        job: &StreamJob,
-    ) -> FsResult<(Looked, u64)> {
-        let ino = oi.ino;
-        let size = oi.file.metadata().map_err(|e| FsError::io("stat backing file", e))?.len();
-        let inode = self.ns.getattr(ino)?;
-        let cs = inode.chunk_size.max(1) as u64;
-        let due: Vec<u32> = (0..(size / cs) as u32)
-            .filter(|i| !job.seen.contains(i) && !crate::blocks::has_hole(&oi.file, *i as u64 * cs, cs))
-            .take(REPLICATION_WINDOW)
-            .collect();
-        let mut floor = job.floor;
-        if due.is_empty() {
-            return Ok((Vec::new(), floor));
-        }
-        let want = self.ns.replicas_policy(ino)?.unwrap_or(c.default_replicas()).max(1) as usize;
-        let old: std::collections::HashMap<u32, ChunkRecord> = match job.fresh || want < 2 {
-            true => Default::default(),
-            false => self.ns.chunks(ino)?.into_iter().collect(),
-        };
-        let mut looked = Vec::with_capacity(due.len());
-        let mut inflight = Vec::with_capacity(due.len());
-        for index in due {
-            let previous = old.get(&index);
-            if want < 2 || previous.is_some_and(|o| o.len as u64 == cs) {
-                looked.push((index, None));
-                continue;
-            }
-            let start = index as u64 * cs;
-            let data = crate::blocks::read_shared(&oi.file, start, cs as usize)
-                .map_err(|e| FsError::io("read chunk to stream", e))?;
-            // The local copy heads for the disk while the copies cross the
-            // network: the publish then waits for the tail on both.
-            crate::blocks::start_writeback(&oi.file, start, cs);
-            let block_crcs: Vec<u32> = data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect();
-            let version = session_version(previous, job.lease, floor);
-            floor = version;
-            let ranked = c.plan(ino, index, &[self.node_id().to_string()]);
-            let chunk = ChunkRef { ino, index, version, start };
-            // Unsynced: the publish that records it has the holder sync it.
-            let task = c.spawn(c.clone().push_with(chunk, data, want - 1, ranked, false));
-            inflight.push((index, version, block_crcs, task));
-        }
-        for (index, version, block_crcs, task) in inflight {
-            let copies = c.block_on(task).unwrap_or_default();
-            looked.push((index, Some(Streamed { version, len: cs as u32, block_crcs, copies })));
-        }
-        Ok((looked, floor))
-    }
-}
-
-/// The version a writing session gives a new copy of a chunk recorded as
-/// `previous`: past it, in the session's lease epoch, and above every
-/// version the session handed out so far (`floor`).
-fn session_version(previous: Option<&ChunkRecord>, epoch: u64, floor: u64) -> u64 {
-    converged_metadata::next_version(previous.map(|o| o.version), epoch).max(floor + 1)
 }
 
 /// The error a fenced session's fsync and close return (`EIO`).
