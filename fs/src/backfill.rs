@@ -87,8 +87,9 @@ impl Core {
 
     /// One step of a backfill worker: take the next due file off the queue
     /// (waiting for one at most a second) and move it one state forward;
-    /// every 2 s, delete objects of removed files and adopt dead nodes'
-    /// work. Returns `None` once the tier has stopped.
+    /// every 2 s at most, delete objects of removed files (after this
+    /// node's purges, and at the safety read) and adopt dead nodes' work
+    /// (after membership changes). Returns `None` once the tier has stopped.
     pub(crate) fn backfill_step(&self, last_garbage: &mut Instant) -> Option<String> {
         let t = self.tiering().cloned()?;
         let work = {
@@ -141,8 +142,11 @@ impl Core {
         }
         if last_garbage.elapsed() >= Duration::from_secs(2) && t.backlog().retry_in.is_none() {
             *last_garbage = Instant::now();
-            if let Err(e) = self.collect_garbage(&t) {
-                tracing::warn!(error = %e, "deleting objects of removed files failed; retrying later");
+            if self.control().due(&mut t.garbage_since.lock()) {
+                if let Err(e) = self.collect_garbage(&t) {
+                    tracing::warn!(error = %e, "deleting objects of removed files failed; retrying later");
+                    t.garbage_since.lock().retry();
+                }
             }
             self.adopt_if_nodes_died(&t);
             self.rescan_if_asked(&t);
@@ -181,30 +185,38 @@ impl Core {
     /// dead with nothing left costs no further scans.
     fn adopt_if_nodes_died(&self, t: &Tiering) {
         let Some(cluster) = self.cluster() else { return };
-        let dead = {
+        {
             let mut a = t.adopted.lock();
             if a.looked.is_some_and(|at| at.elapsed() < ADOPT_LOOK) {
                 return;
             }
+            // With no dead node's work outstanding, the member list is read
+            // again only when it changed (or at the safety read).
+            if !a.pending && !self.control().due(&mut t.members_since.lock()) {
+                return;
+            }
             a.looked = Some(Instant::now());
-            let dead = match cluster.dead_nodes() {
-                Ok(d) => d,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read cluster membership to take over dead nodes' backfill");
-                    return;
-                }
-            };
+        }
+        // Read with no lock held.
+        let dead = match cluster.dead_nodes() {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read cluster membership to take over dead nodes' backfill");
+                t.members_since.lock().retry();
+                return;
+            }
+        };
+        {
+            let mut a = t.adopted.lock();
             if dead.is_empty() {
                 a.handled.clear();
                 return;
             }
             let again = a.pending && a.scanned.is_none_or(|at| at.elapsed() >= ADOPT_RESCAN);
-            let due = !dead.is_subset(&a.handled) || again;
-            if !due {
+            if dead.is_subset(&a.handled) && !again {
                 return;
             }
-            dead
-        };
+        }
         match self.adopt_work_of(t, cluster, &dead) {
             Ok((taken, seen)) => {
                 if taken > 0 {

@@ -131,6 +131,12 @@ pub struct Tiering {
     pub(crate) rescanned: std::sync::atomic::AtomicU64,
     /// What reading rescan requests follows (a leaf lock).
     pub(crate) rescan_since: Mutex<crate::control::Since>,
+    /// What looking for objects to delete follows: this node's purges
+    /// (a leaf lock).
+    pub(crate) garbage_since: Mutex<crate::control::Since>,
+    /// What looking for dead nodes' backfill follows: membership changes.
+    /// Taken under `adopted`, or alone; nothing is taken under it.
+    pub(crate) members_since: Mutex<crate::control::Since>,
 }
 
 /// A one-line view of the backlog.
@@ -155,6 +161,8 @@ impl Tiering {
             adopted: Mutex::default(),
             rescanned: Default::default(),
             rescan_since: Mutex::new(crate::control::Since::new(&[converged_metadata::schema::Control::Rescan])),
+            garbage_since: Mutex::new(crate::control::Since::new(&[converged_metadata::schema::Control::Garbage])),
+            members_since: Mutex::new(crate::control::Since::new(&[converged_metadata::schema::Control::Members])),
         }
     }
 

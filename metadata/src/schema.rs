@@ -197,10 +197,16 @@ pub enum Control {
     Gc,
     /// Requests to queue files for upload again (`H`).
     Rescan,
+    /// Objects of purged files waiting for deletion (`G`). Moved by a
+    /// node's own purges only, never by the feed: each node deletes the
+    /// objects of the files it purged, and those of a node that died first
+    /// are found by any node's safety read.
+    Garbage,
 }
 
 impl Control {
-    pub const ALL: [Control; 5] = [Control::Members, Control::Admin, Control::Rebalance, Control::Gc, Control::Rescan];
+    pub const ALL: [Control; 6] =
+        [Control::Members, Control::Admin, Control::Rebalance, Control::Gc, Control::Rescan, Control::Garbage];
 }
 
 /// Whether `key` is a node's registration or liveness record (`K`, `L`).

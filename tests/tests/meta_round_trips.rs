@@ -283,16 +283,31 @@ const HELD: u64 = 300;
 /// otherwise only at a safety read minutes apart; the sweep (which removes
 /// copies no record names) looks at the files whose records changed, not
 /// at every copy it holds; the flusher looks for sync marks only after a
-/// seal wrote one. Here the sweep's period is 1 s: a sweep of every copy
-/// would read three records per copy per second. Counted from the daemons'
-/// own metrics (every request to etcd, by kind).
+/// seal wrote one; with an object store, a node looks for objects to delete
+/// after its own purges, and for dead nodes' backfill when the member list
+/// changed. Here the sweep's period is 1 s: a sweep of every copy would
+/// read three records per copy per second. Counted from the daemons' own
+/// metrics (every request to etcd, by kind).
 #[test]
 fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
     let ports: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
-    let args = |i: usize| ["--metrics", &ports[i], "--sweep-grace", "2s"].map(String::from);
-    let Some(mut c) = Cluster::start(1, &args(0).each_ref().map(String::as_str)) else { return };
+    // A real S3 server where moto is installed (always in CI).
+    let s3 = common::s3::S3Server::with_buckets(&["rest"]);
+    let args = |i: usize| {
+        let mut a = ["--metrics", &ports[i], "--sweep-grace", "2s"].map(String::from).to_vec();
+        if let Some(s3) = &s3 {
+            a.extend(
+                ["--object-store", "s3://rest/v", "--s3-endpoint", &s3.endpoint(), "--backfill-delay", "300ms"]
+                    .map(String::from),
+            );
+        }
+        a
+    };
+    let first = args(0);
+    let Some(mut c) = Cluster::start(1, &first.iter().map(String::as_str).collect::<Vec<_>>()) else { return };
     for i in 1..3 {
-        c.add_node(&args(i).each_ref().map(String::as_str));
+        let a = args(i);
+        c.add_node(&a.iter().map(String::as_str).collect::<Vec<_>>());
     }
     let dir = c.node(0).mnt.join("held");
     fs::create_dir(&dir).unwrap();
@@ -305,6 +320,9 @@ fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
     eventually(30, "every file has two copies", || {
         inos.iter().all(|ino| (0..3).filter(|i| c.holds(*i, *ino)).count() == 2)
     });
+    if let Some(s3) = &s3 {
+        eventually(60, "every file is backed", || s3.client().list("rest", "v/held/").len() == HELD as usize);
+    }
     // Each node looks at the files another changed once, within a period or
     // two. Then two quiet spells of 15 s: what a node does on a timer shows
     // in both; a one-off (the last slice of its mount-time safety pass, a
@@ -338,4 +356,11 @@ fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
     fs::remove_file(dir.join("f0")).unwrap();
     eventually(30, "the deleted file's copies are gone", || (0..3).all(|i| !c.holds(i, inos[0])));
     assert_eq!((0..3).filter(|i| c.holds(*i, inos[1])).count(), 2, "the copies still named stay");
+    // And its object: the node that purged it deletes it.
+    if let Some(s3) = &s3 {
+        eventually(30, "the deleted file's object is gone", || {
+            !s3.client().list("rest", "v/held/").iter().any(|k| k == "v/held/f0")
+        });
+        assert_eq!(s3.client().list("rest", "v/held/").len(), HELD as usize - 1, "the other objects stay");
+    }
 }

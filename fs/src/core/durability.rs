@@ -144,6 +144,9 @@ impl Core {
     /// a lot of space waiting to be freed wakes the flusher at once.
     /// `holders`: the nodes whose copies go too (read before the purge).
     pub(super) fn doom(&self, ino: Ino, holders: Vec<String>) {
+        // Its object, if it had one, waits for this node's backfill to
+        // delete it: the change feed does not report this node's own purge.
+        self.control().moved(converged_metadata::schema::Control::Garbage);
         let bytes = std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len());
         let files = {
             let mut doomed = self.pending.doomed.lock();
