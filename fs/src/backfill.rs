@@ -110,7 +110,7 @@ impl Core {
                 let next = q.due.iter().next().map(|(at, _)| *at);
                 let until = [next, q.backoff_until].into_iter().flatten().min();
                 let wait = until.map_or(Duration::from_secs(1), |u| u.saturating_duration_since(now));
-                t.wake.wait_for(&mut q, wait.clamp(Duration::from_millis(10), Duration::from_secs(1)));
+                q.wait_for(&t.wake, wait.clamp(Duration::from_millis(10), Duration::from_secs(1)));
             }
             job
         };

@@ -141,8 +141,8 @@ struct ChunkPool {
 
 /// Whole-chunk buffers for [`read_shared`]. A leaf lock, held only to push
 /// or pop.
-static CHUNK_SPARES: parking_lot::Mutex<ChunkPool> =
-    parking_lot::Mutex::new(ChunkPool { spare: Vec::new(), used: None });
+static CHUNK_SPARES: converged_metadata::held_locks::Mutex<ChunkPool> =
+    converged_metadata::held_locks::Mutex::new(ChunkPool { spare: Vec::new(), used: None });
 /// Chunk buffers kept: a replication window's worth, and one being read.
 const CHUNK_SPARES_KEPT: usize = 4;
 
@@ -185,7 +185,7 @@ pub struct OnceWriter {
 /// Buffers of finished writers, kept for the next ones: a fresh buffer
 /// costs page faults on every first touch, at every chunk a peer sends.
 /// A leaf lock, held only to push or pop.
-static SPARE_BUFFERS: parking_lot::Mutex<Vec<Vec<u8>>> = parking_lot::Mutex::new(Vec::new());
+static SPARE_BUFFERS: converged_metadata::held_locks::Mutex<Vec<Vec<u8>>> = converged_metadata::held_locks::Mutex::new(Vec::new());
 /// Spare buffers kept (more than the writers that run at once here: a
 /// replication window's worth from each of a few peers).
 const SPARE_KEPT: usize = 8;

@@ -36,7 +36,7 @@ use crate::error::{FsError, FsResult};
 
 pub struct ChunkStore {
     dir: PathBuf,
-    index: parking_lot::Mutex<Index>,
+    index: converged_metadata::held_locks::Mutex<Index>,
     /// Bytes this store wrote, by why (see [`Written`]).
     pub written: Written,
 }

@@ -26,7 +26,7 @@ use converged_metadata::{KvEngine, NodeAdmin};
 use converged_transport::{
     ChunkRef, FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
 };
-use parking_lot::Mutex;
+use converged_metadata::held_locks::Mutex;
 
 use crate::chunkstore::{ChunkStore, LocalHooks, PeerChunks};
 use crate::error::{FsError, FsResult};
@@ -214,7 +214,7 @@ impl Cluster {
     /// The member list, read again when members or admin states changed,
     /// or, with no change feed, when older than [`MEMBERS_TTL`] (the
     /// read happens with no lock held).
-    fn refreshed_members(&self) -> parking_lot::MutexGuard<'_, Members> {
+    fn refreshed_members(&self) -> converged_metadata::held_locks::MutexGuard<'_, Members> {
         let fresh = {
             let mut m = self.members.lock();
             match self.control.get().filter(|c| c.is_watched()) {
@@ -610,6 +610,7 @@ impl Cluster {
 
     /// Run `fut` on the transport runtime and wait for it.
     pub fn block_on<T>(&self, fut: impl std::future::Future<Output = T>) -> T {
+        converged_metadata::held_locks::assert_none_held("a peer call");
         self.rt.block_on(fut)
     }
 

@@ -16,7 +16,7 @@ use fuser::{
     ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite,
     ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
-use parking_lot::Mutex;
+use converged_metadata::held_locks::Mutex;
 use tracing::debug_span;
 
 use crate::core::{Caller, Core, Opened};

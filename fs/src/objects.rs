@@ -18,7 +18,7 @@ use object_store::path::Path;
 use object_store::{
     ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
 };
-use parking_lot::Mutex;
+use converged_metadata::held_locks::Mutex;
 use thiserror::Error;
 use url::Url;
 
@@ -184,6 +184,12 @@ fn install_crypto() {
 }
 
 impl ObjectTier {
+    /// Run an object-store call on the tier's runtime and wait for it.
+    fn block_on<T>(&self, fut: impl std::future::Future<Output = T>) -> T {
+        converged_metadata::held_locks::assert_none_held("an object-store call");
+        self.rt.block_on(fut)
+    }
+
     /// Open the mount's store (`--object-store`). Builds its client; `probe` checks that it answers.
     pub fn open(uri: &str, opts: StoreOptions) -> ObjectResult<Self> {
         let home = Location::parse(uri)?;
@@ -323,8 +329,7 @@ impl ObjectTier {
         let _t = crate::latency::timer(crate::latency::Area::Object, "probe");
         let b = self.bucket(&loc.base)?;
         let prefix = (!loc.prefix.is_empty()).then(|| Path::from(loc.prefix.as_str()));
-        self.rt
-            .block_on(async { b.store.list_with_delimiter(prefix.as_ref()).await })
+        self.block_on(async { b.store.list_with_delimiter(prefix.as_ref()).await })
             .map(|_| ())
             .map_err(|e| ObjectError::store("list", &loc.prefix, e))
     }
@@ -352,10 +357,10 @@ impl ObjectTier {
             if !check(0, &buf) {
                 return Err(changed());
             }
-            let r = self.rt.block_on(async { b.store.put(&path, PutPayload::from(buf)).await });
+            let r = self.block_on(async { b.store.put(&path, PutPayload::from(buf)).await });
             return r.map(|p| p.e_tag).map_err(|e| ObjectError::store("put", key, e));
         }
-        self.rt.block_on(async {
+        self.block_on(async {
             let upload =
                 b.store.put_multipart(&path).await.map_err(|e| ObjectError::store("start multipart", key, e))?;
             let mut w = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
@@ -403,7 +408,7 @@ impl ObjectTier {
         let path = Self::path(key)?;
         let ranges: Vec<(u64, u64)> =
             (start..end).step_by(FETCH_RANGE as usize).map(|a| (a, (a + FETCH_RANGE).min(end))).collect();
-        let r = self.rt.block_on(async {
+        let r = self.block_on(async {
             use futures::{StreamExt, TryStreamExt};
             let gets = ranges.iter().map(|(a, z)| {
                 let opts = GetOptions {
@@ -438,8 +443,7 @@ impl ObjectTier {
         let _t = crate::latency::timer(crate::latency::Area::Object, "get");
         let b = self.bucket(&self.home.base)?;
         let path = Self::path(key)?;
-        self.rt
-            .block_on(async { b.store.get(&path).await?.bytes().await })
+        self.block_on(async { b.store.get(&path).await?.bytes().await })
             .map_err(|e| ObjectError::store("get", key, e))
     }
 
@@ -449,7 +453,7 @@ impl ObjectTier {
         let b = self.store_of(source)?;
         let path = Self::path(key)?;
         let m =
-            self.rt.block_on(async { b.store.head(&path).await }).map_err(|e| ObjectError::store("head", key, e))?;
+            self.block_on(async { b.store.head(&path).await }).map_err(|e| ObjectError::store("head", key, e))?;
         Ok((m.size, m.last_modified.timestamp(), m.e_tag))
     }
 
@@ -458,7 +462,7 @@ impl ObjectTier {
         let _t = crate::latency::timer(crate::latency::Area::Object, "copy");
         let b = self.bucket(&self.home.base)?;
         let (f, t) = (Self::path(from)?, Self::path(to)?);
-        self.rt.block_on(async { b.store.copy(&f, &t).await }).map_err(|e| ObjectError::store("copy", from, e))?;
+        self.block_on(async { b.store.copy(&f, &t).await }).map_err(|e| ObjectError::store("copy", from, e))?;
         Ok(self.head(None, to)?.2)
     }
 
@@ -467,7 +471,7 @@ impl ObjectTier {
         let _t = crate::latency::timer(crate::latency::Area::Object, "delete");
         let b = self.bucket(&self.home.base)?;
         let path = Self::path(key)?;
-        match self.rt.block_on(async { b.store.delete(&path).await }) {
+        match self.block_on(async { b.store.delete(&path).await }) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(ObjectError::store("delete", key, e)),
         }
@@ -482,9 +486,7 @@ impl ObjectTier {
             Some(s3) => self.list_s3(s3, prefix),
             None => {
                 let p = (!prefix.is_empty()).then(|| Path::from(prefix.trim_end_matches('/')));
-                let r = self
-                    .rt
-                    .block_on(async { b.store.list_with_delimiter(p.as_ref()).await })
+                let r = self.block_on(async { b.store.list_with_delimiter(p.as_ref()).await })
                     .map_err(|e| ObjectError::store("list", prefix, e))?;
                 Ok(Listing {
                     objects: r
@@ -514,7 +516,7 @@ impl ObjectTier {
                 action.with_continuation_token(t.as_str());
             }
             let url = action.sign(Duration::from_secs(300));
-            let body = self.rt.block_on(async {
+            let body = self.block_on(async {
                 let resp = self.http.get(url).send().await.map_err(|e| fail(e.to_string(), true))?;
                 let status = resp.status();
                 let text = resp.text().await.map_err(|e| fail(e.to_string(), true))?;

@@ -10,7 +10,8 @@ use std::time::Duration;
 use converged_metadata::types::BLOCK_SIZE;
 use converged_metadata::ChunkRecord;
 use converged_transport::ChunkRef;
-use parking_lot::{Condvar, Mutex};
+use converged_metadata::held_locks::Mutex;
+use parking_lot::Condvar;
 
 use crate::cluster::Cluster;
 use crate::error::{FsError, FsResult};
@@ -141,7 +142,7 @@ impl Window {
         let mut r = self.result.lock();
         let until = std::time::Instant::now() + deadline;
         while r.is_none() {
-            if self.ready.wait_until(&mut r, until).timed_out() {
+            if r.wait_until(&self.ready, until) {
                 return Err(FsError::Peer(format!("no answer from any replica within {deadline:?}")));
             }
         }

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use converged_metadata::types::{Ino, Timespec};
-use parking_lot::{Condvar, Mutex};
+use converged_metadata::held_locks::Mutex;
+use parking_lot::Condvar;
 
 use crate::objects::{ObjectError, ObjectTier};
 
@@ -118,8 +119,11 @@ pub struct Tiering {
     pub(crate) queue: Mutex<Queue>,
     pub(crate) wake: Condvar,
     pub stats: Stats,
-    /// One fetch of a chunk at a time.
-    pub(crate) fetching: dashmap::DashMap<(Ino, u32), Arc<Mutex<()>>>,
+    /// One fetch of a chunk at a time. A gate, not a counted lock: its
+    /// holder fetches the chunk (an object-store GET), syncs it and records
+    /// it (a KV transaction) holding it, and waits for nothing a waiter on
+    /// it could hold (see the lock order in `core/mod.rs`).
+    pub(crate) fetching: dashmap::DashMap<(Ino, u32), Arc<parking_lot::Mutex<()>>>,
     /// Last read of each chunk (seconds since the epoch), for eviction.
     pub(crate) access: dashmap::DashMap<(Ino, u32), i64>,
     /// When each imported file's object was last checked for a change.

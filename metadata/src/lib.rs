@@ -7,6 +7,7 @@
 pub mod acl;
 pub mod error;
 mod group_commit;
+pub mod held_locks;
 pub mod kv;
 pub mod kv_cache;
 pub mod kv_etcd;
@@ -213,6 +214,18 @@ mod tests {
         assert_eq!(access.user.as_deref(), Some("conv"));
         let plain: MetaUri = "etcd://m1:2379/v".parse().unwrap();
         assert!(matches!(plain, MetaUri::Etcd { access, .. } if access == EtcdAccess::default()));
+    }
+
+    /// The lock rule's check itself: a namespace transaction started while
+    /// a counted lock is held panics (debug and test builds), naming it.
+    #[test]
+    #[cfg_attr(debug_assertions, should_panic(expected = "a KV read started while this thread holds 1"))]
+    fn a_kv_transaction_under_an_in_memory_lock_trips_the_lock_check() {
+        let ns = Namespace::open(std::sync::Arc::new(kv_mem::MemKv::default()), 0, 0).unwrap();
+        let lock = held_locks::Mutex::new(());
+        ns.getattr(types::ROOT_INO).expect("no lock held: allowed");
+        let _held = lock.lock();
+        let _ = ns.getattr(types::ROOT_INO);
     }
 
     #[test]

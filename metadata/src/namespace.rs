@@ -285,6 +285,7 @@ impl Namespace {
         durability: Durability,
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
+        crate::held_locks::assert_none_held("a KV transaction");
         let mut attempt = 0;
         let mut freed = false;
         loop {
@@ -323,6 +324,7 @@ impl Namespace {
 
     /// Run `f` against a consistent read view.
     pub(crate) fn read<T>(&self, f: impl FnOnce(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
+        crate::held_locks::assert_none_held("a KV read");
         crate::timed("read", || {
             let mut txn = self.kv.read_txn()?;
             f(txn.as_mut())

@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use converged_metadata::types::*;
 use converged_metadata::{Durability, MetaError};
-use parking_lot::{Condvar, Mutex};
+use converged_metadata::held_locks::Mutex;
+use parking_lot::Condvar;
 
 use super::open::Claim;
 use super::write::{Dirty, SealAs};
@@ -189,7 +190,7 @@ impl Core {
     pub(crate) fn wait_for_flush(&self, period: Duration) {
         let mut wanted = self.pending.flush_now.0.lock();
         if !*wanted {
-            self.pending.flush_now.1.wait_for(&mut wanted, period);
+            wanted.wait_for(&self.pending.flush_now.1, period);
         }
         *wanted = false;
     }

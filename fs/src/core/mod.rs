@@ -50,9 +50,16 @@
 //!   transaction needs is read before it starts (for example the gate an
 //!   unlink holds on the inode it may purge), and acted on after it commits.
 //! - **No lock is held across a KV transaction, a disk sync or a network
-//!   call.** A gate ([`open::Held`]) may be: it is not a lock but a promise
-//!   that the inode stays closed here, and its holder waits for nothing that
-//!   a waiter on it could hold.
+//!   call.** A gate ([`open::Held`], and a chunk's fetch slot in the tier)
+//!   may be: it is not a lock but a promise that the inode stays closed
+//!   here (that one fetch of the chunk runs), and its holder waits for
+//!   nothing that a waiter on it could hold.
+//!
+//! The locks of this crate are `converged_metadata::held_locks::Mutex`: in
+//! debug and test builds each counts itself held per thread, and every KV
+//! transaction (`Namespace::read`/`write`), peer call (`Cluster::block_on`)
+//! and object-store call (`ObjectTier::block_on`) asserts that the count is
+//! zero, so a test that reaches a violation fails there, naming the call.
 //!
 //! With these rules the KV engine's write slot is never waited for by a
 //! thread holding an in-memory lock, and no thread holding the write slot
@@ -81,7 +88,7 @@ use std::sync::{Arc, OnceLock};
 use converged_metadata::types::*;
 use converged_metadata::{acl, MetaError, Namespace, Unlinked};
 use dashmap::DashMap;
-use parking_lot::Mutex;
+use converged_metadata::held_locks::Mutex;
 
 use crate::chunkstore::ChunkStore;
 use crate::cluster::Cluster;
@@ -830,7 +837,7 @@ impl Core {
     /// Returns false once the core is shutting down.
     pub(crate) fn wait_for_spares_low(&self, period: std::time::Duration) -> bool {
         let mut spares = self.spares.lock();
-        self.spares_low.wait_for(&mut spares, period);
+        spares.wait_for(&self.spares_low, period);
         !self.spares_stopped.load(Ordering::SeqCst)
     }
 

@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use converged_metadata::types::*;
 use dashmap::DashMap;
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use converged_metadata::held_locks::{Mutex, MutexGuard};
+use parking_lot::Condvar;
 
 use super::read::Layout;
 use super::write::WriteState;
@@ -97,7 +98,7 @@ impl OpenInode {
     pub fn settled_state(&self) -> MutexGuard<'_, OpenState> {
         let mut st = self.state.lock();
         while st.write.in_transition() {
-            self.changed.wait(&mut st);
+            st.wait(&self.changed);
         }
         st
     }
@@ -107,7 +108,7 @@ impl OpenInode {
     pub fn quiet_state(&self) -> MutexGuard<'_, OpenState> {
         let mut st = self.state.lock();
         while st.write.in_transition() || st.write.is_streaming() {
-            self.changed.wait(&mut st);
+            st.wait(&self.changed);
         }
         st
     }
@@ -137,7 +138,7 @@ impl Gate {
     pub(super) fn wait(&self) {
         let mut released = self.released.lock();
         while !*released {
-            self.cv.wait(&mut released);
+            released.wait(&self.cv);
         }
     }
 }

@@ -30,7 +30,7 @@ impl Core {
         let batch = {
             let mut q = self.under_replicated.0.lock();
             if q.is_empty() || self.cluster.get().is_none() {
-                self.under_replicated.1.wait_for(&mut q, period);
+                q.wait_for(&self.under_replicated.1, period);
             }
             if self.cluster.get().is_none() || q.is_empty() {
                 return Replicated::Idle;

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use converged_metadata::schema::{change_of, Change};
-use parking_lot::Mutex;
+use converged_metadata::held_locks::Mutex;
 
 use converged_metadata::types::*;
 use converged_metadata::MetaError;

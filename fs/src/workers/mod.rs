@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use converged_metadata::held_locks::Mutex;
 
 pub use jobs::{Backfiller, Evictor, Flusher, Repairer, Replicator, Scrubber, Settler, Spares, Streamer, Sweeper};
 
@@ -195,7 +195,7 @@ mod tests {
             match *n {
                 3 => Step::Failed("third step fails".into(), Duration::from_millis(10)),
                 10 => Step::Stop,
-                _ => Step::Worked(format!("step {n}")),
+                _ => Step::Worked(format!("step {}", *n)),
             }
         }
     }
