@@ -185,7 +185,8 @@ pub struct OnceWriter {
 /// Buffers of finished writers, kept for the next ones: a fresh buffer
 /// costs page faults on every first touch, at every chunk a peer sends.
 /// A leaf lock, held only to push or pop.
-static SPARE_BUFFERS: converged_metadata::held_locks::Mutex<Vec<Vec<u8>>> = converged_metadata::held_locks::Mutex::new(Vec::new());
+static SPARE_BUFFERS: converged_metadata::held_locks::Mutex<Vec<Vec<u8>>> =
+    converged_metadata::held_locks::Mutex::new(Vec::new());
 /// Spare buffers kept (more than the writers that run at once here: a
 /// replication window's worth from each of a few peers).
 const SPARE_KEPT: usize = 8;

@@ -20,13 +20,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use converged_metadata::held_locks::Mutex;
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::schema::Control;
 use converged_metadata::{KvEngine, NodeAdmin};
 use converged_transport::{
     ChunkRef, FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
 };
-use converged_metadata::held_locks::Mutex;
 
 use crate::chunkstore::{ChunkStore, LocalHooks, PeerChunks};
 use crate::error::{FsError, FsResult};

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use converged_metadata::held_locks::Mutex;
 use converged_metadata::types::{FileKind, Ino, Inode, NewNode, RenameMode, SetAttr, TimeSet, Timespec, XattrMode};
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
@@ -16,7 +17,6 @@ use fuser::{
     ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite,
     ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
-use converged_metadata::held_locks::Mutex;
 use tracing::debug_span;
 
 use crate::core::{Caller, Core, Opened};

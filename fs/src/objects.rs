@@ -14,11 +14,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use converged_metadata::held_locks::Mutex;
 use object_store::path::Path;
 use object_store::{
     ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
 };
-use converged_metadata::held_locks::Mutex;
 use thiserror::Error;
 use url::Url;
 
@@ -443,8 +443,7 @@ impl ObjectTier {
         let _t = crate::latency::timer(crate::latency::Area::Object, "get");
         let b = self.bucket(&self.home.base)?;
         let path = Self::path(key)?;
-        self.block_on(async { b.store.get(&path).await?.bytes().await })
-            .map_err(|e| ObjectError::store("get", key, e))
+        self.block_on(async { b.store.get(&path).await?.bytes().await }).map_err(|e| ObjectError::store("get", key, e))
     }
 
     /// Size, mtime (seconds) and ETag of an object.
@@ -452,8 +451,7 @@ impl ObjectTier {
         let _t = crate::latency::timer(crate::latency::Area::Object, "head");
         let b = self.store_of(source)?;
         let path = Self::path(key)?;
-        let m =
-            self.block_on(async { b.store.head(&path).await }).map_err(|e| ObjectError::store("head", key, e))?;
+        let m = self.block_on(async { b.store.head(&path).await }).map_err(|e| ObjectError::store("head", key, e))?;
         Ok((m.size, m.last_modified.timestamp(), m.e_tag))
     }
 
@@ -486,7 +484,8 @@ impl ObjectTier {
             Some(s3) => self.list_s3(s3, prefix),
             None => {
                 let p = (!prefix.is_empty()).then(|| Path::from(prefix.trim_end_matches('/')));
-                let r = self.block_on(async { b.store.list_with_delimiter(p.as_ref()).await })
+                let r = self
+                    .block_on(async { b.store.list_with_delimiter(p.as_ref()).await })
                     .map_err(|e| ObjectError::store("list", prefix, e))?;
                 Ok(Listing {
                     objects: r

@@ -7,10 +7,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use converged_metadata::held_locks::Mutex;
 use converged_metadata::types::BLOCK_SIZE;
 use converged_metadata::ChunkRecord;
 use converged_transport::ChunkRef;
-use converged_metadata::held_locks::Mutex;
 use parking_lot::Condvar;
 
 use crate::cluster::Cluster;

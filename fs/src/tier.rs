@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use converged_metadata::types::{Ino, Timespec};
 use converged_metadata::held_locks::Mutex;
+use converged_metadata::types::{Ino, Timespec};
 use parking_lot::Condvar;
 
 use crate::objects::{ObjectError, ObjectTier};

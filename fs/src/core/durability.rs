@@ -13,9 +13,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use converged_metadata::held_locks::Mutex;
 use converged_metadata::types::*;
 use converged_metadata::{Durability, MetaError};
-use converged_metadata::held_locks::Mutex;
 use parking_lot::Condvar;
 
 use super::open::Claim;

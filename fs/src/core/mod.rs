@@ -85,10 +85,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use converged_metadata::held_locks::Mutex;
 use converged_metadata::types::*;
 use converged_metadata::{acl, MetaError, Namespace, Unlinked};
 use dashmap::DashMap;
-use converged_metadata::held_locks::Mutex;
 
 use crate::chunkstore::ChunkStore;
 use crate::cluster::Cluster;

@@ -9,9 +9,9 @@ use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use converged_metadata::held_locks::{Mutex, MutexGuard};
 use converged_metadata::types::*;
 use dashmap::DashMap;
-use converged_metadata::held_locks::{Mutex, MutexGuard};
 use parking_lot::Condvar;
 
 use super::read::Layout;

@@ -33,8 +33,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use converged_metadata::schema::{change_of, Change};
 use converged_metadata::held_locks::Mutex;
+use converged_metadata::schema::{change_of, Change};
 
 use converged_metadata::types::*;
 use converged_metadata::MetaError;
