@@ -1,6 +1,7 @@
 //! Block I/O on backing files: positional reads where a short file reads
 //! as zeros, and the crc32c of each 64 KiB block (holes checksummed without
-//! being read). Plain `std::io`: no daemon error types, so every module that
+//! being read); files written once past the page cache, pooled chunk
+//! buffers, and the space of the filesystem under them. Plain `std::io`: no daemon error types, so every module that
 //! moves bytes (the chunk store, the object tier) can use it.
 
 use std::fs::File;
@@ -87,6 +88,24 @@ pub fn start_writeback(file: &File, offset: u64, len: u64) {
     unsafe {
         libc::sync_file_range(file.as_raw_fd(), offset as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE);
     }
+}
+
+/// `statvfs(3)` of the filesystem holding `path`.
+pub fn statvfs(path: &std::path::Path) -> io::Result<libc::statvfs> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))?;
+    // SAFETY: statvfs fills the struct we pass.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    match unsafe { libc::statvfs(c.as_ptr(), &mut st) } {
+        0 => Ok(st),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// (available, total) bytes of the filesystem holding `path`.
+pub fn disk_space(path: &std::path::Path) -> io::Result<(u64, u64)> {
+    let st = statvfs(path)?;
+    Ok((st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize))
 }
 
 /// `read_exact_at`, but bytes past the end of the file read as zeros (a

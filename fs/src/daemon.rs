@@ -25,7 +25,7 @@ fn node_info(
     data_dir: &Path,
     addr: String,
 ) -> anyhow::Result<converged_metadata::membership::NodeInfo> {
-    let (capacity, free) = disk_space(data_dir);
+    let (free, capacity) = crate::blocks::disk_space(data_dir).unwrap_or((0, 0));
     let now = wall_clock(args.clock_offset);
     Ok(converged_metadata::membership::NodeInfo {
         id: node_id(args),
@@ -45,16 +45,6 @@ fn wall_clock(offset: i64) -> converged_metadata::types::Timespec {
     let mut t = converged_metadata::types::Timespec::now();
     t.sec += offset;
     t
-}
-
-pub(crate) fn disk_space(p: &Path) -> (u64, u64) {
-    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return (0, 0) };
-    // SAFETY: statvfs into a zeroed struct.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return (0, 0);
-    }
-    (st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
 }
 
 /// Register in the volume's membership (etcd) and heartbeat until the
@@ -99,7 +89,7 @@ fn join_cluster(
             tracing::warn!(since = ?renewed.elapsed(), "no heartbeat for longer than the membership lease; fencing this node's writers");
             fence();
         }
-        (info.capacity, info.free) = disk_space(&data_dir);
+        (info.free, info.capacity) = crate::blocks::disk_space(&data_dir).unwrap_or((0, 0));
         info.heartbeat = wall_clock(offset);
         match m.heartbeat(&info) {
             Ok(Heartbeat::Renewed) => renewed = Instant::now(),
@@ -341,7 +331,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
             // The sweep hears which files other nodes changed, and the
             // workers which control-plane records did.
-            engine.watch(core.sweep_hints().feed(core.node_name().to_string()))?;
+            engine.watch(core.sweep_hints().feed(core.node_id().to_string()))?;
             if engine.watch(core.control().feed())? {
                 core.control().watching();
             }

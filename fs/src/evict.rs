@@ -14,14 +14,7 @@ use crate::tier::Tiering;
 
 /// (available, total) bytes of the filesystem holding `path`.
 pub fn disk_space(path: &std::path::Path) -> FsResult<(u64, u64)> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| FsError::Invalid("data dir path has a NUL byte"))?;
-    // SAFETY: statvfs fills the struct we pass.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(FsError::io("statvfs data dir", std::io::Error::last_os_error()));
-    }
-    Ok((st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize))
+    crate::blocks::disk_space(path).map_err(|e| FsError::io("statvfs data dir", e))
 }
 
 /// Used fraction of a filesystem with `avail` of `total` bytes free.

@@ -58,7 +58,7 @@ impl FuseAdapter {
     /// and size come from the daemon (which reads the backing file) until
     /// the file is sealed.
     fn attr_ttl(&self, i: &converged_metadata::types::Inode) -> Duration {
-        if self.core.being_written_here(i.ino) {
+        if self.core.is_being_written(i.ino) {
             Duration::ZERO
         } else {
             self.ttl

@@ -80,11 +80,7 @@ pub fn remount(a: &RemountArgs) -> anyhow::Result<()> {
         None => bail!("{} is not mounted", mp.display()),
     }
     let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
-    // SAFETY: statvfs fills the struct we pass.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("statvfs {}", mp.display()));
-    }
+    let st = crate::blocks::statvfs(&mp).with_context(|| format!("statvfs {}", mp.display()))?;
     let f = flags(st.f_flag, a);
     // The kernel refuses read-only (EBUSY) while a file is open for writing
     // or an unlinked file is still in use. FUSE sends a release after

@@ -52,12 +52,6 @@ impl SealCounters {
 }
 
 impl Core {
-    /// Whether a writer of `ino` is open on this node (its attributes are
-    /// then the backing file's, which writes may change behind the kernel).
-    pub fn being_written_here(&self, ino: Ino) -> bool {
-        self.open.get(ino).is_some_and(|oi| oi.state.lock().write.reads_backing_file())
-    }
-
     /// Overlay what the backing file knows while writes may bypass the daemon.
     fn overlay(&self, mut inode: Inode) -> FsResult<Attr> {
         if inode.kind != FileKind::Regular {

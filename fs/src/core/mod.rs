@@ -409,7 +409,9 @@ impl Core {
         }
     }
 
-    /// Whether a writer here has the file's bytes ahead of its metadata.
+    /// Whether a writer of `ino` is open on this node: the file's bytes are
+    /// ahead of its metadata, and its attributes are the backing file's,
+    /// which writes may change behind the kernel.
     pub(crate) fn is_being_written(&self, ino: Ino) -> bool {
         self.open.get(ino).is_some_and(|oi| oi.state.lock().write.reads_backing_file())
     }
@@ -429,11 +431,7 @@ impl Core {
     }
 
     /// This node's id in the cluster.
-    pub fn node_name(&self) -> &str {
-        &self.cfg.node_id
-    }
-
-    fn node_id(&self) -> &str {
+    pub fn node_id(&self) -> &str {
         &self.cfg.node_id
     }
 
@@ -809,14 +807,7 @@ impl Core {
     }
 
     pub fn statfs(&self) -> FsResult<libc::statvfs> {
-        let path = std::ffi::CString::new(self.cfg.data_dir.as_os_str().as_encoded_bytes())
-            .map_err(|_| FsError::Invalid("data dir path has a NUL byte"))?;
-        // SAFETY: statvfs fills the struct we pass.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
-            return Err(FsError::io("statvfs data dir", std::io::Error::last_os_error()));
-        }
-        Ok(st)
+        crate::blocks::statvfs(&self.cfg.data_dir).map_err(|e| FsError::io("statvfs data dir", e))
     }
 
     // ---- spares ----

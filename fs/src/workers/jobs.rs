@@ -349,7 +349,7 @@ impl Sweeper {
         if core.control().due(&mut self.gc.1) {
             match converged_metadata::ops::nodes::gc_state(core.namespace().engine()) {
                 Ok((asked, done)) => {
-                    let answered = done.get(core.node_name()).copied().unwrap_or(0);
+                    let answered = done.get(core.node_id()).copied().unwrap_or(0);
                     self.gc.0 = if asked > answered { asked } else { 0 };
                 }
                 Err(e) => {
