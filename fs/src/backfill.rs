@@ -3,9 +3,9 @@
 //!
 //! The state of each file lives in its tier record (`T` key) and moves
 //! dirty → uploading → backed, with re-keying after a rename; this module
-//! owns the in-memory work queue, the retry backoff while the store is
-//! down, and the counters `converged status` and the metrics show. It never
-//! holds file data beyond one part in flight.
+//! moves files through those states, taking them off the work queue that
+//! `tier.rs` holds (with its retry backoff and counters). It never holds
+//! file data beyond one part in flight.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;

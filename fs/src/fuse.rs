@@ -50,8 +50,6 @@ impl FuseAdapter {
         Self { core, ttl, want_passthrough, backing: Mutex::default(), notifier: Arc::default() }
     }
 
-    /// Drop the kernel's cached attributes of `ino` (not its pages: that
-    /// would wait for requests in flight on the inode, this one included).
     /// How long the kernel may keep `i`'s attributes: not at all while a
     /// writer is open here. Writes through a shared mapping of a passthrough
     /// file change the backing file without the kernel's knowing, so mtime
@@ -65,6 +63,8 @@ impl FuseAdapter {
         }
     }
 
+    /// Drop the kernel's cached attributes of `ino` (not its pages: that
+    /// would wait for requests in flight on the inode, this one included).
     fn refresh_attrs(&self, ino: u64) {
         if let Some(n) = self.notifier.get() {
             if let Err(e) = n.inval_inode(INodeNo(ino), -1, 0) {
@@ -76,7 +76,6 @@ impl FuseAdapter {
     }
 }
 
-/// Log once, at the error's own level, and turn it into an errno.
 /// A change feed subscriber that drops what the kernel caches about records
 /// another node changed: the attributes and pages of a changed inode or
 /// layout, the entry of a changed name. Notifications go out from a thread
@@ -109,6 +108,7 @@ pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Res
     }))
 }
 
+/// Log once, at the error's own level, and turn it into an errno.
 fn errno(op: &'static str, e: FsError) -> Errno {
     if e.is_fault() {
         tracing::warn!(op, error = %e, "request failed");
