@@ -170,7 +170,7 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     // (a retry, or a fill that raced with an eviction and dropped the
     // directory's listing, so that later names are looked up in etcd) in
     // one at most.
-    let rounds: Vec<(u64, BTreeMap<String, (u64, u64)>)> = (0..2)
+    let rounds: Vec<_> = (0..2)
         .map(|r| {
             let before = charged(&n1);
             for i in 0..FILES {
