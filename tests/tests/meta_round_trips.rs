@@ -80,6 +80,11 @@ fn create_excl(p: &Path) -> Result<(), i32> {
 
 const FILES: u64 = 40;
 
+/// Commits that met another commit under load and were sent again (two
+/// seen in one step of a full run beside other tests). A round trip the
+/// code adds per file costs 39 or 40 in a step: this slack cannot hide it.
+const RETRIES: u64 = 4;
+
 #[test]
 fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     let Some(c) = Cluster::start(2, &[]) else { return };
@@ -98,9 +103,9 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     // One commit per create: the kernel's lookup of the new name is
     // answered by the node's listing of the directory, the create's reads
     // by its cache. One more is allowed, for a listing that expired (its
-    // time bound) and is read again.
+    // time bound) and is read again, and the retries of a loaded host.
     assert!(
-        creates <= FILES + 1,
+        creates <= FILES + 1 + RETRIES,
         "{FILES} creates (lookup, create, flush, release) cost {creates} etcd round trips: {after:?}"
     );
     assert!(creates >= FILES, "{FILES} creates cost {creates} round trips: less than a commit each cannot be");
@@ -142,9 +147,10 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     }
     let unlinks = trips_between(&before, &charged(&n1));
     // One commit per unlink (an empty file has no chunk holders to tell;
-    // the names and inodes are cached), and as above one more at most.
+    // the names and inodes are cached), and as above one more at most,
+    // and the retries of a loaded host.
     assert!(
-        unlinks <= FILES,
+        unlinks <= FILES + RETRIES,
         "{} unlinks cost {unlinks} etcd round trips: {:?}",
         FILES - 1,
         per_op(&before, &charged(&n1))
@@ -287,7 +293,7 @@ with tarfile.open(sys.argv[1], "w") as t:
     for i in 0..FILES {
         fs::remove_file(udir.join(format!("w0-{i}"))).unwrap();
     }
-    within(&n1, &before, FILES + 2, &format!("{FILES} unlinks of written files"));
+    within(&n1, &before, FILES + 2 + RETRIES, &format!("{FILES} unlinks of written files"));
     eventually(30, "n2 removed its copies of the unlinked files", || !inos.iter().any(|ino| c.holds(1, *ino)));
 }
 
