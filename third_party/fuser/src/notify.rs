@@ -104,6 +104,19 @@ impl Notifier {
         self.send_inval(notify_code::FUSE_NOTIFY_DELETE, &notif)
     }
 
+    /// Ask the kernel to send again every request that was read from the
+    /// device and not answered (`FUSE_NOTIFY_RESEND`, Linux 6.9): what a
+    /// daemon that takes over a live connection answers first. Resent
+    /// requests carry their first unique id with bit 63 set.
+    pub fn resend(&self) -> io::Result<()> {
+        let header = crate::ll::fuse_abi::fuse_out_header {
+            len: size_of::<crate::ll::fuse_abi::fuse_out_header>() as u32,
+            error: notify_code::FUSE_NOTIFY_RESEND as i32,
+            unique: 0,
+        };
+        self.0.send(&[io::IoSlice::new(zerocopy::IntoBytes::as_bytes(&header))])
+    }
+
     #[allow(unused)]
     fn send_inval(&self, code: notify_code, notification: &Notification<'_>) -> io::Result<()> {
         match self.send(code, notification) {

@@ -75,6 +75,13 @@ impl BackingId {
         }
     }
 
+    /// The raw `backing_id` the kernel knows this backing file by (kept by
+    /// the caller, say, to adopt it in a later daemon with
+    /// [`Session::adopt_backing_id`](crate::Session::adopt_backing_id)).
+    pub fn raw(&self) -> u32 {
+        self.backing_id
+    }
+
     /// Converts this backing file reference into the raw `backing_id` value as returned by the kernel.
     ///
     /// This method transfers ownership of the backing file to the caller, who must invoke the

@@ -33,6 +33,7 @@ use crate::Request;
 use crate::channel::Channel;
 use crate::channel::ChannelSender;
 use crate::dev_fuse::DevFuse;
+use crate::passthrough::BackingId;
 use crate::ll;
 use crate::ll::Operation;
 use crate::ll::ResponseErrno;
@@ -219,6 +220,38 @@ impl<FS: Filesystem> Session<FS> {
         session.handshake()?;
 
         Ok(session)
+    }
+
+    /// Take over a live connection on `fd`, a descriptor of a /dev/fuse
+    /// connection whose INIT an earlier daemon answered (the descriptor
+    /// outlived that daemon). No handshake: the kernel sends no second
+    /// INIT, and `Filesystem::init` is not called; the caller restores what
+    /// the first init settled. Requests the earlier daemon read and did not
+    /// answer are sent again after [`Notifier::resend`].
+    pub fn resume_fd(filesystem: FS, fd: OwnedFd, acl: SessionACL, config: Config) -> io::Result<Self> {
+        let ch = Channel::new(Arc::new(DevFuse(File::from(fd))));
+        Ok(Session {
+            filesystem: FilesystemHolder {
+                fs: Some(filesystem),
+            },
+            ch,
+            mount: UmountOnDrop {
+                mount: Arc::new(Mutex::new(None)),
+            },
+            allowed: acl,
+            session_owner: geteuid(),
+            proto_version: Some(Version(abi::FUSE_KERNEL_VERSION, abi::FUSE_KERNEL_MINOR_VERSION)),
+            config,
+        })
+    }
+
+    /// A backing id an earlier daemon registered on this connection
+    /// (`BackingId::raw`), owned from now on: dropping it closes it.
+    ///
+    /// # Safety
+    /// `id` must be registered on this connection and owned by nothing else.
+    pub unsafe fn adopt_backing_id(&self, id: u32) -> BackingId {
+        unsafe { BackingId::wrap_raw(&self.ch.0, id) }
     }
 
     /// Run the session loop in a background thread. If the returned handle is dropped,

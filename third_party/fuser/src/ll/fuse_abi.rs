@@ -183,6 +183,8 @@ pub(crate) enum fuse_notify_code {
     FUSE_NOTIFY_STORE = 4,
     FUSE_NOTIFY_RETRIEVE = 5,
     FUSE_NOTIFY_DELETE = 6,
+    /// Linux 6.9: re-queue every request read from the device and not answered yet.
+    FUSE_NOTIFY_RESEND = 7,
 }
 
 #[repr(C)]
