@@ -36,6 +36,19 @@ pub enum Cmd {
         /// The mount point to unmount.
         mountpoint: PathBuf,
     },
+    /// Start a new daemon binary on a live mount: the running daemon finishes the requests it
+    /// is answering, syncs and hands the kernel connection over; the new one takes it over
+    /// with every open file. No request fails. Needs the supervisor (not --no-supervisor).
+    Upgrade {
+        /// The mount point of a converged mount.
+        mountpoint: PathBuf,
+        /// The converged binary to run (default: this one).
+        #[arg(long, value_name = "PATH")]
+        binary: Option<PathBuf>,
+        /// How long to wait for the new daemon to serve.
+        #[arg(long, default_value = "60s", value_name = "DURATION", value_parser = crate::config::parse_duration)]
+        wait: Duration,
+    },
     /// Change a converged mount's flags in place (what `mount -o remount,ro` does): read-only
     /// or read-write, and nosuid, nodev, noexec and the atime policy. Files stay open; a
     /// switch to read-only is refused (EBUSY) while a file is open for writing.
@@ -164,6 +177,24 @@ fn spawn_daemon(argv: &[OsString], exe_prefix: &[OsString]) -> anyhow::Result<()
     bail!("daemon exited ({status}) before the mount was ready{}{msg}", if msg.is_empty() { "" } else { ": " })
 }
 
+/// The data dir of the converged mount at `mountpoint` (from its source).
+pub(crate) fn data_dir_of(mountpoint: &Path) -> anyhow::Result<PathBuf> {
+    let mp = mountpoint.canonicalize().with_context(|| format!("mount point {}", mountpoint.display()))?;
+    let Some(src) = mount_source(&mp) else {
+        bail!("{} is not mounted", mp.display());
+    };
+    src.split_once(' ')
+        .map(|(_, s)| s)
+        .and_then(|s| s.strip_prefix("converged:"))
+        .map(PathBuf::from)
+        .with_context(|| format!("{} is not a converged mount with its data dir in its source", mp.display()))
+}
+
+/// Whether the mount at `mountpoint` answers (statfs; waits while no daemon serves it).
+pub(crate) fn serves(mountpoint: &Path) -> bool {
+    crate::blocks::statvfs(mountpoint).is_ok()
+}
+
 fn umount(mountpoint: &Path) -> anyhow::Result<()> {
     let mp = mountpoint.canonicalize().with_context(|| format!("mount point {}", mountpoint.display()))?;
     let Some(src) = mount_source(&mp) else {
@@ -209,10 +240,14 @@ pub fn main_with(args: impl IntoIterator<Item = OsString>, exe_prefix: &[OsStrin
     let result = match cli.command {
         Cmd::Mount(args) => match check(&args) {
             Err(e) => Err(e),
+            Ok(c) if (args.foreground || args.daemonized) && !args.no_supervisor && args.fuse_fd.is_none() => {
+                crate::supervise::run(&args, &c.data_dir, argv.get(1..).unwrap_or_default(), exe_prefix)
+            }
             Ok(c) if args.foreground || args.daemonized => crate::daemon::run(&args, c),
             Ok(_) => spawn_daemon(argv.get(1..).unwrap_or_default(), exe_prefix),
         },
         Cmd::Umount { mountpoint } => umount(&mountpoint),
+        Cmd::Upgrade { mountpoint, binary, wait } => crate::supervise::upgrade(&mountpoint, binary.as_deref(), wait),
         Cmd::Remount(a) => crate::remount::remount(&a),
         Cmd::Cluster(cmd) => cluster(cmd),
         Cmd::Status { path: Some(p), meta: None } => crate::admin::status_path(&p),

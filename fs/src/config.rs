@@ -229,6 +229,34 @@ pub struct MountArgs {
     /// Internal: run as the background daemon, reporting readiness on stdout.
     #[arg(long, hide = true)]
     pub daemonized: bool,
+
+    /// Serve the mount from one process, with no supervisor: a crash of the daemon then ends
+    /// the mount (every process using it gets ENOTCONN) until it is mounted again. By default
+    /// a small supervisor keeps the kernel connection open and starts a new daemon on it when
+    /// the daemon dies; open files keep working (README: "When the daemon dies").
+    #[arg(long)]
+    pub no_supervisor: bool,
+
+    /// Daemon restarts the supervisor makes within --restart-window before it gives up (a
+    /// daemon that dies at start); the mount then reports ENOTCONN, with the reason in the log.
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    pub restart_limit: u32,
+
+    /// The window --restart-limit counts restarts in.
+    #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = parse_duration)]
+    pub restart_window: Duration,
+
+    /// Internal: the supervisor's /dev/fuse descriptor, for the daemon to serve.
+    #[arg(long, hide = true, value_name = "FD")]
+    pub fuse_fd: Option<i32>,
+
+    /// Internal: how many daemons served this connection before this one (0: none; it mounts).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub fuse_generation: u64,
+
+    /// Internal: how the last daemon of this connection ended.
+    #[arg(long, hide = true)]
+    pub last_exit: Option<String>,
 }
 
 /// Everything `mount` needs, checked before anything is created or started.
@@ -252,6 +280,12 @@ pub fn check(args: &MountArgs) -> anyhow::Result<Checked> {
     }
     let data_dir = dd.canonicalize().with_context(|| format!("data dir {}", dd.display()))?;
     let mp = &args.mountpoint;
+    if args.fuse_generation > 0 {
+        // A daemon taking a live connection over: the mount is its own, and
+        // any look at it would wait for this very daemon to answer.
+        let mountpoint = std::path::absolute(mp).with_context(|| format!("mount point {}", mp.display()))?;
+        return finish_check(args, mountpoint, data_dir);
+    }
     // A converged mount whose daemon was killed answers ENOTCONN to any look
     // at it: detach it first (what a restarting service unit needs).
     if std::fs::metadata(mp).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
@@ -276,6 +310,11 @@ pub fn check(args: &MountArgs) -> anyhow::Result<Checked> {
     if data_dir.starts_with(&mountpoint) {
         bail!("data dir {} lies inside the mount point {}", data_dir.display(), mountpoint.display());
     }
+    finish_check(args, mountpoint, data_dir)
+}
+
+/// The checks of `check` that do not look at the mount point.
+fn finish_check(args: &MountArgs, mountpoint: PathBuf, data_dir: PathBuf) -> anyhow::Result<Checked> {
     let meta_str = match &args.meta {
         Some(m) => m.clone(),
         None => format!("redb://{}", data_dir.join("meta.redb").display()),

@@ -5,7 +5,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,6 +16,8 @@ use converged_metadata::{MetaUri, Namespace};
 
 use crate::config::{node_id, parse_labels, Checked, MountArgs, DEFAULT_CLUSTER_REPLICAS};
 use crate::core::{Core, CoreConfig};
+use crate::fuse::Connection;
+use crate::kernel_handles::{HandleJournal, Settled};
 
 /// Printed by a background daemon on its stdout once the mount answers.
 pub const READY: &str = "converged: mount ready";
@@ -144,7 +146,7 @@ pub(crate) fn lock_data_dir(data_dir: &Path, wait: Duration) -> anyhow::Result<F
     Ok(f)
 }
 
-fn init_tracing(log_file: Option<&Path>) -> anyhow::Result<()> {
+pub(crate) fn init_tracing(log_file: Option<&Path>) -> anyhow::Result<()> {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("CONVERGED_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
@@ -195,7 +197,7 @@ fn open_engine_waiting(c: &Checked, wait: Duration) -> anyhow::Result<Arc<dyn co
 
 /// Tell systemd (a `Type=notify` unit) how the daemon stands, when it
 /// started us with a notify socket; a no-op otherwise.
-fn notify_systemd(state: &str) {
+pub(crate) fn notify_systemd(state: &str) {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
     let sock = match std::os::unix::net::UnixDatagram::unbound() {
         Ok(s) => s,
@@ -214,6 +216,14 @@ fn notify_systemd(state: &str) {
     }
 }
 
+/// Set in a daemon's environment, makes every daemon after the first of a
+/// connection fail at start: how the tests make a crash loop.
+pub const FAULT_DIE_ON_RESTART: &str = "CONVERGED_FAULT_DIE_ON_RESTART";
+
+/// File handles of the n-th daemon of a connection start at n << this, so
+/// that none repeats one an earlier daemon gave the kernel.
+const FH_GENERATION_SHIFT: u32 = 40;
+
 /// Run the daemon in this process until the filesystem is unmounted.
 pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     // Everything the daemon creates in the data dir (metadata, chunks, the
@@ -227,7 +237,32 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     };
     init_tracing(log_file.as_deref())?;
     converged_metadata::set_txn_observer(|kind, d| crate::latency::observe(crate::latency::Area::Meta, kind, d));
+    if args.fuse_generation > 0 && std::env::var_os(FAULT_DIE_ON_RESTART).is_some() {
+        bail!("fault switch {FAULT_DIE_ON_RESTART} is set: a restarted daemon dies at start");
+    }
     let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
+    // The kernel connection: this daemon's own, or the supervisor's, new
+    // or taken over from a daemon that died (see supervise.rs).
+    let (conn, journal, settled, adopted) = match args.fuse_fd {
+        None => (Connection::Mount, HandleJournal::create(&c.data_dir, Settled::default())?, None, Vec::new()),
+        Some(fd) => {
+            // SAFETY: the supervisor opened this descriptor for this process.
+            let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+            if args.fuse_generation == 0 {
+                (Connection::Fresh(fd), HandleJournal::create(&c.data_dir, Settled::default())?, None, Vec::new())
+            } else {
+                let (journal, settled, adopted) = HandleJournal::take_over(&c.data_dir)?;
+                tracing::info!(
+                    generation = args.fuse_generation,
+                    last = args.last_exit.as_deref().unwrap_or("?"),
+                    handles = adopted.len(),
+                    "taking over the live FUSE connection"
+                );
+                (Connection::Resume(fd), journal, Some(settled), adopted)
+            }
+        }
+    };
+    let journal = Arc::new(journal);
     let found = crate::identity::inspect(&c.data_dir)?;
     // A read-only reader node of a cluster may have an empty data dir (see `identity::settle`).
     if matches!(found, crate::identity::Found::Empty) && args.require_identity && !args.new_node && !args.read_only {
@@ -298,8 +333,18 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
                 MetaUri::Redb(path) => Some(path.clone()),
                 MetaUri::Memory | MetaUri::Etcd { .. } => None,
             },
+            kernel_open: adopted.iter().map(|r| r.handle).collect(),
+            fh_base: args.fuse_generation << FH_GENERATION_SHIFT,
         },
     )?);
+    if let Some(settled) = settled {
+        core.set_passthrough(settled.passthrough);
+    }
+    core.set_daemon_life(crate::core::DaemonLife {
+        started: std::time::SystemTime::now(),
+        restarts: args.fuse_generation,
+        last_exit: args.last_exit.clone(),
+    });
     let workers = crate::workers::Supervisor::new();
     let w = Arc::downgrade(&workers);
     core.report_workers_with(move || w.upgrade().map(|w| w.report()).unwrap_or_default());
@@ -384,7 +429,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         noexec: args.noexec,
         noatime: args.atime == crate::config::AtimePolicy::Noatime,
     };
-    crate::fuse::serve(core, spec, |feed| {
+    crate::fuse::serve(core, spec, conn, journal, &adopted, |feed| {
         // Changes other nodes make evict what this kernel caches of them.
         engine.watch(feed)?;
         tracing::info!(mountpoint = %c.mountpoint.display(), data_dir = %c.data_dir.display(), meta = %c.meta_str, "mounted");
@@ -415,7 +460,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
 }
 
 /// Point stdin/stdout/stderr at /dev/null so the parent sees end-of-file.
-fn detach_stdio() {
+pub(crate) fn detach_stdio() {
     if let Ok(null) = OpenOptions::new().read(true).write(true).open("/dev/null") {
         for fd in 0..3 {
             // SAFETY: dup2 onto the standard descriptors.

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -19,17 +20,58 @@ use fuser::{
 };
 use tracing::debug_span;
 
-use crate::core::{Caller, Core, Opened};
-use crate::error::FsError;
+use crate::core::{Caller, Core, KernelOpen, Opened};
+use crate::error::{FsError, FsResult};
+use crate::kernel_handles::{HandleJournal, Recorded, Settled};
 
 pub struct FuseAdapter {
     core: Arc<Core>,
     ttl: Duration,
     want_passthrough: bool,
-    backing: Mutex<BackingIds>,
+    backing: Arc<Mutex<BackingIds>>,
+    /// The handles the kernel holds, kept for a daemon that takes this
+    /// connection over (see `kernel_handles.rs`).
+    journal: Arc<HandleJournal>,
+    /// Requests being answered, held back while the daemon hands the
+    /// connection over.
+    gate: Arc<EntryGate>,
     /// Notifications to the kernel from request handlers (set once the
     /// session exists).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
+}
+
+/// The door requests come in by (see [`FuseAdapter::enter`]).
+#[derive(Default)]
+struct EntryGate {
+    in_flight: AtomicUsize,
+    draining: AtomicBool,
+}
+
+impl EntryGate {
+    /// Let no request in, and wait (up to `limit`) until those inside are answered.
+    fn drain(&self, limit: Duration) -> bool {
+        self.draining.store(true, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + limit;
+        while self.in_flight.load(Ordering::SeqCst) > 0 {
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+}
+
+/// A request inside the gate.
+struct Entered<'a> {
+    _timer: latency::Timer,
+    gate: &'a EntryGate,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.gate.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Backing ids registered with the kernel: one per inode, shared by every
@@ -46,8 +88,76 @@ struct BackingIds {
 const READDIRPLUS_AHEAD: usize = 42;
 
 impl FuseAdapter {
-    pub fn new(core: Arc<Core>, ttl: Duration, want_passthrough: bool) -> Self {
-        Self { core, ttl, want_passthrough, backing: Mutex::default(), notifier: Arc::default() }
+    pub fn new(core: Arc<Core>, ttl: Duration, want_passthrough: bool, journal: Arc<HandleJournal>) -> Self {
+        Self {
+            core,
+            ttl,
+            want_passthrough,
+            backing: Arc::default(),
+            journal,
+            gate: Arc::default(),
+            notifier: Arc::default(),
+        }
+    }
+
+    /// Enter a request: timed, and counted while it is answered. Once the
+    /// daemon hands its connection over, a request that enters is left
+    /// unanswered (its thread parks until the process exits) for the next
+    /// daemon, to which the kernel sends it again.
+    fn enter(&self, op: &'static str) -> Entered<'_> {
+        self.gate.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.gate.draining.load(Ordering::SeqCst) {
+            self.gate.in_flight.fetch_sub(1, Ordering::SeqCst);
+            loop {
+                std::thread::park();
+            }
+        }
+        Entered { _timer: latency::timer(Area::Fuse, op), gate: &self.gate }
+    }
+
+    /// Record a handle about to be given to the kernel, with the backing id
+    /// it is opened with. A handle that cannot be recorded is not given:
+    /// a daemon taking the connection over could not serve it.
+    fn record(
+        &self,
+        req: &Request,
+        ino: Ino,
+        opened: &Opened,
+        writable: bool,
+        id: Option<&BackingId>,
+    ) -> Result<(), Errno> {
+        let r = Recorded {
+            handle: KernelOpen { fh: opened.fh, ino, writable, io: opened.io },
+            backing_id: id.map_or(0, |id| id.raw()),
+            unique: req.unique().0,
+        };
+        self.journal.record(&r).map_err(|e| {
+            tracing::warn!(ino, error = %e, "could not record a handle in the journal");
+            let _ = self.forget_handle(ino, opened.fh);
+            Errno::EIO
+        })
+    }
+
+    /// A handle the kernel will not use again: its backing id share, its
+    /// journal slot, and the core's handle.
+    fn forget_handle(&self, ino: Ino, fh: u64) -> FsResult<()> {
+        {
+            let mut ids = self.backing.lock();
+            if ids.by_fh.remove(&fh).is_some() && ids.by_ino.get(&ino).is_some_and(|w| w.strong_count() == 0) {
+                ids.by_ino.remove(&ino);
+            }
+        }
+        self.journal.forget(fh);
+        self.core.release(fh)
+    }
+
+    /// The handle an earlier daemon of this mount made for an open the
+    /// kernel sends again (it died before answering): the core serves it
+    /// already, so the answer is that handle.
+    fn resent_open(&self, req: &Request) -> Option<(Recorded, Option<Arc<BackingId>>)> {
+        let r = self.journal.resent_open(req.unique().0)?;
+        let id = self.backing.lock().by_fh.get(&r.handle.fh).cloned();
+        Some((r, id))
     }
 
     /// How long the kernel may keep `i`'s attributes: not at all while a
@@ -253,15 +363,52 @@ impl FuseAdapter {
     /// (write(2), which makes the kernel drop size and mtime; truncate, whose
     /// reply carries no timeout while written) makes the kernel ask again.
     /// So a file created and closed unwritten is stat-ed from the kernel.
-    fn reply_created(&self, inode: &converged_metadata::types::Inode, opened: &Opened, reply: ReplyCreate) {
+    fn reply_created(
+        &self,
+        req: &Request,
+        inode: &converged_metadata::types::Inode,
+        opened: &Opened,
+        writable: bool,
+        reply: ReplyCreate,
+    ) {
         let a = attr(inode);
         let ttl = if inode.size == 0 { self.ttl } else { self.attr_ttl(inode) };
-        match self.backing_id(inode.ino, opened, |f| reply.open_backing(f)) {
+        let id = self.backing_id(inode.ino, opened, |f| reply.open_backing(f));
+        if let Err(e) = self.record(req, inode.ino, opened, writable, id.as_deref()) {
+            return reply.error(e);
+        }
+        match id {
             Some(id) => {
                 reply.created_passthrough(&ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
             }
             None => reply.created(&ttl, &a, Generation(0), FileHandle(opened.fh), fopen_flags(opened)),
         }
+    }
+
+    /// A create the kernel sends again: answered with the handle the
+    /// earlier daemon made, or made again when it died before recording one.
+    fn resent_create(&self, req: &Request, reply: ReplyCreate) -> Option<ReplyCreate> {
+        let Some((r, id)) = self.resent_open(req) else { return Some(reply) };
+        match self.core.getattr(r.handle.ino) {
+            Ok(i) => {
+                let fh = FileHandle(r.handle.fh);
+                match id {
+                    Some(id) => {
+                        reply.created_passthrough(&self.ttl, &attr(&i), Generation(0), fh, FopenFlags::empty(), &id)
+                    }
+                    None => {
+                        let flags = if r.handle.io == crate::core::Io::Direct {
+                            FopenFlags::FOPEN_DIRECT_IO
+                        } else {
+                            FopenFlags::empty()
+                        };
+                        reply.created(&self.ttl, &attr(&i), Generation(0), fh, flags)
+                    }
+                }
+            }
+            Err(e) => reply.error(errno("create", e)),
+        }
+        None
     }
 }
 
@@ -300,6 +447,7 @@ impl Filesystem for FuseAdapter {
             }
         }
         self.core.set_passthrough(passthrough);
+        self.journal.write_header(Settled { passthrough })?;
         tracing::info!(passthrough = self.core.passthrough(), "FUSE session initialised");
         Ok(())
     }
@@ -310,7 +458,7 @@ impl Filesystem for FuseAdapter {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _s = debug_span!("lookup", parent = parent.0, name = ?name).entered();
-        let _t = latency::timer(Area::Fuse, "lookup");
+        let _t = self.enter("lookup");
         match self.core.lookup(parent.0, name.as_bytes()) {
             Ok(i) => reply.entry(&self.attr_ttl(&i), &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("lookup", e)),
@@ -325,7 +473,7 @@ impl Filesystem for FuseAdapter {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let _s = debug_span!("getattr", ino = ino.0).entered();
-        let _t = latency::timer(Area::Fuse, "getattr");
+        let _t = self.enter("getattr");
         match self.core.getattr(ino.0) {
             Ok(i) => reply.attr(&self.attr_ttl(&i), &attr(&i)),
             Err(e) => reply.error(errno("getattr", e)),
@@ -351,7 +499,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyAttr,
     ) {
         let _s = debug_span!("setattr", ino = ino.0, ?mode, ?uid, ?gid, ?size).entered();
-        let _t = latency::timer(Area::Fuse, "setattr");
+        let _t = self.enter("setattr");
         let set = SetAttr {
             mode,
             uid,
@@ -375,7 +523,7 @@ impl Filesystem for FuseAdapter {
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let _s = debug_span!("readlink", ino = ino.0).entered();
-        let _t = latency::timer(Area::Fuse, "readlink");
+        let _t = self.enter("readlink");
         match self.core.readlink(ino.0) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(errno("readlink", e)),
@@ -384,7 +532,7 @@ impl Filesystem for FuseAdapter {
 
     fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
         let _s = debug_span!("mknod", parent = parent.0, name = ?name, mode).entered();
-        let _t = latency::timer(Area::Fuse, "mknod");
+        let _t = self.enter("mknod");
         let Some(kind) = FileKind::from_mode(mode) else {
             return reply.error(Errno::EINVAL);
         };
@@ -394,14 +542,14 @@ impl Filesystem for FuseAdapter {
 
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
         let _s = debug_span!("mkdir", parent = parent.0, name = ?name, mode).entered();
-        let _t = latency::timer(Area::Fuse, "mkdir");
+        let _t = self.enter("mkdir");
         let node = node_for(req, FileKind::Directory, mode, umask);
         self.new_node(parent, name, node, reply);
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
         let _s = debug_span!("symlink", parent = parent.0, name = ?link_name).entered();
-        let _t = latency::timer(Area::Fuse, "symlink");
+        let _t = self.enter("symlink");
         let node =
             NewNode { target: Some(target.as_os_str().as_bytes()), ..node_for(req, FileKind::Symlink, 0o777, 0) };
         self.new_node(parent, link_name, node, reply);
@@ -409,7 +557,7 @@ impl Filesystem for FuseAdapter {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("unlink", parent = parent.0, name = ?name).entered();
-        let _t = latency::timer(Area::Fuse, "unlink");
+        let _t = self.enter("unlink");
         match self.core.unlink(parent.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("unlink", e)),
@@ -418,7 +566,7 @@ impl Filesystem for FuseAdapter {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("rmdir", parent = parent.0, name = ?name).entered();
-        let _t = latency::timer(Area::Fuse, "rmdir");
+        let _t = self.enter("rmdir");
         match self.core.rmdir(parent.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rmdir", e)),
@@ -437,7 +585,7 @@ impl Filesystem for FuseAdapter {
     ) {
         let _s = debug_span!("rename", parent = parent.0, name = ?name, newparent = newparent.0, newname = ?newname)
             .entered();
-        let _t = latency::timer(Area::Fuse, "rename");
+        let _t = self.enter("rename");
         let whiteout = flags.contains(RenameFlags::RENAME_WHITEOUT);
         let flags = flags - RenameFlags::RENAME_WHITEOUT;
         let mode = if flags.contains(RenameFlags::RENAME_EXCHANGE) {
@@ -458,22 +606,35 @@ impl Filesystem for FuseAdapter {
 
     fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
         let _s = debug_span!("link", ino = ino.0, newparent = newparent.0, newname = ?newname).entered();
-        let _t = latency::timer(Area::Fuse, "link");
+        let _t = self.enter("link");
         match self.core.link(ino.0, newparent.0, newname.as_bytes()) {
             Ok(i) => reply.entry(&self.attr_ttl(&i), &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("link", e)),
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _s = debug_span!("open", ino = ino.0, flags = flags.0).entered();
-        let _t = latency::timer(Area::Fuse, "open");
-        match self.core.open(ino.0, is_writable(flags)) {
+        let _t = self.enter("open");
+        if let Some((r, id)) = self.resent_open(req) {
+            let fh = FileHandle(r.handle.fh);
+            return match id {
+                Some(id) => reply.opened_passthrough(fh, FopenFlags::empty(), &id),
+                None if r.handle.io == crate::core::Io::Direct => reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO),
+                None => reply.opened(fh, FopenFlags::empty()),
+            };
+        }
+        let writable = is_writable(flags);
+        match self.core.open(ino.0, writable) {
             Ok(opened) => {
                 if opened.refresh_attrs {
                     self.refresh_attrs(ino.0);
                 }
-                match self.backing_id(ino.0, &opened, |f| reply.open_backing(f)) {
+                let id = self.backing_id(ino.0, &opened, |f| reply.open_backing(f));
+                if let Err(e) = self.record(req, ino.0, &opened, writable, id.as_deref()) {
+                    return reply.error(e);
+                }
+                match id {
                     Some(id) => reply.opened_passthrough(FileHandle(opened.fh), FopenFlags::empty(), &id),
                     None => reply.opened(FileHandle(opened.fh), fopen_flags(&opened)),
                 }
@@ -493,20 +654,24 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         let _s = debug_span!("create", parent = parent.0, name = ?name, mode, flags).entered();
-        let _t = latency::timer(Area::Fuse, "create");
-        let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode, umask) };
+        let _t = self.enter("create");
+        let Some(reply) = self.resent_create(req, reply) else { return };
+        let writable = is_writable(OpenFlags(flags));
+        let node = NewNode { unsealed: writable, ..node_for(req, FileKind::Regular, mode, umask) };
         match self.core.create(parent.0, name.as_bytes(), &node) {
-            Ok((inode, opened)) => self.reply_created(&inode, &opened, reply),
+            Ok((inode, opened)) => self.reply_created(req, &inode, &opened, writable, reply),
             Err(e) => reply.error(errno("create", e)),
         }
     }
 
     fn tmpfile(&self, req: &Request, parent: INodeNo, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
         let _s = debug_span!("tmpfile", parent = parent.0, mode, flags).entered();
-        let _t = latency::timer(Area::Fuse, "tmpfile");
-        let node = NewNode { unsealed: is_writable(OpenFlags(flags)), ..node_for(req, FileKind::Regular, mode, umask) };
+        let _t = self.enter("tmpfile");
+        let Some(reply) = self.resent_create(req, reply) else { return };
+        let writable = is_writable(OpenFlags(flags));
+        let node = NewNode { unsealed: writable, ..node_for(req, FileKind::Regular, mode, umask) };
         match self.core.tmpfile(parent.0, &node) {
-            Ok((inode, opened)) => self.reply_created(&inode, &opened, reply),
+            Ok((inode, opened)) => self.reply_created(req, &inode, &opened, writable, reply),
             Err(e) => reply.error(errno("tmpfile", e)),
         }
     }
@@ -523,7 +688,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyData,
     ) {
         let _s = debug_span!("read", ino = ino.0, offset, size).entered();
-        let _t = latency::timer(Area::Fuse, "read");
+        let _t = self.enter("read");
         match self.core.read(fh.0, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(errno("read", e)),
@@ -543,7 +708,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         let _s = debug_span!("write", ino = ino.0, offset, len = data.len()).entered();
-        let _t = latency::timer(Area::Fuse, "write");
+        let _t = self.enter("write");
         match self.core.write(fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno("write", e)),
@@ -552,7 +717,7 @@ impl Filesystem for FuseAdapter {
 
     fn flush(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
         let _s = debug_span!("flush", ino = ino.0, fh = fh.0).entered();
-        let _t = latency::timer(Area::Fuse, "flush");
+        let _t = self.enter("flush");
         match self.core.close(fh.0) {
             Ok(true) => reply.ok(),
             // On a single node writes are write-through and report their own
@@ -565,7 +730,7 @@ impl Filesystem for FuseAdapter {
 
     fn release(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
@@ -574,22 +739,18 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _s = debug_span!("release", ino = ino.0, fh = fh.0).entered();
-        let _t = latency::timer(Area::Fuse, "release");
-        {
-            let mut ids = self.backing.lock();
-            if ids.by_fh.remove(&fh.0).is_some() && ids.by_ino.get(&ino.0).is_some_and(|w| w.strong_count() == 0) {
-                ids.by_ino.remove(&ino.0);
-            }
-        }
-        match self.core.release(fh.0) {
+        let _t = self.enter("release");
+        match self.forget_handle(ino.0, fh.0) {
             Ok(()) => reply.ok(),
+            // A release the kernel sends again after the daemon that did it died.
+            Err(FsError::BadHandle(_)) if req.unique().0 & (1 << 63) != 0 => reply.ok(),
             Err(e) => reply.error(errno("release", e)),
         }
     }
 
     fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
         let _s = debug_span!("fsync", ino = ino.0, datasync).entered();
-        let _t = latency::timer(Area::Fuse, "fsync");
+        let _t = self.enter("fsync");
         match self.core.fsync(fh.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsync", e)),
@@ -597,7 +758,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        let _t = latency::timer(Area::Fuse, "opendir");
+        let _t = self.enter("opendir");
         match self.core.opendir(ino.0) {
             Ok((fh, atime_changed)) => {
                 if atime_changed {
@@ -611,7 +772,7 @@ impl Filesystem for FuseAdapter {
 
     fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
         let _s = debug_span!("readdir", ino = ino.0, offset).entered();
-        let _t = latency::timer(Area::Fuse, "readdir");
+        let _t = self.enter("readdir");
         match self.core.readdir(ino.0, fh.0, offset) {
             Ok(entries) => {
                 for (i, (name, d)) in entries.iter().enumerate().skip(offset as usize) {
@@ -627,7 +788,7 @@ impl Filesystem for FuseAdapter {
 
     fn readdirplus(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
         let _s = debug_span!("readdirplus", ino = ino.0, offset).entered();
-        let _t = latency::timer(Area::Fuse, "readdirplus");
+        let _t = self.enter("readdirplus");
         match self.core.readdir(ino.0, fh.0, offset) {
             Ok(entries) => {
                 for (i, (name, d)) in entries.iter().enumerate().skip(offset as usize) {
@@ -662,12 +823,13 @@ impl Filesystem for FuseAdapter {
     }
 
     fn releasedir(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
-        let _t = latency::timer(Area::Fuse, "releasedir");
+        let _t = self.enter("releasedir");
         self.core.releasedir(fh.0);
         reply.ok();
     }
 
     fn fsyncdir(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        let _t = self.enter("fsyncdir");
         match self.core.fsyncdir() {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsyncdir", e)),
@@ -675,7 +837,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let _t = latency::timer(Area::Fuse, "statfs");
+        let _t = self.enter("statfs");
         match self.core.statfs() {
             Ok(st) => reply.statfs(
                 st.f_blocks,
@@ -702,7 +864,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _s = debug_span!("setxattr", ino = ino.0, name = ?name).entered();
-        let _t = latency::timer(Area::Fuse, "setxattr");
+        let _t = self.enter("setxattr");
         let mode = match flags {
             0 => XattrMode::Any,
             libc::XATTR_CREATE => XattrMode::Create,
@@ -718,7 +880,7 @@ impl Filesystem for FuseAdapter {
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let _s = debug_span!("getxattr", ino = ino.0, name = ?name).entered();
-        let _t = latency::timer(Area::Fuse, "getxattr");
+        let _t = self.enter("getxattr");
         match self.core.getxattr(ino.0, name.as_bytes()) {
             // A generated value may grow before the caller reads what it
             // sized (a counter gains a digit): its size query is answered
@@ -733,7 +895,7 @@ impl Filesystem for FuseAdapter {
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let _s = debug_span!("listxattr", ino = ino.0).entered();
-        let _t = latency::timer(Area::Fuse, "listxattr");
+        let _t = self.enter("listxattr");
         match self.core.listxattr(ino.0) {
             Ok(v) => reply_sized(reply, &v, size),
             Err(e) => reply.error(errno("listxattr", e)),
@@ -742,7 +904,7 @@ impl Filesystem for FuseAdapter {
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("removexattr", ino = ino.0, name = ?name).entered();
-        let _t = latency::timer(Area::Fuse, "removexattr");
+        let _t = self.enter("removexattr");
         match self.core.removexattr(ino.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("removexattr", e)),
@@ -780,7 +942,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let _s = debug_span!("fallocate", ino = ino.0, offset, length, mode).entered();
-        let _t = latency::timer(Area::Fuse, "fallocate");
+        let _t = self.enter("fallocate");
         let caller = Caller { uid: req.uid(), gid: req.gid(), pid: req.pid() };
         match self.core.fallocate(fh.0, offset, length, mode, &caller) {
             Ok(mode_changed) => {
@@ -808,7 +970,7 @@ impl Filesystem for FuseAdapter {
     ) {
         let _s = debug_span!("copy_file_range", ino_in = ino_in.0, offset_in, ino_out = ino_out.0, offset_out, len)
             .entered();
-        let _t = latency::timer(Area::Fuse, "copy_file_range");
+        let _t = self.enter("copy_file_range");
         match self.core.copy_range(fh_in.0, offset_in, fh_out.0, offset_out, len) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno("copy_file_range", e)),
@@ -817,7 +979,7 @@ impl Filesystem for FuseAdapter {
 
     fn lseek(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
         let _s = debug_span!("lseek", ino = ino.0, offset, whence).entered();
-        let _t = latency::timer(Area::Fuse, "lseek");
+        let _t = self.enter("lseek");
         match self.core.lseek(fh.0, offset, whence) {
             Ok(o) => reply.offset(o),
             Err(e) => reply.error(errno("lseek", e)),
@@ -861,6 +1023,20 @@ pub struct MountSpec<'a> {
     pub noatime: bool,
 }
 
+/// The /dev/fuse connection a daemon serves.
+pub enum Connection {
+    /// Mount, and serve the new connection alone: it ends with this process.
+    Mount,
+    /// Mount on the supervisor's descriptor (it opened /dev/fuse and keeps
+    /// it across daemons), and answer the kernel's INIT.
+    Fresh(std::os::fd::OwnedFd),
+    /// Take over the supervisor's descriptor of a live connection an
+    /// earlier daemon served: no mount and no INIT; the handles the kernel
+    /// holds come from the journal, and the requests the dead daemon read
+    /// and did not answer are asked for again.
+    Resume(std::os::fd::OwnedFd),
+}
+
 /// Mount `core` and serve FUSE requests until the filesystem is unmounted
 /// (umount(8), or SIGTERM / SIGINT / SIGHUP to the daemon). `on_mounted`
 /// runs once the kernel mount exists, with the change feed that drops what
@@ -868,14 +1044,19 @@ pub struct MountSpec<'a> {
 pub fn serve(
     core: Arc<Core>,
     spec: MountSpec<'_>,
+    conn: Connection,
+    journal: Arc<HandleJournal>,
+    adopted: &[Recorded],
     on_mounted: impl FnOnce(converged_metadata::ChangeFeed) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
-    let adapter = FuseAdapter::new(core, spec.attr_timeout, spec.want_passthrough);
+    let adapter = FuseAdapter::new(core.clone(), spec.attr_timeout, spec.want_passthrough, journal);
     let notifier = adapter.notifier.clone();
+    let gate = adapter.gate.clone();
+    let backing = adapter.backing.clone();
     let mut config = fuser::Config::default();
     config.mount_options = vec![
-        fuser::MountOption::FSName(spec.source),
+        fuser::MountOption::FSName(spec.source.clone()),
         // Passed to the kernel so mounts show as type fuse.converged.
         fuser::MountOption::CUSTOM("subtype=converged".into()),
         fuser::MountOption::DefaultPermissions,
@@ -887,22 +1068,131 @@ pub fn serve(
     ];
     config.acl = fuser::SessionACL::All;
     config.n_threads = Some(spec.threads);
-    config.clone_fd = true;
-    let mut session = fuser::Session::new(adapter, spec.mountpoint, &config)
-        .with_context(|| format!("mount {}", spec.mountpoint.display()))?;
+    let resumed = matches!(conn, Connection::Resume(_));
+    // A mount fuser made is undone by fuser; one on the supervisor's descriptor here.
+    let fuser_mounted = matches!(conn, Connection::Mount);
+    let mut session = match conn {
+        Connection::Mount => {
+            config.clone_fd = true;
+            fuser::Session::new(adapter, spec.mountpoint, &config)
+                .with_context(|| format!("mount {}", spec.mountpoint.display()))?
+        }
+        // One descriptor for every thread: a clone would be a device of its
+        // own, whose requests in flight the kernel fails when the daemon
+        // dies, where those of the supervisor's descriptor wait for the next.
+        Connection::Fresh(fd) => {
+            mount_on(&fd, &spec).with_context(|| format!("mount {}", spec.mountpoint.display()))?;
+            fuser::Session::from_fd(adapter, fd, config.acl, config.clone())
+                .with_context(|| format!("FUSE handshake on {}", spec.mountpoint.display()))?
+        }
+        Connection::Resume(fd) => fuser::Session::resume_fd(adapter, fd, config.acl, config.clone())?,
+    };
+    if resumed {
+        let mut ids = backing.lock();
+        for r in adopted.iter().filter(|r| r.backing_id != 0) {
+            let id = match ids.by_ino.get(&r.handle.ino).and_then(Weak::upgrade) {
+                Some(id) => id,
+                None => {
+                    // SAFETY: the id was registered on this connection by the
+                    // daemon that recorded it, which is gone; nothing else owns it.
+                    let id = Arc::new(unsafe { session.adopt_backing_id(r.backing_id) });
+                    ids.by_ino.insert(r.handle.ino, Arc::downgrade(&id));
+                    id
+                }
+            };
+            ids.by_fh.insert(r.handle.fh, id);
+        }
+    }
     let _ = notifier.set(session.notifier());
     let mut unmounter = session.unmount_callable();
-    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])?;
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGUSR2])?;
     let mp = spec.mountpoint.to_path_buf();
     std::thread::Builder::new().name("signals".into()).spawn(move || {
         if let Some(sig) = signals.forever().next() {
+            if sig == libc::SIGUSR2 && !fuser_mounted {
+                hand_over(&gate, &core);
+            }
             tracing::info!(signal = sig, mountpoint = %mp.display(), "unmounting on signal");
-            if let Err(e) = unmounter.unmount() {
+            let r = match fuser_mounted {
+                true => unmounter.unmount(),
+                false => unmount_detached(&mp),
+            };
+            if let Err(e) = r {
                 tracing::error!(error = %e, "unmount on signal failed");
             }
         }
     })?;
     on_mounted(kernel_invalidator(&session)?)?;
+    if resumed {
+        // Requests the dead daemon read and did not answer: sent again, with
+        // their unique ids marked (see FuseAdapter::resent_open).
+        session.notifier().resend().context("ask the kernel to resend the requests in flight")?;
+        tracing::info!(handles = adopted.len(), "took over the live FUSE connection");
+    }
     session.run().context("FUSE session")?;
     Ok(())
+}
+
+/// A planned upgrade (`converged upgrade`, through the supervisor): let no
+/// request in, wait for those being answered, sync, and end with the
+/// mount in place for the next daemon, which the kernel sends the requests
+/// left unanswered.
+fn hand_over(gate: &EntryGate, core: &Core) -> ! {
+    tracing::info!("handing the connection over to the next daemon");
+    if !gate.drain(Duration::from_secs(30)) {
+        tracing::warn!("requests still under way after 30 s; the next daemon answers them again");
+    }
+    core.shutdown();
+    tracing::info!("connection handed over");
+    std::process::exit(crate::supervise::EXIT_HANDOVER)
+}
+
+/// Detach the mount at `mp` (what fuser does for a mount it made).
+fn unmount_detached(mp: &Path) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(mp.as_os_str().as_bytes())?;
+    // SAFETY: umount2 with a valid path.
+    match unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// Mount the filesystem at the spec's mount point on the /dev/fuse
+/// descriptor `fd` (mount(2) as root, with the options fuser gives it).
+fn mount_on(fd: &std::os::fd::OwnedFd, spec: &MountSpec<'_>) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::PermissionsExt;
+    let root_mode = std::fs::metadata(spec.mountpoint)?.permissions().mode();
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let mut data = format!(
+        "fd={},rootmode={:o},user_id={uid},group_id={gid},default_permissions,allow_other",
+        fd.as_raw_fd(),
+        root_mode
+    );
+    let mut flags: libc::c_ulong = 0;
+    for (on, flag) in [
+        (spec.read_only, libc::MS_RDONLY),
+        (!spec.dev, libc::MS_NODEV),
+        (!spec.suid, libc::MS_NOSUID),
+        (spec.noexec, libc::MS_NOEXEC),
+        (spec.noatime, libc::MS_NOATIME),
+    ] {
+        if on {
+            flags |= flag;
+        }
+    }
+    if spec.read_only {
+        data.push_str(",ro");
+    }
+    let source = std::ffi::CString::new(spec.source.as_bytes())?;
+    let target = std::ffi::CString::new(spec.mountpoint.as_os_str().as_bytes())?;
+    let fstype = c"fuse.converged";
+    let data = std::ffi::CString::new(data)?;
+    // SAFETY: mount(2) with valid strings.
+    let r = unsafe { libc::mount(source.as_ptr(), target.as_ptr(), fstype.as_ptr(), flags, data.as_ptr().cast()) };
+    match r {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
 }

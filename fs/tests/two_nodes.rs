@@ -85,6 +85,8 @@ fn start_node(store: &MemKv, net: &Arc<MemNetwork>, id: &str, replicas: u32, obj
         atime: converged_metadata::AtimeRule::Never,
         diratime: false,
         meta_file: None,
+        kernel_open: Vec::new(),
+        fh_base: 0,
     };
     let core = Arc::new(Core::start(ns, cfg).expect("start the core"));
     let cfg = ClusterConfig {

@@ -51,7 +51,13 @@ pub(super) struct Pending {
 impl Core {
     /// Bring metadata and chunks back into agreement after a stop.
     pub(super) fn recover(&self) -> FsResult<()> {
-        let orphans = self.ns.orphans()?;
+        // Inodes the kernel holds open from an earlier daemon of this mount
+        // (see `CoreConfig::kernel_open`): an orphan among them is purged at
+        // its last close, a writer's file sealed then.
+        let held: std::collections::BTreeSet<Ino> = self.cfg.kernel_open.iter().map(|k| k.ino).collect();
+        let writing: std::collections::BTreeSet<Ino> =
+            self.cfg.kernel_open.iter().filter(|k| k.writable).map(|k| k.ino).collect();
+        let orphans: Vec<Ino> = self.ns.orphans()?.into_iter().filter(|ino| !held.contains(ino)).collect();
         for ino in &orphans {
             self.ns.purge(*ino)?;
             self.store.remove(*ino)?;
@@ -66,6 +72,7 @@ impl Core {
         for (ino, epoch) in self.ns.unsealed()? {
             reseal.insert(ino, Some(epoch));
         }
+        reseal.retain(|ino, _| !writing.contains(ino));
         let resealed = reseal.len();
         for (ino, epoch) in reseal {
             let inode = match self.ns.getattr(ino) {

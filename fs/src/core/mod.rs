@@ -95,8 +95,8 @@ use crate::cluster::Cluster;
 use crate::error::{FsError, FsResult};
 use crate::tier::Tiering;
 
-pub use open::Opened;
 use open::{Claim, OpenTable};
+pub use open::{Io, KernelOpen, Opened};
 pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairTrigger};
 pub use replicate::Replicated;
 pub use scrub::Scrubbed;
@@ -148,6 +148,24 @@ pub struct CoreConfig {
     /// The embedded metadata file when it lives on the data disk; kept
     /// preallocated so a disk full of chunks cannot starve it.
     pub meta_file: Option<PathBuf>,
+    /// Handles the kernel holds from an earlier daemon of this mount, whose
+    /// connection outlived it: recovery leaves their inodes as they are
+    /// (an open orphan is not purged, an open writer's file not sealed) and
+    /// the core serves them from the start.
+    pub kernel_open: Vec<KernelOpen>,
+    /// The first file handle this daemon gives out (above every one an
+    /// earlier daemon of the same connection gave).
+    pub fh_base: u64,
+}
+
+/// When this daemon started, and how many served its kernel connection
+/// before it (for `status` and the metrics).
+#[derive(Debug, Clone)]
+pub struct DaemonLife {
+    pub started: std::time::SystemTime,
+    pub restarts: u64,
+    /// How the last one ended.
+    pub last_exit: Option<String>,
 }
 
 /// Attributes as the caller sees them: the namespace record, with size and
@@ -180,6 +198,8 @@ pub struct CoreStats {
 pub struct Core {
     /// Counters for the metrics endpoint.
     pub stats: CoreStats,
+    /// Set once by the daemon after start.
+    life: OnceLock<DaemonLife>,
     ns: Namespace,
     store: Arc<ChunkStore>,
     cfg: CoreConfig,
@@ -253,11 +273,12 @@ impl Core {
         let store = Arc::new(ChunkStore::open(&cfg.data_dir)?);
         let s = store.clone();
         ns.set_no_space_handler(move || s.release_reserve());
+        let fh_base = cfg.fh_base;
         let core = Core {
             ns,
             store,
             cfg,
-            open: OpenTable::default(),
+            open: OpenTable::starting_at(fh_base),
             dirs: DashMap::new(),
             open_dirs: dirs::OpenDirs::default(),
             removed: removed::Removed::default(),
@@ -276,6 +297,7 @@ impl Core {
             seals: attr::SealCounters::default(),
             workers: OnceLock::new(),
             stats: CoreStats::default(),
+            life: OnceLock::new(),
         };
         if core.cfg.read_only {
             tracing::info!("read-only: recovery of files left open by a crash waits for a read-write mount");
@@ -283,17 +305,50 @@ impl Core {
             core.recover()?;
             core.keep_reserve();
         }
+        core.adopt_kernel_handles()?;
         Ok(core)
     }
 
-    /// Join the cluster: from now on chunks are replicated to peers and read
-    /// from them when this node does not hold them.
+    pub fn set_daemon_life(&self, life: DaemonLife) {
+        let _ = self.life.set(life);
+    }
+
+    pub fn daemon_life(&self) -> Option<&DaemonLife> {
+        self.life.get()
+    }
+
+    /// Serve the handles an earlier daemon of this mount left open in the
+    /// kernel. A handle that cannot be (its file is gone) answers `EBADF`
+    /// from then on, as a handle the daemon never gave out.
+    fn adopt_kernel_handles(&self) -> FsResult<()> {
+        if self.cfg.kernel_open.is_empty() {
+            return Ok(());
+        }
+        let leases: std::collections::HashMap<Ino, u64> = match self.cfg.kernel_open.iter().any(|k| k.writable) {
+            true => self.ns.unsealed()?.into_iter().collect(),
+            false => Default::default(),
+        };
+        let mut writers = 0;
+        for k in &self.cfg.kernel_open {
+            match self.adopt(k, leases.get(&k.ino).copied()) {
+                Ok(()) => writers += usize::from(k.writable),
+                Err(e) => {
+                    tracing::warn!(fh = k.fh, ino = k.ino, error = %e, "a handle of the earlier daemon cannot be served")
+                }
+            }
+        }
+        tracing::info!(handles = self.cfg.kernel_open.len(), writers, "took over the handles the kernel holds");
+        Ok(())
+    }
+
     /// Which control-plane records changed (members, admin states,
     /// rebalance, gc and rescan requests).
     pub fn control(&self) -> &Arc<crate::control::ControlChanges> {
         &self.control
     }
 
+    /// Join the cluster: from now on chunks are replicated to peers and read
+    /// from them when this node does not hold them.
     pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
         cluster.set_control(self.control.clone());
         let (weak, weak2, weak3, weak4) =

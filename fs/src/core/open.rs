@@ -32,6 +32,8 @@ pub struct Opened {
     /// cluster, close-to-open), and the kernel cuts reads at the size it
     /// holds.
     pub refresh_attrs: bool,
+    /// How the core counted the handle (what a later daemon adopts it as).
+    pub io: Io,
 }
 
 /// How the kernel does a handle's I/O. It refuses a passthrough open while
@@ -39,7 +41,7 @@ pub struct Opened {
 /// with EIO), but direct I/O opens mix with both; so a new open follows
 /// the mode of the handles already open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Io {
+pub enum Io {
     /// Kernel passthrough to the backing file.
     Passthrough,
     /// Through the daemon, with the kernel's page cache.
@@ -50,6 +52,17 @@ pub(super) enum Io {
 }
 
 pub(super) struct Handle {
+    pub ino: Ino,
+    pub writable: bool,
+    pub io: Io,
+}
+
+/// A handle the kernel holds from an earlier daemon of the same mount (the
+/// connection outlived it, see `supervise.rs`): what the new daemon must
+/// know to serve it as the old one would have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelOpen {
+    pub fh: u64,
     pub ino: Ino,
     pub writable: bool,
     pub io: Io,
@@ -178,6 +191,11 @@ pub(super) struct OpenTable {
 }
 
 impl OpenTable {
+    /// A table whose handles start above `base`.
+    pub fn starting_at(base: u64) -> Self {
+        OpenTable { next_fh: AtomicU64::new(base), ..OpenTable::default() }
+    }
+
     pub fn new_fh(&self) -> u64 {
         self.next_fh.fetch_add(1, Ordering::Relaxed) + 1
     }
@@ -437,7 +455,7 @@ impl Core {
             self.open.set_writable(fh);
         }
         if !kernel {
-            return Ok(Opened { fh, backing: None, direct_io: true, refresh_attrs: false });
+            return Ok(Opened { fh, backing: None, direct_io: true, refresh_attrs: false, io: Io::Direct });
         }
         let touched = !writable && self.note_access(&inode);
         let mut passthrough = self.passthrough();
@@ -480,6 +498,7 @@ impl Core {
             // A writer's attributes are not cached (see FuseAdapter::attr_ttl),
             // and those the kernel holds from before are dropped.
             refresh_attrs: clustered || touched || writable,
+            io,
         })
     }
 
@@ -492,6 +511,12 @@ impl Core {
             (false, _, true) => Io::Direct,
             (false, _, false) => Io::Cached,
         };
+        self.count_io(&mut st, io, writable);
+        io
+    }
+
+    /// Count a handle in its I/O mode.
+    fn count_io(&self, st: &mut OpenState, io: Io, writable: bool) {
         let counter = match io {
             Io::Passthrough => {
                 st.passthrough_handles += 1;
@@ -508,7 +533,40 @@ impl Core {
             // Writes go around the daemon: every chunk is checksummed again.
             st.write.dirty_all();
         }
-        io
+    }
+
+    /// Serve a handle the kernel holds from an earlier daemon of this mount
+    /// as that daemon did: the inode open in the same I/O mode, and, for a
+    /// writer, the writing session taken over where the crash left it
+    /// (`lease`: the epoch of this node's unsealed mark on the file, if it
+    /// has one; without, the lease is taken as by a new writer). Called
+    /// after recovery, which left these inodes as they were.
+    pub(super) fn adopt(&self, k: &KernelOpen, lease: Option<u64>) -> FsResult<()> {
+        let oi = self.open.open_inode(k.ino, || match self.take_spare(k.ino) {
+            Some(f) => Ok(f),
+            None => self.store.open_backing(k.ino),
+        })?;
+        self.open.insert_handle(k.fh, Handle { ino: k.ino, writable: false, io: Io::Direct });
+        let adopted = (|| {
+            let inode = self.ns.getattr(k.ino)?;
+            if inode.nlink == 0 {
+                oi.state.lock().orphaned = true;
+            }
+            if k.writable {
+                match lease {
+                    Some(lease) => self.adopt_writer(&oi, lease),
+                    None => self.begin_writer(k.ino, &oi, None)?,
+                }
+                self.open.set_writable(k.fh);
+            }
+            self.count_io(&mut oi.state.lock(), k.io, k.writable);
+            self.open.set_io(k.fh, k.io);
+            Ok(())
+        })();
+        if adopted.is_err() {
+            let _ = self.release(k.fh);
+        }
+        adopted
     }
 
     /// release(2) of a handle: the last writer seals the file; the last

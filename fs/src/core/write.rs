@@ -323,6 +323,17 @@ impl WriteState {
         false
     }
 
+    /// Sealed → Unsealed under `lease` for a writer taken over from an
+    /// earlier daemon of this mount: what it wrote since its last publish is
+    /// in the backing file, with no record of which chunks, so every chunk
+    /// is checksummed again, and the file may have chunk records.
+    fn adopt(&mut self, lease: u64) {
+        if matches!(self, WriteState::Sealed) {
+            *self =
+                WriteState::Unsealed(Unsealed { lease, dirty: Dirty::All, publish_begun: true, ..Unsealed::default() });
+        }
+    }
+
     /// Leasing → Unsealed under lease `token`, or back to Sealed when the
     /// lease was not had.
     fn end_lease(&mut self, leased: Option<u64>, created_here: bool) {
@@ -517,6 +528,15 @@ impl Core {
         drop(st);
         oi.changed.notify_all();
         r.map(|_| ())
+    }
+
+    /// A writer's handle taken over from an earlier daemon of this mount,
+    /// whose session is unsealed under `lease` (see [`Core::adopt`]).
+    pub(super) fn adopt_writer(&self, oi: &OpenInode, lease: u64) {
+        let mut st = oi.state.lock();
+        st.writers += 1;
+        st.write.adopt(lease);
+        st.forget_layout();
     }
 
     /// A writer's handle is released; the last one seals the file, or, when

@@ -103,6 +103,8 @@ impl TestCore {
                 atime: converged_metadata::AtimeRule::Never,
                 diratime: false,
                 meta_file: None,
+                kernel_open: Vec::new(),
+                fh_base: 0,
             },
         )
         .expect("start the core");
@@ -127,6 +129,8 @@ pub fn start(engine: &Arc<dyn KvEngine>, data_dir: &Path) -> FsResult<Core> {
             atime: converged_metadata::AtimeRule::Never,
             diratime: false,
             meta_file: None,
+            kernel_open: Vec::new(),
+            fh_base: 0,
         },
     )
 }
