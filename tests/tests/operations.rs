@@ -642,10 +642,8 @@ fn a_mount_point_left_dead_by_a_killed_daemon_mounts_again() {
     std::io::Write::write_all(&mut &f, b"kept").unwrap();
     f.sync_all().unwrap();
     drop(f);
-    let pid = m.daemon_pid();
-    // SAFETY: kill(2).
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    wait_gone(pid);
+    // Supervisor and daemon both: the node died.
+    common::kill_node(&m.data);
     assert!(is_mounted(&m.mnt), "the dead mount stays in the mount table");
     // What a restarting service unit does: mount again on the same point.
     m.mount();

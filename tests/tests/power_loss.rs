@@ -184,6 +184,7 @@ fn attach_loop(img: &Path) -> String {
 struct Converged {
     mnt: PathBuf,
     pid: i32,
+    supervisor: Option<i32>,
     stopped: bool,
     mounted: bool,
 }
@@ -206,7 +207,8 @@ impl Converged {
             String::from_utf8_lossy(&out.stderr)
         );
         let pid = fs::read_to_string(data.join("converged.lock")).unwrap().trim().parse().unwrap();
-        Converged { mnt: mnt.to_path_buf(), pid, stopped: false, mounted: true }
+        let supervisor = fs::read_to_string(data.join("converged.supervisor")).ok().and_then(|s| s.trim().parse().ok());
+        Converged { mnt: mnt.to_path_buf(), pid, supervisor, stopped: false, mounted: true }
     }
 
     /// SIGSTOP the daemon and wait until every thread of it is stopped:
@@ -238,6 +240,12 @@ impl Converged {
     fn kill(&mut self) {
         if !std::mem::replace(&mut self.mounted, false) {
             return;
+        }
+        // The supervisor first: it would start a new daemon on the connection.
+        if let Some(sup) = self.supervisor {
+            // SAFETY: kill(2).
+            unsafe { libc::kill(sup, libc::SIGKILL) };
+            wait_gone(sup);
         }
         // SAFETY: kill(2); SIGKILL ends a stopped process too.
         unsafe { libc::kill(self.pid, libc::SIGKILL) };

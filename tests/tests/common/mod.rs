@@ -124,12 +124,15 @@ impl Mount {
         std::fs::read_to_string(self.data.join("converged.lock")).unwrap().trim().parse().unwrap()
     }
 
-    /// SIGKILL the daemon and detach the dead mount.
+    /// The pid of the mount's supervisor (see fs/src/supervise.rs).
+    pub fn supervisor_pid(&self) -> Option<i32> {
+        supervisor_pid(&self.data)
+    }
+
+    /// The node dies: SIGKILL the supervisor, then the daemon, and detach
+    /// the dead mount.
     pub fn crash(&mut self) {
-        let pid = self.daemon_pid();
-        // SAFETY: kill(2).
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        wait_gone(pid);
+        kill_node(&self.data);
         lazy_umount(&self.mnt);
         self.mounted = false;
     }
@@ -146,6 +149,30 @@ impl Drop for Mount {
             if !out.map(|o| o.status.success()).unwrap_or(false) {
                 lazy_umount(&self.mnt);
             }
+        }
+    }
+}
+
+/// The supervisor's pid from its file in the data dir, if it runs.
+pub fn supervisor_pid(data: &Path) -> Option<i32> {
+    std::fs::read_to_string(data.join("converged.supervisor")).ok()?.trim().parse().ok()
+}
+
+/// A whole node dies (a power cut, a kernel panic): its supervisor first,
+/// which would otherwise start a new daemon on the live connection, then
+/// its daemon.
+pub fn kill_node(data: &Path) {
+    if let Some(pid) = supervisor_pid(data) {
+        // SAFETY: kill(2).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        wait_gone(pid);
+    }
+    if let Ok(pid) = std::fs::read_to_string(data.join("converged.lock")).map(|s| s.trim().parse::<i32>().unwrap_or(0))
+    {
+        if pid > 0 {
+            // SAFETY: kill(2).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            wait_gone(pid);
         }
     }
 }

@@ -1,0 +1,226 @@
+//! The kernel connection outlives the daemon: a daemon killed under a live
+//! mount (or upgraded) is replaced on the same connection by its
+//! supervisor, and the processes using the mount see nothing but a pause.
+
+mod common;
+
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const READ_FILES: usize = 200;
+const CKPT: usize = 64 << 20;
+
+/// Errors the two processes' loops met, in words.
+type Errors = Arc<Mutex<Vec<String>>>;
+
+fn daemon_of(data: &Path) -> i32 {
+    fs::read_to_string(data.join("converged.lock")).unwrap().trim().parse().unwrap()
+}
+
+/// Wait until a daemon other than `old` holds the data dir.
+fn replaced(data: &Path, old: i32) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = fs::read_to_string(data.join("converged.lock")).ok().and_then(|s| s.trim().parse().ok());
+        if let Some(pid) = now.filter(|p| *p != old && Path::new(&format!("/proc/{p}")).exists()) {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no new daemon within 20 s of {old}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A reader hashing 200 files over and over, and a writer saving a 64 MiB
+/// checkpoint as training code does (tmp, write, fsync, rename, fsync of
+/// the directory), while `disturb(i)` runs `rounds` times, 3 s apart.
+/// Neither may see an error; every read is right; the checkpoint is whole.
+fn under_load(mnt: &Path, rounds: usize, mut disturb: impl FnMut(usize)) {
+    let dir = mnt.join("load");
+    fs::create_dir(&dir).unwrap();
+    for i in 0..READ_FILES {
+        fs::write(dir.join(format!("r{i}")), pattern(4096 + i * 97, i as u64)).unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let errors: Errors = Arc::default();
+    let (reads, saves) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let reader = {
+        let (dir, stop, errors, reads) = (dir.clone(), stop.clone(), errors.clone(), reads.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                for i in 0..READ_FILES {
+                    match fs::read(dir.join(format!("r{i}"))) {
+                        Ok(got) if got == pattern(4096 + i * 97, i as u64) => {}
+                        Ok(got) => errors.lock().unwrap().push(format!("r{i}: wrong bytes ({} long)", got.len())),
+                        Err(e) => errors.lock().unwrap().push(format!("read r{i}: {e}")),
+                    }
+                }
+                reads.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    let writer = {
+        let (dir, stop, errors, saves) = (dir.clone(), stop.clone(), errors.clone(), saves.clone());
+        std::thread::spawn(move || {
+            let mut generation = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                generation += 1;
+                if let Err(e) = save(&dir, generation) {
+                    errors.lock().unwrap().push(format!("checkpoint {generation}: {e}"));
+                    continue;
+                }
+                saves.store(generation, Ordering::SeqCst);
+            }
+        })
+    };
+    for i in 0..rounds {
+        std::thread::sleep(Duration::from_secs(3));
+        disturb(i);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::SeqCst);
+    reader.join().unwrap();
+    writer.join().unwrap();
+    let errors = errors.lock().unwrap();
+    assert!(errors.is_empty(), "{} errors, the first: {:?}", errors.len(), &errors[..errors.len().min(5)]);
+    let last = saves.load(Ordering::SeqCst);
+    assert!(last >= 2 && reads.load(Ordering::SeqCst) >= 2, "the loops ran ({last} saves)");
+    let ckpt = fs::read(dir.join("ckpt")).unwrap();
+    assert!(ckpt == pattern(CKPT, last), "the last checkpoint (generation {last}) reads back whole");
+}
+
+fn save(dir: &Path, generation: u64) -> std::io::Result<()> {
+    let tmp = dir.join("ckpt.tmp");
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(&pattern(CKPT, generation))?;
+    f.sync_all()?;
+    drop(f);
+    fs::rename(&tmp, dir.join("ckpt"))?;
+    fs::File::open(dir)?.sync_all()
+}
+
+fn restarts_in_log(m: &Mount) -> usize {
+    m.log().matches("starting a new one on the live connection").count()
+}
+
+#[test]
+fn a_daemon_killed_every_three_seconds_costs_the_reader_and_the_writer_nothing() {
+    let m = Mount::new();
+    let data = m.data.clone();
+    let supervisor = m.supervisor_pid().expect("a supervisor runs the daemon");
+    under_load(&m.mnt, 20, |_| {
+        let old = daemon_of(&data);
+        // SAFETY: kill(2).
+        unsafe { libc::kill(old, libc::SIGKILL) };
+        replaced(&data, old);
+    });
+    assert_eq!(restarts_in_log(&m), 20, "each kill was followed by a restart on the live connection");
+    assert_eq!(m.supervisor_pid(), Some(supervisor), "one supervisor throughout");
+}
+
+#[test]
+fn a_kill_inside_an_fsync_still_leaves_the_fsynced_bytes() {
+    let mut m = Mount::new();
+    for (i, delay_ms) in [0u64, 15, 60, 150, 400].into_iter().enumerate() {
+        let path = m.path(&format!("big{i}"));
+        let want = pattern(256 << 20, i as u64);
+        let mut f = fs::File::create(&path).unwrap();
+        f.write_all(&want).unwrap();
+        let old = daemon_of(&m.data);
+        let killer = {
+            let data = m.data.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(delay_ms));
+                // SAFETY: kill(2).
+                unsafe { libc::kill(daemon_of(&data), libc::SIGKILL) };
+            })
+        };
+        let synced = f.sync_all();
+        killer.join().unwrap();
+        replaced(&m.data, old);
+        synced.unwrap_or_else(|e| panic!("fsync with a kill after {delay_ms} ms: {e}"));
+        drop(f);
+        assert!(fs::read(&path).unwrap() == want, "after a kill {delay_ms} ms into its fsync, big{i} reads back whole");
+    }
+    // And from the disk, after the whole node died and mounted again.
+    m.crash();
+    m.mount();
+    for i in 0..5 {
+        assert!(
+            fs::read(m.path(&format!("big{i}"))).unwrap() == pattern(256 << 20, i as u64),
+            "big{i} after a remount"
+        );
+    }
+}
+
+#[test]
+fn converged_upgrade_under_load_fails_no_request() {
+    let m = Mount::new();
+    let data = m.data.clone();
+    let mnt: PathBuf = m.mnt.clone();
+    under_load(&m.mnt, 4, |_| {
+        let old = daemon_of(&data);
+        let out = converged().arg("upgrade").arg(&mnt).output().unwrap();
+        assert!(out.status.success(), "upgrade failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert_ne!(replaced(&data, old), old);
+    });
+    assert!(m.log().matches("connection handed over").count() == 4, "four hand-overs: {}", m.log());
+    assert_eq!(restarts_in_log(&m), 0, "no daemon died");
+}
+
+#[test]
+fn a_daemon_that_dies_at_every_start_makes_the_supervisor_give_up() {
+    let root = tempfile::Builder::new().prefix("converged-test").tempdir().unwrap();
+    let (data, mnt) = (root.path().join("data"), root.path().join("mnt"));
+    fs::create_dir(&data).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    let out = converged()
+        .arg("mount")
+        .arg(&mnt)
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--restart-limit", "3", "--restart-window", "60s"])
+        .env("CONVERGED_FAULT_DIE_ON_RESTART", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    fs::write(mnt.join("f"), b"before").unwrap();
+    let supervisor = supervisor_pid(&data).unwrap();
+    // SAFETY: kill(2).
+    unsafe { libc::kill(daemon_of(&data), libc::SIGKILL) };
+    wait_gone(supervisor);
+    let err = fs::metadata(mnt.join("f")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "the mount reports ENOTCONN once the supervisor gave up");
+    let log = fs::read_to_string(data.join("converged.log")).unwrap();
+    assert!(log.contains("giving up"), "the reason is in the log: {log}");
+    assert_eq!(log.matches("starting a new one on the live connection").count(), 3, "three restarts, then none");
+    lazy_umount(&mnt);
+}
+
+#[test]
+fn an_open_file_written_across_a_kill_reads_back_whole_after_close() {
+    let m = Mount::new();
+    let path = m.path("across");
+    let mut f = fs::OpenOptions::new().create(true).write(true).truncate(true).open(&path).unwrap();
+    let mut r = fs::File::open(&path).unwrap();
+    f.write_all(&pattern(3 << 20, 1)).unwrap();
+    let old = daemon_of(&m.data);
+    // SAFETY: kill(2).
+    unsafe { libc::kill(old, libc::SIGKILL) };
+    replaced(&m.data, old);
+    f.write_all(&pattern(1 << 20, 2)).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let mut got = Vec::new();
+    r.read_to_end(&mut got).unwrap();
+    let mut want = pattern(3 << 20, 1);
+    want.extend(pattern(1 << 20, 2));
+    assert!(got == want, "the reader opened before the kill reads what the writer wrote across it");
+    assert!(fs::read(&path).unwrap() == want);
+    assert!(m.log().contains("writers=1"), "the writer's session was taken over, not sealed at recovery");
+}
