@@ -441,6 +441,10 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             println!("{READY}");
             std::io::stdout().flush()?;
             detach_stdio();
+        } else if args.fuse_fd.is_some() {
+            // In the foreground under a supervisor, which reports readiness.
+            println!("{READY}");
+            std::io::stdout().flush()?;
         }
         notify_systemd("READY=1");
         Ok(())

@@ -35,6 +35,16 @@ impl Collector for DaemonCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(core) = self.core.upgrade() else { return Ok(()) };
         crate::latency::encode(&mut encoder)?;
+        if let Some(life) = core.daemon_life() {
+            let since = life.started.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+            gauge(
+                &mut encoder,
+                "daemon_restarts",
+                "Daemons that served this mount's kernel connection before this one (crashes and upgrades)",
+                life.restarts as i64,
+            )?;
+            gauge(&mut encoder, "daemon_start_time_seconds", "When this daemon started (Unix time)", since)?;
+        }
         let s = &core.stats;
         let counters = [
             ("opens_passthrough", "Opens whose I/O the kernel passes to the backing file", &s.opens_passthrough),

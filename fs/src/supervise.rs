@@ -236,6 +236,7 @@ fn forward_signals(child: Arc<AtomicI32>, stopping: Arc<AtomicBool>, upgrade: Ar
                 }
                 sig => {
                     stopping.store(true, Ordering::SeqCst);
+                    crate::daemon::notify_systemd("STOPPING=1");
                     sig
                 }
             };

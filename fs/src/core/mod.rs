@@ -168,6 +168,20 @@ pub struct DaemonLife {
     pub last_exit: Option<String>,
 }
 
+impl DaemonLife {
+    /// The line `converged status` shows.
+    pub fn describe(&self) -> String {
+        let started = jiff::Timestamp::try_from(self.started).map(|t| t.to_string()).unwrap_or_default();
+        match self.restarts {
+            0 => format!("daemon: started {started}, first on this mount\n"),
+            n => format!(
+                "daemon: started {started}, {n} before it on this mount (the last {})\n",
+                self.last_exit.as_deref().unwrap_or("ended")
+            ),
+        }
+    }
+}
+
 /// Attributes as the caller sees them: the namespace record, with size and
 /// mtime taken from the backing file while the file is being written here.
 pub type Attr = Inode;
@@ -765,7 +779,11 @@ impl Core {
             )
             .into_bytes()),
             WORKERS_XATTR => match self.workers.get() {
-                Some(report) => Ok(report().into_bytes()),
+                Some(report) => {
+                    let mut text = self.life.get().map(DaemonLife::describe).unwrap_or_default();
+                    text.push_str(&report());
+                    Ok(text.into_bytes())
+                }
                 None => Err(MetaError::NoAttr.into()),
             },
             _ => Ok(self.ns.getxattr(ino, name)?),
