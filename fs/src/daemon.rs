@@ -112,7 +112,7 @@ fn join_cluster(
     Ok(())
 }
 
-fn lock_path(data_dir: &Path) -> PathBuf {
+pub(crate) fn lock_path(data_dir: &Path) -> PathBuf {
     data_dir.join("converged.lock")
 }
 

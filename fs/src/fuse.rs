@@ -306,11 +306,11 @@ fn node_for(req: &Request, kind: FileKind, mode: u32, umask: u32) -> NewNode<'st
 }
 
 /// Open flags for a handle the daemon serves.
-fn fopen_flags(opened: &Opened) -> FopenFlags {
-    if opened.direct_io {
-        FopenFlags::FOPEN_DIRECT_IO
-    } else {
-        FopenFlags::empty()
+/// The open flags of a handle served by the daemon in kernel I/O mode `io`.
+fn fopen_flags(io: crate::core::Io) -> FopenFlags {
+    match io {
+        crate::core::Io::Direct => FopenFlags::FOPEN_DIRECT_IO,
+        _ => FopenFlags::empty(),
     }
 }
 
@@ -381,7 +381,7 @@ impl FuseAdapter {
             Some(id) => {
                 reply.created_passthrough(&ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
             }
-            None => reply.created(&ttl, &a, Generation(0), FileHandle(opened.fh), fopen_flags(opened)),
+            None => reply.created(&ttl, &a, Generation(0), FileHandle(opened.fh), fopen_flags(opened.io)),
         }
     }
 
@@ -396,14 +396,7 @@ impl FuseAdapter {
                     Some(id) => {
                         reply.created_passthrough(&self.ttl, &attr(&i), Generation(0), fh, FopenFlags::empty(), &id)
                     }
-                    None => {
-                        let flags = if r.handle.io == crate::core::Io::Direct {
-                            FopenFlags::FOPEN_DIRECT_IO
-                        } else {
-                            FopenFlags::empty()
-                        };
-                        reply.created(&self.ttl, &attr(&i), Generation(0), fh, flags)
-                    }
+                    None => reply.created(&self.ttl, &attr(&i), Generation(0), fh, fopen_flags(r.handle.io)),
                 }
             }
             Err(e) => reply.error(errno("create", e)),
@@ -620,8 +613,7 @@ impl Filesystem for FuseAdapter {
             let fh = FileHandle(r.handle.fh);
             return match id {
                 Some(id) => reply.opened_passthrough(fh, FopenFlags::empty(), &id),
-                None if r.handle.io == crate::core::Io::Direct => reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO),
-                None => reply.opened(fh, FopenFlags::empty()),
+                None => reply.opened(fh, fopen_flags(r.handle.io)),
             };
         }
         let writable = is_writable(flags);
@@ -636,7 +628,7 @@ impl Filesystem for FuseAdapter {
                 }
                 match id {
                     Some(id) => reply.opened_passthrough(FileHandle(opened.fh), FopenFlags::empty(), &id),
-                    None => reply.opened(FileHandle(opened.fh), fopen_flags(&opened)),
+                    None => reply.opened(FileHandle(opened.fh), fopen_flags(opened.io)),
                 }
             }
             Err(e) => reply.error(errno("open", e)),

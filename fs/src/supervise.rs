@@ -284,5 +284,5 @@ pub fn upgrade(mountpoint: &Path, binary: Option<&Path>, wait: Duration) -> anyh
 
 /// The pid of the daemon holding the data dir (from its lock file).
 fn daemon_pid(data_dir: &Path) -> Option<i32> {
-    std::fs::read_to_string(data_dir.join("converged.lock")).ok()?.trim().parse().ok()
+    std::fs::read_to_string(crate::daemon::lock_path(data_dir)).ok()?.trim().parse().ok()
 }

@@ -61,6 +61,11 @@ impl RedoLog {
         db.with_extension("redo")
     }
 
+    /// Record in a durable commit that it covers the log up to `seq`.
+    fn cover(table: &mut redb::Table<&'static [u8], &'static [u8]>, seq: u64) -> Result<(), redb::StorageError> {
+        table.insert(REDO_KEY, seq.to_le_bytes().as_slice()).map(drop)
+    }
+
     /// One record: seq, count, then each key and value (len -1: a delete), with a crc of all.
     fn encode(seq: u64, pending: &PendingWrites) -> Vec<u8> {
         let mut body = Vec::with_capacity(64);
@@ -178,7 +183,7 @@ impl RedbKv {
                 last = seq;
                 applied += 1;
             }
-            table.insert(REDO_KEY, last.to_le_bytes().as_slice()).map_err(KvError::backend)?;
+            RedoLog::cover(&mut table, last).map_err(KvError::backend)?;
         }
         txn.commit().map_err(KvError::backend)?;
         if applied > 0 {
@@ -315,7 +320,7 @@ impl KvWrite for RedbWrite<'_> {
         {
             let mut table = txn.open_table(TABLE).map_err(|e| kv.check(e))?;
             if durability == Durability::Durable {
-                table.insert(REDO_KEY, seq.to_le_bytes().as_slice()).map_err(|e| kv.check(e))?;
+                RedoLog::cover(&mut table, seq).map_err(|e| kv.check(e))?;
             }
             for (k, v) in &pending {
                 match v {
@@ -330,7 +335,7 @@ impl KvWrite for RedbWrite<'_> {
         }
         if durability == Durability::Buffered && !pending.is_empty() {
             // Still holding redb's write slot: no other commit appends meanwhile.
-            if redo.durable.load(Ordering::SeqCst) == seq && redo.file.metadata().is_ok_and(|m| m.len() > 0) {
+            if redo.durable.load(Ordering::SeqCst) == seq {
                 // Everything logged is durable: start the log again.
                 redo.file.set_len(0).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
             }
@@ -369,7 +374,7 @@ impl KvEngine for RedbKv {
         let seq = self.redo.appended.load(Ordering::SeqCst);
         {
             let mut table = txn.open_table(TABLE).map_err(|e| self.check(e))?;
-            table.insert(REDO_KEY, seq.to_le_bytes().as_slice()).map_err(|e| self.check(e))?;
+            RedoLog::cover(&mut table, seq).map_err(|e| self.check(e))?;
         }
         txn.commit().map_err(|e| self.check(e))?;
         self.redo.durable.store(seq, Ordering::SeqCst);

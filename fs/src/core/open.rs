@@ -25,14 +25,13 @@ use crate::remote::Readahead;
 pub struct Opened {
     pub fh: u64,
     pub backing: Option<Arc<File>>,
-    /// Served by the daemon outside the kernel's page cache (FOPEN_DIRECT_IO).
-    pub direct_io: bool,
     /// The kernel's cached attributes of the inode must be dropped before
     /// the open returns: another node may have changed the file (in a
     /// cluster, close-to-open), and the kernel cuts reads at the size it
     /// holds.
     pub refresh_attrs: bool,
-    /// How the core counted the handle (what a later daemon adopts it as).
+    /// How the kernel does the handle's I/O (`Direct`: served by the daemon
+    /// outside the page cache, FOPEN_DIRECT_IO); what a later daemon adopts it as.
     pub io: Io,
 }
 
@@ -414,10 +413,7 @@ impl Core {
                 tracing::warn!(ino, error = %e, "could not settle chunk versions; reads go through the daemon");
             }
         }
-        let oi = self.open.open_inode(ino, || match self.take_spare(ino) {
-            Some(f) => Ok(f),
-            None => self.store.open_backing(ino),
-        })?;
+        let oi = self.open.open_inode(ino, || self.backing_file(ino))?;
         let fh = self.open.new_fh();
         // Direct (counted nowhere) until the mode is settled below, and not
         // writable until it counts as a writer: a failed open releases it.
@@ -455,7 +451,7 @@ impl Core {
             self.open.set_writable(fh);
         }
         if !kernel {
-            return Ok(Opened { fh, backing: None, direct_io: true, refresh_attrs: false, io: Io::Direct });
+            return Ok(Opened { fh, backing: None, refresh_attrs: false, io: Io::Direct });
         }
         let touched = !writable && self.note_access(&inode);
         let mut passthrough = self.passthrough();
@@ -494,12 +490,19 @@ impl Core {
         Ok(Opened {
             fh,
             backing: (io == Io::Passthrough).then(|| oi.file.clone()),
-            direct_io: io == Io::Direct,
             // A writer's attributes are not cached (see FuseAdapter::attr_ttl),
             // and those the kernel holds from before are dropped.
             refresh_attrs: clustered || touched || writable,
             io,
         })
+    }
+
+    /// The backing file of `ino` for its first open here: its spare, or the file.
+    fn backing_file(&self, ino: Ino) -> FsResult<File> {
+        match self.take_spare(ino) {
+            Some(f) => Ok(f),
+            None => self.store.open_backing(ino),
+        }
     }
 
     /// The kernel I/O mode of a new handle, given the handles already open.
@@ -542,10 +545,7 @@ impl Core {
     /// has one; without, the lease is taken as by a new writer). Called
     /// after recovery, which left these inodes as they were.
     pub(super) fn adopt(&self, k: &KernelOpen, lease: Option<u64>) -> FsResult<()> {
-        let oi = self.open.open_inode(k.ino, || match self.take_spare(k.ino) {
-            Some(f) => Ok(f),
-            None => self.store.open_backing(k.ino),
-        })?;
+        let oi = self.open.open_inode(k.ino, || self.backing_file(k.ino))?;
         self.open.insert_handle(k.fh, Handle { ino: k.ino, writable: false, io: Io::Direct });
         let adopted = (|| {
             let inode = self.ns.getattr(k.ino)?;
