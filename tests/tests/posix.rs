@@ -638,8 +638,9 @@ fn numpy_memmap_round_trip() {
     }
 }
 
-/// `converged status PATH` on a mounted node names each background worker
-/// and its state; the spares worker has made backing files by then.
+/// `converged status PATH` on a mounted node says when its daemon started
+/// and that none served the mount before it, then names each background
+/// worker and its state; the spares worker has made backing files by then.
 #[test]
 fn status_prints_the_state_of_every_worker() {
     let m = Mount::new();
@@ -649,7 +650,10 @@ fn status_prints_the_state_of_every_worker() {
         let out = common::converged().arg("status").arg(m.path("f")).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let workers: Vec<&str> = text.lines().skip_while(|l| !l.starts_with("workers")).skip(1).collect();
+        let mut lines = text.lines().skip_while(|l| !l.starts_with("workers")).skip(1);
+        let daemon = lines.next().unwrap_or_default();
+        assert!(daemon.trim_start().starts_with("daemon: started") && daemon.contains("first on this mount"), "{text}");
+        let workers: Vec<&str> = lines.collect();
         let names: Vec<&str> = workers.iter().filter_map(|l| l.split_whitespace().next()).collect();
         assert_eq!(names, ["flusher", "spares", "replicator", "streamer", "settler", "scrub"], "{text}");
         assert!(workers.iter().all(|l| l.contains(" idle ") || l.contains(" working ")), "{text}");
