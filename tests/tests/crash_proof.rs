@@ -40,8 +40,15 @@ fn replaced(data: &Path, old: i32) -> i32 {
 /// checkpoint as training code does (tmp, write, fsync, rename, fsync of
 /// the directory), while `disturb(i)` runs `rounds` times, 3 s apart.
 /// Neither may see an error; every read is right; the checkpoint is whole.
-fn under_load(mnt: &Path, rounds: usize, mut disturb: impl FnMut(usize)) {
-    let dir = mnt.join("load");
+fn under_load(mnt: &Path, rounds: usize, disturb: impl FnMut(usize)) {
+    under_load_on(mnt, &[mnt], rounds, disturb)
+}
+
+/// `under_load` with the writer on mount `writer` and one reader on each
+/// of `readers` (mounts of one volume: the files are written once, through
+/// `writer`, and each reader waits until it sees them).
+fn under_load_on(writer: &Path, readers: &[&Path], rounds: usize, mut disturb: impl FnMut(usize)) {
+    let dir = writer.join("load");
     fs::create_dir(&dir).unwrap();
     for i in 0..READ_FILES {
         fs::write(dir.join(format!("r{i}")), pattern(4096 + i * 97, i as u64)).unwrap();
@@ -49,21 +56,38 @@ fn under_load(mnt: &Path, rounds: usize, mut disturb: impl FnMut(usize)) {
     let stop = Arc::new(AtomicBool::new(false));
     let errors: Errors = Arc::default();
     let (reads, saves) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let reader = {
-        let (dir, stop, errors, reads) = (dir.clone(), stop.clone(), errors.clone(), reads.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                for i in 0..READ_FILES {
-                    match fs::read(dir.join(format!("r{i}"))) {
-                        Ok(got) if got == pattern(4096 + i * 97, i as u64) => {}
-                        Ok(got) => errors.lock().unwrap().push(format!("r{i}: wrong bytes ({} long)", got.len())),
-                        Err(e) => errors.lock().unwrap().push(format!("read r{i}: {e}")),
-                    }
-                }
-                reads.fetch_add(1, Ordering::SeqCst);
+    let reader_threads: Vec<_> = readers
+        .iter()
+        .map(|mnt| {
+            let dir = mnt.join("load");
+            let last = dir.join(format!("r{}", READ_FILES - 1));
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while fs::metadata(&last).map(|m| m.len()).ok() != Some((4096 + (READ_FILES - 1) * 97) as u64) {
+                assert!(Instant::now() < deadline, "{} never saw the files to read", mnt.display());
+                std::thread::sleep(Duration::from_millis(50));
             }
+            let (stop, errors, reads) = (stop.clone(), errors.clone(), reads.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    for i in 0..READ_FILES {
+                        match fs::read(dir.join(format!("r{i}"))) {
+                            Ok(got) if got == pattern(4096 + i * 97, i as u64) => {}
+                            Ok(got) => errors.lock().unwrap().push(format!(
+                                "{}: wrong bytes ({} long)",
+                                dir.join(format!("r{i}")).display(),
+                                got.len()
+                            )),
+                            Err(e) => errors
+                                .lock()
+                                .unwrap()
+                                .push(format!("read {}: {e}", dir.join(format!("r{i}")).display())),
+                        }
+                    }
+                    reads.fetch_add(1, Ordering::SeqCst);
+                }
+            })
         })
-    };
+        .collect();
     let writer = {
         let (dir, stop, errors, saves) = (dir.clone(), stop.clone(), errors.clone(), saves.clone());
         std::thread::spawn(move || {
@@ -84,14 +108,23 @@ fn under_load(mnt: &Path, rounds: usize, mut disturb: impl FnMut(usize)) {
     }
     std::thread::sleep(Duration::from_secs(2));
     stop.store(true, Ordering::SeqCst);
-    reader.join().unwrap();
+    for r in reader_threads {
+        r.join().unwrap();
+    }
     writer.join().unwrap();
     let errors = errors.lock().unwrap();
     assert!(errors.is_empty(), "{} errors, the first: {:?}", errors.len(), &errors[..errors.len().min(5)]);
     let last = saves.load(Ordering::SeqCst);
-    assert!(last >= 2 && reads.load(Ordering::SeqCst) >= 2, "the loops ran ({last} saves)");
-    let ckpt = fs::read(dir.join("ckpt")).unwrap();
-    assert!(ckpt == pattern(CKPT, last), "the last checkpoint (generation {last}) reads back whole");
+    eprintln!("{last} checkpoints saved, {} read passes over {READ_FILES} files", reads.load(Ordering::SeqCst));
+    assert!(last >= 2 && reads.load(Ordering::SeqCst) >= 2 * readers.len() as u64, "the loops ran ({last} saves)");
+    for mnt in readers {
+        let ckpt = fs::read(mnt.join("load/ckpt")).unwrap();
+        assert!(
+            ckpt == pattern(CKPT, last),
+            "the last checkpoint (generation {last}) reads back whole on {}",
+            mnt.display()
+        );
+    }
 }
 
 fn save(dir: &Path, generation: u64) -> std::io::Result<()> {
@@ -121,6 +154,25 @@ fn a_daemon_killed_every_three_seconds_costs_the_reader_and_the_writer_nothing()
     });
     assert_eq!(restarts_in_log(&m), 20, "each kill was followed by a restart on the live connection");
     assert_eq!(m.supervisor_pid(), Some(supervisor), "one supervisor throughout");
+}
+
+/// The same on a 2-node cluster on etcd, the killed daemon being the
+/// writer's node: its replicas, write leases and etcd session are taken
+/// over by the next daemon, and a reader on each node sees nothing.
+#[test]
+fn a_cluster_nodes_daemon_killed_every_three_seconds_costs_its_writer_and_both_readers_nothing() {
+    let Some(c) = cluster::Cluster::start(2, &[]) else { return };
+    let (n1, n2) = (c.node(0), c.node(1));
+    let supervisor = n1.supervisor_pid().expect("a supervisor runs the daemon");
+    let data = n1.data.clone();
+    under_load_on(&n1.mnt, &[&n1.mnt, &n2.mnt], 20, |_| {
+        let old = daemon_of(&data);
+        // SAFETY: kill(2).
+        unsafe { libc::kill(old, libc::SIGKILL) };
+        replaced(&data, old);
+    });
+    assert_eq!(restarts_in_log(n1), 20, "each kill was followed by a restart on the live connection");
+    assert_eq!(n1.supervisor_pid(), Some(supervisor), "one supervisor throughout");
 }
 
 #[test]
