@@ -220,6 +220,13 @@ pub(crate) fn notify_systemd(state: &str) {
 /// connection fail at start: how the tests make a crash loop.
 pub const FAULT_DIE_ON_RESTART: &str = "CONVERGED_FAULT_DIE_ON_RESTART";
 
+/// Set in a daemon's environment to a comma-separated list of namespace
+/// operations (`mkdir,rename`), makes the n-th daemon of a supervised
+/// connection die right after it commits the n-th operation of the list,
+/// before it answers: how the tests make the kernel send a request whose
+/// change is done.
+pub const FAULT_DIE_AFTER_COMMIT: &str = "CONVERGED_FAULT_DIE_AFTER_COMMIT";
+
 /// File handles of the n-th daemon of a connection start at n << this, so
 /// that none repeats one an earlier daemon gave the kernel.
 const FH_GENERATION_SHIFT: u32 = 40;
@@ -428,6 +435,12 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         dev: args.dev,
         noexec: args.noexec,
         noatime: args.atime == crate::config::AtimePolicy::Noatime,
+        // The n-th daemon of a supervised connection dies after the n-th
+        // operation the list names.
+        die_after_commit: std::env::var(FAULT_DIE_AFTER_COMMIT)
+            .ok()
+            .filter(|_| args.fuse_fd.is_some())
+            .and_then(|ops| ops.split(',').nth(args.fuse_generation as usize).map(str::to_string)),
     };
     crate::fuse::serve(core, spec, conn, journal, &adopted, |feed| {
         // Changes other nodes make evict what this kernel caches of them.

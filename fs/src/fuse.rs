@@ -11,7 +11,9 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use converged_metadata::held_locks::Mutex;
-use converged_metadata::types::{FileKind, Ino, Inode, NewNode, RenameMode, SetAttr, TimeSet, Timespec, XattrMode};
+use converged_metadata::types::{
+    FileKind, Ino, Inode, NewNode, RenameMode, RequestMark, SetAttr, TimeSet, Timespec, XattrMode,
+};
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
@@ -22,7 +24,7 @@ use tracing::debug_span;
 
 use crate::core::{Caller, Core, KernelOpen, Opened};
 use crate::error::{FsError, FsResult};
-use crate::kernel_handles::{HandleJournal, Recorded, Settled};
+use crate::kernel_handles::{HandleJournal, Recorded, Settled, RESENT};
 
 pub struct FuseAdapter {
     core: Arc<Core>,
@@ -38,6 +40,9 @@ pub struct FuseAdapter {
     /// Notifications to the kernel from request handlers (set once the
     /// session exists).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
+    /// Fault switch (tests): the namespace operation after whose commit
+    /// this daemon dies, before it answers.
+    die_after_commit: Option<String>,
 }
 
 /// The door requests come in by (see [`FuseAdapter::enter`]).
@@ -97,6 +102,50 @@ impl FuseAdapter {
             journal,
             gate: Arc::default(),
             notifier: Arc::default(),
+            die_after_commit: None,
+        }
+    }
+
+    /// Make the namespace change `req` asks for once, though the kernel
+    /// may ask twice. `change` makes it, recording the request with it
+    /// (see `RequestMark`). A request the kernel sends again, because the
+    /// daemon it was sent to died before answering, is answered by `done`
+    /// (given the inode the change made or named) when the record says
+    /// the change committed: before it is made again, and after, when
+    /// making it again failed (the dead daemon's transaction may land
+    /// while this one looks).
+    fn once<T>(
+        &self,
+        req: &Request,
+        op: &'static str,
+        change: impl FnOnce(RequestMark) -> FsResult<T>,
+        done: impl Fn(Ino) -> FsResult<T>,
+    ) -> FsResult<T> {
+        let unique = req.unique().0;
+        let mark = RequestMark { connection: self.journal.connection(), unique: unique & !RESENT };
+        if unique & RESENT == 0 {
+            let made = change(mark);
+            if made.is_ok() && self.die_after_commit.as_deref() == Some(op) {
+                tracing::error!(op, "fault switch: the daemon dies after the commit, before the answer");
+                // SAFETY: kill(2) of this process.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            return made;
+        }
+        if let Some(ino) = self.core.answered(mark)? {
+            tracing::info!(
+                op,
+                unique = mark.unique,
+                "a resent request's change had committed: answered from its record"
+            );
+            return done(ino);
+        }
+        match change(mark) {
+            Err(e) => match self.core.answered(mark)? {
+                Some(ino) => done(ino),
+                None => Err(e),
+            },
+            made => made,
         }
     }
 
@@ -302,6 +351,7 @@ fn node_for(req: &Request, kind: FileKind, mode: u32, umask: u32) -> NewNode<'st
         target: None,
         unsealed: false,
         umask: (umask & 0o777) as u16,
+        request: None,
     }
 }
 
@@ -348,10 +398,24 @@ impl FuseAdapter {
         Some(id)
     }
 
-    fn new_node(&self, parent: INodeNo, name: &OsStr, node: NewNode<'_>, reply: ReplyEntry) {
-        match self.core.mknod(parent.0, name.as_bytes(), &node) {
+    fn new_node(
+        &self,
+        req: &Request,
+        op: &'static str,
+        parent: INodeNo,
+        name: &OsStr,
+        node: NewNode<'_>,
+        reply: ReplyEntry,
+    ) {
+        let made = self.once(
+            req,
+            op,
+            |r| self.core.mknod(parent.0, name.as_bytes(), &NewNode { request: Some(r), ..node.clone() }),
+            |ino| self.core.getattr(ino),
+        );
+        match made {
             Ok(i) => reply.entry(&self.attr_ttl(&i), &attr(&i), Generation(0)),
-            Err(e) => reply.error(errno("mknod", e)),
+            Err(e) => reply.error(errno(op, e)),
         }
     }
 
@@ -530,14 +594,14 @@ impl Filesystem for FuseAdapter {
             return reply.error(Errno::EINVAL);
         };
         let node = NewNode { rdev, ..node_for(req, kind, mode, umask) };
-        self.new_node(parent, name, node, reply);
+        self.new_node(req, "mknod", parent, name, node, reply);
     }
 
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
         let _s = debug_span!("mkdir", parent = parent.0, name = ?name, mode).entered();
         let _t = self.enter("mkdir");
         let node = node_for(req, FileKind::Directory, mode, umask);
-        self.new_node(parent, name, node, reply);
+        self.new_node(req, "mkdir", parent, name, node, reply);
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
@@ -545,22 +609,24 @@ impl Filesystem for FuseAdapter {
         let _t = self.enter("symlink");
         let node =
             NewNode { target: Some(target.as_os_str().as_bytes()), ..node_for(req, FileKind::Symlink, 0o777, 0) };
-        self.new_node(parent, link_name, node, reply);
+        self.new_node(req, "symlink", parent, link_name, node, reply);
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("unlink", parent = parent.0, name = ?name).entered();
         let _t = self.enter("unlink");
-        match self.core.unlink(parent.0, name.as_bytes()) {
+        let name = name.as_bytes();
+        match self.once(req, "unlink", |r| self.core.unlink_answering(parent.0, name, Some(r)), |_| Ok(())) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("unlink", e)),
         }
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _s = debug_span!("rmdir", parent = parent.0, name = ?name).entered();
         let _t = self.enter("rmdir");
-        match self.core.rmdir(parent.0, name.as_bytes()) {
+        let name = name.as_bytes();
+        match self.once(req, "rmdir", |r| self.core.rmdir_answering(parent.0, name, Some(r)), |_| Ok(())) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rmdir", e)),
         }
@@ -591,16 +657,30 @@ impl Filesystem for FuseAdapter {
             return reply.error(Errno::EINVAL);
         };
         let owner = whiteout.then(|| (req.uid(), req.gid()));
-        match self.core.rename_leaving(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), mode, owner) {
+        let (name, newname) = (name.as_bytes(), newname.as_bytes());
+        let renamed = self.once(
+            req,
+            "rename",
+            |r| self.core.rename_leaving(parent.0, name, newparent.0, newname, mode, owner, Some(r)),
+            |_| Ok(()),
+        );
+        match renamed {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rename", e)),
         }
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(&self, req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
         let _s = debug_span!("link", ino = ino.0, newparent = newparent.0, newname = ?newname).entered();
         let _t = self.enter("link");
-        match self.core.link(ino.0, newparent.0, newname.as_bytes()) {
+        let newname = newname.as_bytes();
+        let linked = self.once(
+            req,
+            "link",
+            |r| self.core.link_answering(ino.0, newparent.0, newname, Some(r)),
+            |ino| self.core.getattr(ino),
+        );
+        match linked {
             Ok(i) => reply.entry(&self.attr_ttl(&i), &attr(&i), Generation(0)),
             Err(e) => reply.error(errno("link", e)),
         }
@@ -650,7 +730,14 @@ impl Filesystem for FuseAdapter {
         let Some(reply) = self.resent_create(req, reply) else { return };
         let writable = is_writable(OpenFlags(flags));
         let node = NewNode { unsealed: writable, ..node_for(req, FileKind::Regular, mode, umask) };
-        match self.core.create(parent.0, name.as_bytes(), &node) {
+        let created = self.once(
+            req,
+            "create",
+            |r| self.core.create(parent.0, name.as_bytes(), &NewNode { request: Some(r), ..node.clone() }),
+            // Made, and not opened (or its open not recorded): opened now.
+            |ino| Ok((self.core.getattr(ino)?, self.core.open(ino, writable)?)),
+        );
+        match created {
             Ok((inode, opened)) => self.reply_created(req, &inode, &opened, writable, reply),
             Err(e) => reply.error(errno("create", e)),
         }
@@ -1013,6 +1100,9 @@ pub struct MountSpec<'a> {
     pub noexec: bool,
     /// Shown as `noatime` in the mount table (the daemon keeps atime itself).
     pub noatime: bool,
+    /// Fault switch (tests): die after committing this namespace operation
+    /// (`mkdir`, `rename`, ...), before answering it.
+    pub die_after_commit: Option<String>,
 }
 
 /// The /dev/fuse connection a daemon serves.
@@ -1042,7 +1132,8 @@ pub fn serve(
     on_mounted: impl FnOnce(converged_metadata::ChangeFeed) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
-    let adapter = FuseAdapter::new(core.clone(), spec.attr_timeout, spec.want_passthrough, journal);
+    let mut adapter = FuseAdapter::new(core.clone(), spec.attr_timeout, spec.want_passthrough, journal);
+    adapter.die_after_commit = spec.die_after_commit.clone();
     let notifier = adapter.notifier.clone();
     let gate = adapter.gate.clone();
     let backing = adapter.backing.clone();

@@ -13,7 +13,10 @@
 //! unwritten.
 //!
 //! Slot 0 is the header: what the connection's INIT settled that a later
-//! daemon must know (whether the kernel took passthrough).
+//! daemon must know (whether the kernel took passthrough), and the
+//! connection's random id, which names its requests in the metadata (a
+//! request id alone repeats from one mount to the next; see
+//! `converged_metadata::types::RequestMark`).
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -28,6 +31,10 @@ use crate::core::{Io, KernelOpen};
 const FILE: &str = "kernel-handles";
 const SLOT: usize = 40;
 const MAGIC: u64 = u64::from_le_bytes(*b"cvgdkh01");
+
+/// The bit the kernel sets in the unique id of a request it sends again
+/// (`FUSE_UNIQUE_RESEND`).
+pub const RESENT: u64 = 1 << 63;
 
 const LIVE: u32 = 1;
 const WRITABLE: u32 = 2;
@@ -99,6 +106,7 @@ struct Slots {
 /// under it, and the slot is written after it is let go).
 pub struct HandleJournal {
     file: File,
+    connection: u64,
     slots: Mutex<Slots>,
     /// Handles of the earlier daemon by the unique id of their open: a
     /// resent open is answered with the handle it made.
@@ -114,7 +122,12 @@ impl HandleJournal {
     pub fn create(data_dir: &Path, settled: Settled) -> io::Result<Self> {
         let file = Self::open_file(data_dir)?;
         file.set_len(0)?;
-        let j = HandleJournal { file, slots: Mutex::new(Slots { end: 1, ..Slots::default() }), resent: HashMap::new() };
+        let j = HandleJournal {
+            file,
+            connection: random_u64(),
+            slots: Mutex::new(Slots { end: 1, ..Slots::default() }),
+            resent: HashMap::new(),
+        };
         j.write_header(settled)?;
         Ok(j)
     }
@@ -124,7 +137,13 @@ impl HandleJournal {
         let mut b = [0u8; SLOT];
         b[0..8].copy_from_slice(&MAGIC.to_le_bytes());
         b[8] = u8::from(settled.passthrough);
+        b[16..24].copy_from_slice(&self.connection.to_le_bytes());
         self.file.write_all_at(&b, 0)
+    }
+
+    /// The connection's random id (made with its journal).
+    pub fn connection(&self) -> u64 {
+        self.connection
     }
 
     /// A live connection an earlier daemon served: its settlement and the
@@ -139,6 +158,7 @@ impl HandleJournal {
             ));
         }
         let settled = Settled { passthrough: bytes[8] != 0 };
+        let connection = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
         let mut slots = Slots { end: (bytes.len() / SLOT) as u64, ..Slots::default() };
         let mut found = Vec::new();
         for (i, b) in bytes.chunks_exact(SLOT).enumerate().skip(1) {
@@ -151,7 +171,7 @@ impl HandleJournal {
             }
         }
         let resent = found.iter().map(|r| (r.unique, *r)).collect();
-        Ok((HandleJournal { file, slots: Mutex::new(slots), resent }, settled, found))
+        Ok((HandleJournal { file, connection, slots: Mutex::new(slots), resent }, settled, found))
     }
 
     /// Record an open handle (before the open is answered).
@@ -186,12 +206,23 @@ impl HandleJournal {
     /// The handle an earlier daemon made for the open with this unique id,
     /// when the kernel sends that open again (bit 63 of its unique set).
     pub fn resent_open(&self, unique: u64) -> Option<Recorded> {
-        const RESEND: u64 = 1 << 63;
-        if unique & RESEND == 0 {
+        if unique & RESENT == 0 {
             return None;
         }
-        self.resent.get(&(unique & !RESEND)).copied()
+        self.resent.get(&(unique & !RESENT)).copied()
     }
+}
+
+/// 64 random bits from the kernel's generator (time and pid where it has none).
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom(2) into a buffer of its length.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        return u64::from_le_bytes(b);
+    }
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    t.as_nanos() as u64 ^ u64::from(std::process::id()) << 32
 }
 
 #[cfg(test)]
@@ -212,9 +243,14 @@ mod tests {
             j.record(r).unwrap();
         }
         j.forget(2);
+        let connection = j.connection();
+        j.write_header(Settled { passthrough: true }).unwrap();
         drop(j);
         let (j, settled, found) = HandleJournal::take_over(dir.path()).unwrap();
         assert!(settled.passthrough);
+        assert_eq!(j.connection(), connection, "the connection keeps its id");
+        let other = HandleJournal::create(tempfile::tempdir().unwrap().path(), Settled::default()).unwrap();
+        assert_ne!(other.connection(), connection, "another connection's id differs");
         assert_eq!(found, vec![a, c]);
         assert_eq!(j.resent_open(10 | 1 << 63), Some(a));
         assert_eq!(j.resent_open(10), None, "a first open is not a resent one");

@@ -141,14 +141,14 @@ pub fn run(args: &MountArgs, data_dir: &Path, argv: &[OsString], exe_prefix: &[O
         let started = Instant::now();
         if generation == 0 && !wait_ready(&mut child, args.daemonized)? {
             let status = child.wait()?;
-            let _ = std::fs::remove_file(&pid_file);
+            remove_own_pid_file(&pid_file);
             bail!("daemon {} before the mount was ready", describe(status));
         }
         let status = child.wait()?;
         child_pid.store(0, Ordering::SeqCst);
         if status.success() || stopping.load(Ordering::SeqCst) {
             tracing::info!(how = %describe(status), "daemon stopped; the mount is over");
-            let _ = std::fs::remove_file(&pid_file);
+            remove_own_pid_file(&pid_file);
             return match status.success() {
                 true => Ok(()),
                 false => Err(anyhow::anyhow!("daemon {}", describe(status))),
@@ -167,7 +167,7 @@ pub fn run(args: &MountArgs, data_dir: &Path, argv: &[OsString], exe_prefix: &[O
                 window = ?args.restart_window,
                 "daemon keeps failing; giving up: the mount reports ENOTCONN until it is mounted again"
             );
-            let _ = std::fs::remove_file(&pid_file);
+            remove_own_pid_file(&pid_file);
             bail!(
                 "daemon {} {} times within {:?}; gave up",
                 describe(status),
@@ -184,6 +184,16 @@ pub fn run(args: &MountArgs, data_dir: &Path, argv: &[OsString], exe_prefix: &[O
         }
         last = if handover { "upgrade".into() } else { describe(status) };
         generation += 1;
+    }
+}
+
+/// Remove the pid file if it still names this process: a supervisor whose
+/// data dir was replaced under it (removed and made again for a new mount)
+/// leaves the new one's file alone.
+fn remove_own_pid_file(path: &Path) {
+    let named = std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse::<u32>().ok());
+    if named == Some(std::process::id()) {
+        let _ = std::fs::remove_file(path);
     }
 }
 

@@ -43,6 +43,9 @@
 //! | `Z` node-id                | u64 (BE)             | the last gc request the node has swept for   |
 //! | `H`                        | u64 (BE)             | the last request to queue files for upload   |
 //! |                            |                      | again (`fsck --repair`)                      |
+//! | `J` node-id NUL slot(u16)  | connection, unique,  | a kernel request of that node whose change   |
+//! |                            | ino (3 × u64 BE)     | committed: a ring of slots, overwritten as   |
+//! |                            |                      | requests go (see `ops/answered.rs`)          |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -79,6 +82,7 @@ const LEASE_EPOCH: u8 = b'E';
 const KEY_OWNER: u8 = b'Y';
 const PENDING_CHUNK: u8 = b'P';
 const LAYOUT_COMMIT: u8 = b'Q';
+const ANSWERED: u8 = b'J';
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -112,6 +116,16 @@ pub fn inode(ino: Ino) -> Vec<u8> {
 
 pub fn dentry(parent: Ino, name: &[u8]) -> Vec<u8> {
     with_ino_name(DENTRY, parent, name)
+}
+
+/// Slot `slot` of node `node`'s ring of committed kernel requests.
+pub fn answered(node: &str, slot: u16) -> Vec<u8> {
+    let mut k = Vec::with_capacity(node.len() + 4);
+    k.push(ANSWERED);
+    k.extend_from_slice(node.as_bytes());
+    k.push(0);
+    k.extend_from_slice(&slot.to_be_bytes());
+    k
 }
 
 /// Every inode record (the prefix of all `I` keys).

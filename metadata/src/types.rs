@@ -290,12 +290,30 @@ pub struct NewNode<'a> {
     /// The creating process's umask: applied unless the directory has a
     /// default ACL, which takes its place (the kernel leaves both to us).
     pub umask: u16,
+    /// The kernel request the node is made for, recorded with it (see
+    /// [`RequestMark`]).
+    pub request: Option<RequestMark>,
+}
+
+/// A kernel request that changes the namespace, recorded in the
+/// transaction of its change (key `J`, see `ops/answered.rs`): when the
+/// daemon dies after the commit and before its answer, the kernel sends
+/// the request again, and the next daemon learns from the record that it
+/// is done instead of doing it again (a committed mkdir would fail with
+/// EEXIST, a committed rename with ENOENT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestMark {
+    /// Random, made with the kernel connection: request ids restart with
+    /// each mount.
+    pub connection: u64,
+    /// The kernel's id of the request, without the resend bit.
+    pub unique: u64,
 }
 
 impl NewNode<'static> {
     /// A node owned by root with `perm`, no umask, created closed.
     pub fn plain(kind: FileKind, perm: u16) -> Self {
-        NewNode { kind, perm, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false, umask: 0 }
+        NewNode { kind, perm, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false, umask: 0, request: None }
     }
 }
 

@@ -27,6 +27,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("kv_range_delete_hands_back_what_it_removed", kv_range_delete_hands_back_what_it_removed),
     ("namespace_create_lookup_link_unlink", namespace_create_lookup_link_unlink),
     ("namespace_rename_rules", namespace_rename_rules),
+    ("changes_made_for_a_request_say_so", changes_made_for_a_request_say_so),
     ("tmpfiles_are_orphans_until_linked", tmpfiles_are_orphans_until_linked),
     ("namespace_setattr_xattr_and_seal", namespace_setattr_xattr_and_seal),
     ("large_directories_list_in_pages", large_directories_list_in_pages),
@@ -246,11 +247,21 @@ fn ns(kv: Arc<dyn KvEngine>) -> Namespace {
 }
 
 fn file(perm: u16) -> NewNode<'static> {
-    NewNode { kind: FileKind::Regular, perm, uid: 1, gid: 2, rdev: 0, target: None, unsealed: false, umask: 0 }
+    NewNode {
+        kind: FileKind::Regular,
+        perm,
+        uid: 1,
+        gid: 2,
+        rdev: 0,
+        target: None,
+        unsealed: false,
+        umask: 0,
+        request: None,
+    }
 }
 
 fn dir() -> NewNode<'static> {
-    NewNode { kind: FileKind::Directory, perm: 0o755, uid: 0, gid: 0, rdev: 0, target: None, unsealed: false, umask: 0 }
+    NewNode { request: None, ..NewNode::plain(FileKind::Directory, 0o755) }
 }
 
 fn errno<T: std::fmt::Debug>(r: Result<T, MetaError>) -> i32 {
@@ -279,6 +290,37 @@ fn namespace_create_lookup_link_unlink(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(errno(ns.unlink(ROOT, b"d")), libc::EISDIR, "{name}");
     ns.rmdir(ROOT, b"d").unwrap();
     assert_eq!(ns.getattr(ROOT).unwrap().nlink, 2, "{name}");
+}
+
+/// A change made for a kernel request records it in its transaction: the
+/// request's connection and id find it (with the inode it made or named),
+/// another connection's same id or a failed change do not.
+fn changes_made_for_a_request_say_so(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv);
+    let req = |unique: u64| RequestMark { connection: 7, unique };
+    let answered = |unique: u64| ns.answered(req(unique)).unwrap();
+    let d = ns.mknod(ROOT, b"d", &NewNode { request: Some(req(2)), ..dir() }).unwrap();
+    assert_eq!(answered(2), Some(d.ino), "{name}: mkdir");
+    assert_eq!(ns.answered(RequestMark { connection: 8, unique: 2 }).unwrap(), None, "{name}: another connection");
+    assert_eq!(answered(4), None, "{name}: a request that made no change");
+    assert_eq!(errno(ns.mknod(ROOT, b"d", &NewNode { request: Some(req(4)), ..dir() })), libc::EEXIST);
+    assert_eq!(answered(4), None, "{name}: a change that failed");
+    let f = ns.mknod(d.ino, b"f", &NewNode { request: Some(req(6)), ..file(0o644) }).unwrap();
+    assert_eq!(answered(6), Some(f.ino), "{name}: create");
+    ns.link_answering(f.ino, ROOT, b"g", Some(req(8))).unwrap();
+    assert_eq!(answered(8), Some(f.ino), "{name}: link");
+    ns.rename_answering(d.ino, b"f", ROOT, b"h", RenameMode::Replace, Some(req(10))).unwrap();
+    assert!(answered(10).is_some(), "{name}: rename");
+    ns.unlink_purging(ROOT, b"g", &|_| false, Some(req(12))).unwrap();
+    assert_eq!(answered(12), Some(f.ino), "{name}: unlink");
+    ns.rmdir_purging(ROOT, b"d", &|_| true, Some(req(14))).unwrap();
+    assert_eq!(answered(14), Some(d.ino), "{name}: rmdir");
+    // A ring: a record is overwritten by a request as many slots later.
+    let later = 14 + 2 * 4096;
+    ns.mknod(ROOT, b"e", &NewNode { request: Some(req(later)), ..dir() }).unwrap();
+    assert_eq!(answered(14), None, "{name}: overwritten");
+    assert!(answered(later).is_some(), "{name}");
+    assert_eq!(answered(6), Some(f.ino), "{name}: other slots kept");
 }
 
 /// O_TMPFILE: an inode with no name, this node's orphan (purged at a crash
@@ -409,7 +451,7 @@ fn object_keys_belong_to_one_file_at_a_time(name: &str, kv: Arc<dyn KvEngine>) {
     ns.rename(ROOT, b"other", ROOT, b"moved", RenameMode::Replace).unwrap();
     assert_eq!(ns.claim_rekey(other.ino, "prev").unwrap(), Err(old.ino), "{name}");
     // ... and once prev is purged, its garbage may go only if no one else claimed it.
-    let gone = ns.unlink_purging(ROOT, b"prev", &|_| true).unwrap();
+    let gone = ns.unlink_purging(ROOT, b"prev", &|_| true, None).unwrap();
     assert!(gone.purged, "{name}");
     assert_eq!(ns.claim_rekey(other.ino, "prev").unwrap(), Ok(()), "{name}: a purged owner lets go");
     assert!(!ns.release_garbage_key(old.ino, "prev").unwrap(), "{name}: prev's object is other's now");
@@ -680,7 +722,7 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
     assert!(!ns.drop_replica(f.ino, 0, 3).unwrap(), "{name}");
 
     // Unlink purges the file and queues its object for deletion.
-    let gone = ns.unlink_purging(ROOT, b"b.pt", &|_| true).unwrap();
+    let gone = ns.unlink_purging(ROOT, b"b.pt", &|_| true, None).unwrap();
     assert!(gone.purged, "{name}");
     let garbage = ns.garbage().unwrap();
     assert_eq!(garbage.len(), 1, "{name}");
@@ -715,7 +757,7 @@ fn tier_state_machine(name: &str, kv: Arc<dyn KvEngine>) {
     assert!(ns.chunks(x.ino).unwrap().is_empty(), "{name}");
     assert_eq!(ns.getattr(x.ino).unwrap().size, 8, "{name}");
     // Deleting an imported file never queues its source object.
-    ns.unlink_purging(d.ino, b"x.bin", &|_| true).unwrap();
+    ns.unlink_purging(d.ino, b"x.bin", &|_| true, None).unwrap();
     assert!(ns.garbage().unwrap().is_empty(), "{name}");
 
     // A renamed directory stays marked until its walk is done; a walk that

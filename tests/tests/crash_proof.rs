@@ -276,3 +276,61 @@ fn an_open_file_written_across_a_kill_reads_back_whole_after_close() {
     assert!(fs::read(&path).unwrap() == want);
     assert!(m.log().contains("writers=1"), "the writer's session was taken over, not sealed at recovery");
 }
+
+/// A daemon that dies after a namespace change commits and before it
+/// answers leaves the request to the next daemon, which the kernel sends
+/// it to again: each change is answered as done (no EEXIST for a mkdir
+/// or an O_EXCL create it made, no ENOENT for a rename or unlink), and is
+/// made once. The fault switch makes the n-th daemon die after the n-th
+/// operation it names.
+#[test]
+fn a_change_committed_by_a_daemon_that_died_before_answering_is_answered_as_done() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let ops = ["mkdir", "create", "mknod", "symlink", "link", "rename", "unlink", "rmdir"];
+    let m = Mount::with_env(&["--restart-limit", "20"], &[("CONVERGED_FAULT_DIE_AFTER_COMMIT", &ops.join(","))]);
+    let (data, mnt) = (m.data.clone(), m.mnt.clone());
+    let p = |rel: &str| mnt.join(rel);
+    let log = || fs::read_to_string(data.join("converged.log")).unwrap_or_default();
+    let died = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while log().matches("starting a new one on the live connection").count() < n {
+            assert!(Instant::now() < deadline, "daemon {n} did not die:\n{}", log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    fs::create_dir(p("d")).expect("mkdir");
+    died(1);
+    fs::create_dir(p("d/e")).unwrap();
+    let mut f = fs::OpenOptions::new().write(true).create_new(true).open(p("d/f")).expect("create with O_EXCL");
+    died(2);
+    f.write_all(b"written after the create").unwrap();
+    drop(f);
+    // SAFETY: mkfifo(3) with a valid path.
+    assert_eq!(unsafe { libc::mkfifo(cstr(&p("d/p")).as_ptr(), 0o644) }, 0, "mknod: errno {}", errno());
+    died(3);
+    std::os::unix::fs::symlink("f", p("d/s")).expect("symlink");
+    died(4);
+    fs::hard_link(p("d/f"), p("d/h")).expect("link");
+    died(5);
+    fs::rename(p("d/f"), p("d/g")).expect("rename");
+    died(6);
+    fs::remove_file(p("d/h")).expect("unlink");
+    died(7);
+    fs::remove_dir(p("d/e")).expect("rmdir");
+    died(8);
+    // What each change left, once.
+    assert_eq!(fs::read(p("d/g")).unwrap(), b"written after the create");
+    assert_eq!(fs::metadata(p("d/g")).unwrap().nlink(), 1, "one name after link and unlink");
+    assert!(fs::metadata(p("d/p")).unwrap().file_type().is_fifo());
+    assert_eq!(fs::read_link(p("d/s")).unwrap(), Path::new("f"));
+    let mut names: Vec<String> =
+        fs::read_dir(p("d")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, ["g", "p", "s"]);
+    assert_eq!(
+        log().matches("a resent request's change had committed").count(),
+        ops.len(),
+        "each was answered from its record:\n{}",
+        log()
+    );
+}

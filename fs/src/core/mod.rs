@@ -573,12 +573,30 @@ impl Core {
         Ok(self.ns.mknod(parent, name, node)?)
     }
 
+    /// Whether the change a kernel request asked for committed, and the
+    /// inode it made or named (see `RequestMark`).
+    pub fn answered(&self, request: RequestMark) -> FsResult<Option<Ino>> {
+        Ok(self.ns.answered(request)?)
+    }
+
     /// A new name for `ino`; for a tmpfile open here, its first: from then
     /// on its last close seals it instead of purging it. (A last close
     /// racing the link finds the name in the purge's transaction and keeps
     /// the file: `Namespace::purge` drops only inodes still without one.)
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &[u8]) -> FsResult<Attr> {
-        let inode = self.ns.link(ino, newparent, newname)?;
+        self.link_answering(ino, newparent, newname, None)
+    }
+
+    /// [`Core::link`] for a kernel request (see
+    /// `converged_metadata::types::RequestMark`).
+    pub fn link_answering(
+        &self,
+        ino: Ino,
+        newparent: Ino,
+        newname: &[u8],
+        request: Option<RequestMark>,
+    ) -> FsResult<Attr> {
+        let inode = self.ns.link_answering(ino, newparent, newname, request)?;
         if inode.nlink == 1 {
             if let Some(oi) = self.open.get(ino) {
                 oi.state.lock().orphaned = false;
@@ -597,6 +615,11 @@ impl Core {
     /// transaction is told which inode it may purge instead of asking the
     /// open table from inside.
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        self.unlink_answering(parent, name, None)
+    }
+
+    /// [`Core::unlink`] for a kernel request.
+    pub fn unlink_answering(&self, parent: Ino, name: &[u8], request: Option<RequestMark>) -> FsResult<()> {
         let target = self.ns.lookup(parent, name)?;
         let held = match target.kind {
             FileKind::Directory => return Err(MetaError::IsDir.into()),
@@ -613,7 +636,7 @@ impl Core {
         };
         // The purge hands back the chunk records it removed: the peers they
         // name remove their copies. Copies no record names are the sweep's.
-        let mut gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge)?;
+        let mut gone = self.ns.unlink_purging(parent, name, &|ino| Some(ino) == may_purge, request)?;
         if gone.orphaned {
             self.removed.insert(gone.last.clone());
         }
@@ -628,12 +651,17 @@ impl Core {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        self.rmdir_answering(parent, name, None)
+    }
+
+    /// [`Core::rmdir`] for a kernel request.
+    pub fn rmdir_answering(&self, parent: Ino, name: &[u8], request: Option<RequestMark>) -> FsResult<()> {
         // Held when no handle is open on it: purged in the removal's own
         // transaction, and no opendir slips in between.
         // (A name that does not resolve gets its errno from the removal.)
         let held = self.ns.lookup(parent, name).ok().and_then(|t| self.open_dirs.claim_closed(t.ino));
         let may_purge = held.as_ref().map(|h| h.ino);
-        let gone = self.ns.rmdir_purging(parent, name, &|ino| Some(ino) == may_purge)?;
+        let gone = self.ns.rmdir_purging(parent, name, &|ino| Some(ino) == may_purge, request)?;
         drop(held);
         self.removed.insert(gone.last.clone());
         if !gone.purged {
@@ -648,11 +676,13 @@ impl Core {
     /// name holds one whole version: the old one, whose backing file goes
     /// only after the rename is durable, or the new one.
     pub fn rename(&self, parent: Ino, name: &[u8], newparent: Ino, newname: &[u8], mode: RenameMode) -> FsResult<()> {
-        self.rename_leaving(parent, name, newparent, newname, mode, None)
+        self.rename_leaving(parent, name, newparent, newname, mode, None, None)
     }
 
     /// rename; with `whiteout` (its owner's uid and gid), RENAME_WHITEOUT:
     /// a whiteout is left at the old name in the same transaction.
+    /// `request`: the kernel request it is made for, if any.
+    #[allow(clippy::too_many_arguments)]
     pub fn rename_leaving(
         &self,
         parent: Ino,
@@ -661,6 +691,7 @@ impl Core {
         newname: &[u8],
         mode: RenameMode,
         whiteout: Option<(u32, u32)>,
+        request: Option<RequestMark>,
     ) -> FsResult<()> {
         if mode != RenameMode::Exchange {
             if let (Ok(src), Ok(dst)) = (self.ns.lookup(parent, name), self.ns.lookup(newparent, newname)) {
@@ -670,14 +701,14 @@ impl Core {
             }
         }
         let victim = match whiteout {
-            None => self.ns.rename(parent, name, newparent, newname, mode)?,
+            None => self.ns.rename_answering(parent, name, newparent, newname, mode, request)?,
             Some(owner) => {
                 let noreplace = match mode {
                     RenameMode::Replace => false,
                     RenameMode::NoReplace => true,
                     RenameMode::Exchange => return Err(FsError::Invalid("RENAME_WHITEOUT with RENAME_EXCHANGE")),
                 };
-                self.ns.rename_with_whiteout(parent, name, newparent, newname, noreplace, owner)?
+                self.ns.rename_with_whiteout(parent, name, newparent, newname, noreplace, owner, request)?
             }
         };
         if let Some(victim) = victim {

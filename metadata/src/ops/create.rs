@@ -108,6 +108,7 @@ impl Namespace {
                 target: node.target.map(|t| t.to_vec()),
             };
             put_inode(txn, &inode);
+            self.answering(txn, node.request, ino);
             // The new number's records that this create does not write are
             // absent: a node cache may answer for them (an unlink reads the
             // tier record, the kernel asks for ACLs) without a round trip.

@@ -4,10 +4,22 @@ use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
 use crate::namespace::{check_name, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace, LINK_MAX};
 use crate::schema;
-use crate::types::{Dentry, Ino, Inode, Timespec};
+use crate::types::{Dentry, Ino, Inode, RequestMark, Timespec};
 
 impl Namespace {
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &[u8]) -> MetaResult<Inode> {
+        self.link_answering(ino, newparent, newname, None)
+    }
+
+    /// [`Namespace::link`] for a kernel request, recorded with the change
+    /// (see `ops/answered.rs`).
+    pub fn link_answering(
+        &self,
+        ino: Ino,
+        newparent: Ino,
+        newname: &[u8],
+        request: Option<RequestMark>,
+    ) -> MetaResult<Inode> {
         check_name(newname)?;
         self.write(Durability::Buffered, |txn| {
             let mut inode = get_inode(txn, ino)?;
@@ -43,6 +55,7 @@ impl Namespace {
             put_dentry(txn, newparent, newname, &Dentry { ino, kind: inode.kind });
             put_inode(txn, &inode);
             put_inode(txn, &dir);
+            self.answering(txn, request, ino);
             Ok(inode)
         })
     }

@@ -1,5 +1,6 @@
 //! One module per namespace operation; each is a single transaction.
 
+mod answered;
 mod create;
 pub mod fsck;
 pub mod layout;

@@ -4,7 +4,7 @@ use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvWrite, Taken};
 use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_inode, scan_all, Namespace};
 use crate::schema;
-use crate::types::{Ino, Inode, Timespec};
+use crate::types::{Ino, Inode, RequestMark, Timespec};
 
 /// What an unlink left behind: the inode, and whether its last name is gone.
 /// An inode with no names is an orphan until [`Namespace::purge`] drops it
@@ -70,7 +70,7 @@ fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino, layout: Option<&[T
 
 impl Namespace {
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> MetaResult<Unlinked> {
-        self.unlink_purging(parent, name, &|_| false)
+        self.unlink_purging(parent, name, &|_| false, None)
     }
 
     /// Unlink, and when that removes the last name of an inode for which
@@ -78,8 +78,15 @@ impl Namespace {
     /// transaction: one commit per unlink instead of two. On a shared
     /// engine the purged chunk records come back with the commit (etcd
     /// returns what a range delete removed), so the nodes holding copies
-    /// are known without a read before it.
-    pub fn unlink_purging(&self, parent: Ino, name: &[u8], can_purge: &dyn Fn(Ino) -> bool) -> MetaResult<Unlinked> {
+    /// are known without a read before it. `request`: the kernel request
+    /// it is made for, recorded with it (see `ops/answered.rs`).
+    pub fn unlink_purging(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        can_purge: &dyn Fn(Ino) -> bool,
+        request: Option<RequestMark>,
+    ) -> MetaResult<Unlinked> {
         check_name(name)?;
         let shared = self.clustered;
         let taken: [Taken; 2] = Default::default();
@@ -100,6 +107,7 @@ impl Namespace {
                 purge_records(txn, gone.ino, shared.then_some(&taken))?;
                 gone.purged = true;
             }
+            self.answering(txn, request, gone.ino);
             Ok(gone)
         })?;
         if gone.purged && shared {
@@ -109,13 +117,20 @@ impl Namespace {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> MetaResult<()> {
-        self.rmdir_purging(parent, name, &|_| true).map(|_| ())
+        self.rmdir_purging(parent, name, &|_| true, None).map(|_| ())
     }
 
     /// Remove an empty directory; when `can_purge` says so (no handle is
     /// open on it), its records go in the same transaction, else it is left
-    /// an orphan for the last `releasedir` to purge.
-    pub fn rmdir_purging(&self, parent: Ino, name: &[u8], can_purge: &dyn Fn(Ino) -> bool) -> MetaResult<Unlinked> {
+    /// an orphan for the last `releasedir` to purge. `request`: as for
+    /// [`Namespace::unlink_purging`].
+    pub fn rmdir_purging(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        can_purge: &dyn Fn(Ino) -> bool,
+        request: Option<RequestMark>,
+    ) -> MetaResult<Unlinked> {
         if name == b"." {
             return Err(MetaError::Invalid("rmdir of ."));
         }
@@ -148,6 +163,7 @@ impl Namespace {
             dir.mtime = now;
             dir.ctime = now;
             put_inode(txn, &dir);
+            self.answering(txn, request, gone.ino);
             Ok(gone)
         })
     }

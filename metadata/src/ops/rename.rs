@@ -5,7 +5,7 @@ use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace};
 use crate::ops::remove::{drop_link, Unlinked};
 use crate::schema;
-use crate::types::{Dentry, FileKind, Ino, Inode, RenameMode, Timespec, ROOT_INO};
+use crate::types::{Dentry, FileKind, Ino, Inode, RenameMode, RequestMark, Timespec, ROOT_INO};
 
 /// True when `dir` is `ancestor` or lies below it.
 fn is_within(txn: &mut (impl KvRead + ?Sized), mut dir: Ino, ancestor: Ino) -> MetaResult<bool> {
@@ -32,14 +32,33 @@ impl Namespace {
         newname: &[u8],
         mode: RenameMode,
     ) -> MetaResult<Option<Unlinked>> {
+        self.rename_answering(parent, name, newparent, newname, mode, None)
+    }
+
+    /// [`Namespace::rename`] for a kernel request, recorded with the
+    /// change (see `ops/answered.rs`).
+    pub fn rename_answering(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        newparent: Ino,
+        newname: &[u8],
+        mode: RenameMode,
+        request: Option<RequestMark>,
+    ) -> MetaResult<Option<Unlinked>> {
         check_name(name)?;
         check_name(newname)?;
-        self.write(Durability::Buffered, |txn| self.rename_in(txn, parent, name, newparent, newname, mode))
+        self.write(Durability::Buffered, |txn| {
+            let victim = self.rename_in(txn, parent, name, newparent, newname, mode)?;
+            self.answering(txn, request, 0);
+            Ok(victim)
+        })
     }
 
     /// RENAME_WHITEOUT (overlayfs's): the rename, and in the same
     /// transaction a whiteout (a character device 0:0, owned by `owner`)
     /// at the old name.
+    #[allow(clippy::too_many_arguments)]
     pub fn rename_with_whiteout(
         &self,
         parent: Ino,
@@ -48,6 +67,7 @@ impl Namespace {
         newname: &[u8],
         noreplace: bool,
         owner: (u32, u32),
+        request: Option<RequestMark>,
     ) -> MetaResult<Option<Unlinked>> {
         check_name(name)?;
         check_name(newname)?;
@@ -55,6 +75,7 @@ impl Namespace {
         let mode = if noreplace { RenameMode::NoReplace } else { RenameMode::Replace };
         self.write(Durability::Buffered, |txn| {
             let victim = self.rename_in(txn, parent, name, newparent, newname, mode)?;
+            self.answering(txn, request, 0);
             if get_dentry(txn, parent, name)?.is_some() {
                 // Two names of one inode: nothing moved, nothing to white out.
                 return Ok(victim);

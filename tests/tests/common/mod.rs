@@ -63,6 +63,8 @@ pub struct Mount {
     pub data: PathBuf,
     pub mnt: PathBuf,
     pub extra: Vec<String>,
+    /// Set in the mount command's environment (fault switches).
+    pub env: Vec<(String, String)>,
     mounted: bool,
 }
 
@@ -72,6 +74,11 @@ impl Mount {
     }
 
     pub fn with_args(extra: &[&str]) -> Self {
+        Self::with_env(extra, &[])
+    }
+
+    /// Mounted with `extra` arguments and `env` in the daemon's environment.
+    pub fn with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
         let root = tempfile::Builder::new().prefix("converged-test").tempdir().expect("tempdir");
         let data = root.path().join("data");
         let mnt = root.path().join("mnt");
@@ -85,7 +92,8 @@ impl Mount {
         if extra.iter().any(|a| a == "--object-store") && !extra.iter().any(|a| a == "--evict-high") {
             extra.extend(["--evict-high", "99", "--evict-low", "98"].map(String::from));
         }
-        let mut m = Mount { root, data, mnt, extra, mounted: false };
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut m = Mount { root, data, mnt, extra, env, mounted: false };
         m.mount();
         m
     }
@@ -98,6 +106,7 @@ impl Mount {
             .arg("--data-dir")
             .arg(&self.data)
             .args(&self.extra)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .output()
             .expect("run converged mount");
         assert!(
