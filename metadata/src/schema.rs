@@ -120,11 +120,17 @@ pub fn dentry(parent: Ino, name: &[u8]) -> Vec<u8> {
 
 /// Slot `slot` of node `node`'s ring of committed kernel requests.
 pub fn answered(node: &str, slot: u16) -> Vec<u8> {
+    let mut k = answered_of(node);
+    k.extend_from_slice(&slot.to_be_bytes());
+    k
+}
+
+/// Every slot of node `node`'s ring.
+pub fn answered_of(node: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(node.len() + 4);
     k.push(ANSWERED);
     k.extend_from_slice(node.as_bytes());
     k.push(0);
-    k.extend_from_slice(&slot.to_be_bytes());
     k
 }
 

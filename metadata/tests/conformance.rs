@@ -296,7 +296,7 @@ fn namespace_create_lookup_link_unlink(name: &str, kv: Arc<dyn KvEngine>) {
 /// request's connection and id find it (with the inode it made or named),
 /// another connection's same id or a failed change do not.
 fn changes_made_for_a_request_say_so(name: &str, kv: Arc<dyn KvEngine>) {
-    let ns = ns(kv);
+    let ns = ns(kv.clone());
     let req = |unique: u64| RequestMark { connection: 7, unique };
     let answered = |unique: u64| ns.answered(req(unique)).unwrap();
     let d = ns.mknod(ROOT, b"d", &NewNode { request: Some(req(2)), ..dir() }).unwrap();
@@ -321,6 +321,16 @@ fn changes_made_for_a_request_say_so(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(answered(14), None, "{name}: overwritten");
     assert!(answered(later).is_some(), "{name}");
     assert_eq!(answered(6), Some(f.ino), "{name}: other slots kept");
+    // A node forgotten takes its records along; another node's stay.
+    let n9 = Namespace::open(kv.clone(), 0, 0).unwrap().with_node("n9");
+    n9.mknod(ROOT, b"n9", &NewNode { request: Some(req(2)), ..dir() }).unwrap();
+    let mut t = kv.write_txn().unwrap();
+    t.put(&converged_metadata::schema::known_node("n9"), b"");
+    t.commit(Durability::Durable).unwrap();
+    assert!(n9.answered(req(2)).unwrap().is_some(), "{name}");
+    n9.forget_node("n9").unwrap();
+    assert_eq!(n9.answered(req(2)).unwrap(), None, "{name}: forgotten with its node");
+    assert_eq!(answered(6), Some(f.ino), "{name}: another node's kept");
 }
 
 /// O_TMPFILE: an inode with no name, this node's orphan (purged at a crash

@@ -195,8 +195,8 @@ impl Namespace {
         Ok((dropped, named.len() as u64 - dropped))
     }
 
-    /// Drop node `id` from the volume: its membership record and its admin
-    /// state. Refused while it is live or while a chunk record names it
+    /// Drop node `id` from the volume: its membership record, its admin
+    /// state and its record of answered requests. Refused while it is live or while a chunk record names it
     /// (repair or a drain moves those first).
     pub fn forget_node(&self, id: &str) -> MetaResult<()> {
         if self.chunks_naming(id)? > 0 {
@@ -211,6 +211,8 @@ impl Namespace {
             }
             txn.delete(&schema::known_node(id));
             txn.delete(&schema::node_admin(id));
+            let (start, end) = schema::prefix_range(&schema::answered_of(id));
+            txn.delete_range(&start, &end)?;
             Ok(())
         })
     }
