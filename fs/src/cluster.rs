@@ -8,14 +8,14 @@
 //! a lease costs one timeout, not one per request.
 //!
 //! A daemon's cluster talks QUIC ([`Cluster::start`]); tests run several
-//! nodes in one process over a [`MemNetwork`] ([`Cluster::in_process`]),
-//! with faults injected on purpose.
+//! nodes in one process over an in-process network (`Cluster::in_process`,
+//! feature `test-util`), with faults injected on purpose.
 
 use crate::control::{ControlChanges, Since};
 use crate::latency::{self, Area};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,9 +24,9 @@ use converged_metadata::held_locks::Mutex;
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::schema::Control;
 use converged_metadata::{KvEngine, NodeAdmin};
-use converged_transport::{
-    ChunkRef, FaultyTransport, MemNetwork, MemTransport, NodeTls, Peer, PeerTransport, QuicTransport, TransportError,
-};
+use converged_transport::{ChunkRef, NodeTls, Peer, PeerTransport, QuicTransport, TransportError};
+#[cfg(feature = "test-util")]
+use converged_transport::{FaultyTransport, MemNetwork, MemTransport};
 
 use crate::chunkstore::{ChunkStore, LocalHooks, PeerChunks};
 use crate::error::{FsError, FsResult};
@@ -67,8 +67,8 @@ pub struct Cluster {
     suspects: Mutex<HashMap<String, Instant>>,
     /// What the peer server asks of the core here.
     hooks: Arc<std::sync::OnceLock<LocalHooks>>,
-    /// The in-process network this node serves on, if that is its transport.
-    net: Option<Arc<MemNetwork>>,
+    /// What else stopping undoes (an in-process node leaves its network).
+    on_shutdown: Option<Box<dyn Fn() + Send + Sync>>,
     /// Bytes read from peers (remote reads, repair, staging), verified.
     pub read_bytes: AtomicU64,
     /// Which control-plane records changed: the member list is read again
@@ -101,9 +101,6 @@ fn peer_err(e: TransportError) -> FsError {
     FsError::Peer(e.to_string())
 }
 
-/// Made-up ports of in-process nodes, so that each has an address of its own.
-static NEXT_IN_PROCESS_PORT: AtomicU16 = AtomicU16::new(1);
-
 impl Cluster {
     fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("transport").enable_all().build()
@@ -116,7 +113,7 @@ impl Cluster {
         local_addr: SocketAddr,
         engine: Arc<dyn KvEngine>,
         hooks: Arc<std::sync::OnceLock<LocalHooks>>,
-        net: Option<Arc<MemNetwork>>,
+        on_shutdown: Option<Box<dyn Fn() + Send + Sync>>,
     ) -> Arc<Self> {
         Arc::new(Cluster {
             cfg,
@@ -129,7 +126,7 @@ impl Cluster {
             control: Default::default(),
             dead_since: Mutex::default(),
             hooks,
-            net,
+            on_shutdown,
             read_bytes: AtomicU64::new(0),
         })
     }
@@ -161,6 +158,7 @@ impl Cluster {
     /// in membership (peers without one are skipped). The returned
     /// transport is this node's way to its peers: make them fail on
     /// purpose with [`FaultyTransport::set`] (healthy until then).
+    #[cfg(feature = "test-util")]
     pub fn in_process(
         cfg: ClusterConfig,
         engine: Arc<dyn KvEngine>,
@@ -169,12 +167,16 @@ impl Cluster {
     ) -> anyhow::Result<(Arc<Self>, Arc<FaultyTransport<MemTransport>>)> {
         let rt = Self::runtime()?;
         let hooks = Arc::new(std::sync::OnceLock::new());
-        let port = NEXT_IN_PROCESS_PORT.fetch_add(1, Ordering::Relaxed);
+        // Made-up ports of in-process nodes, so that each has an address of its own.
+        static NEXT_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
+        let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
         anyhow::ensure!(port != 0, "too many in-process nodes");
         net.join(&cfg.node, Arc::new(PeerChunks { store, hooks: hooks.clone() }));
         let local_addr = SocketAddr::from(([127, 0, 0, 1], port));
         let faulty = Arc::new(FaultyTransport::new(MemTransport::new(net.clone())));
-        let cluster = Self::new(cfg, rt, faulty.clone(), local_addr, engine, hooks, Some(net));
+        let node = cfg.node.clone();
+        let leave = Box::new(move || net.leave(&node));
+        let cluster = Self::new(cfg, rt, faulty.clone(), local_addr, engine, hooks, Some(leave));
         Ok((cluster, faulty))
     }
 
@@ -624,8 +626,8 @@ impl Cluster {
     /// Stop serving peers and refuse further calls to them.
     pub fn shutdown(&self) {
         self.transport.close();
-        if let Some(net) = &self.net {
-            net.leave(&self.cfg.node);
+        if let Some(undo) = &self.on_shutdown {
+            undo();
         }
     }
 }

@@ -20,6 +20,7 @@ pub mod import;
 pub mod kernel_handles;
 pub mod latency;
 pub mod metrics;
+#[cfg(any(test, feature = "test-util"))]
 pub mod object_faults;
 pub mod objects;
 pub mod placement;

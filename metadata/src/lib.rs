@@ -11,6 +11,7 @@ pub mod held_locks;
 pub mod kv;
 pub mod kv_cache;
 pub mod kv_etcd;
+#[cfg(any(test, feature = "test-util"))]
 pub mod kv_fault;
 pub mod kv_mem;
 pub mod kv_redb;

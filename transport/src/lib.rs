@@ -8,11 +8,15 @@ pub mod peer;
 pub mod quic;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 pub mod tls;
 pub mod wire;
 
-pub use peer::{FaultyTransport, MemNetwork, MemTransport, PeerFault, PeerTransport};
+pub use peer::PeerTransport;
 pub use quic::{Peer, QuicTransport, TransportError};
+#[cfg(any(test, feature = "test-util"))]
+pub use testing::{FaultyTransport, MemNetwork, MemTransport, PeerFault};
 pub use tls::{ClusterCa, NodeTls, TlsError};
 pub use wire::{Request, Response, WireError};
 
