@@ -9,9 +9,6 @@
 //! changes a call already under way. The errors are the ones a real store
 //! gives: an outage is `object_store::Error::Generic` (which `ObjectError`
 //! counts as retryable), a refusal `PermissionDenied` (which it does not).
-//!
-//! The trait is declared with `async_trait`, which this crate does not
-//! depend on: its methods are written here as that macro expands them.
 
 use std::fmt;
 use std::ops::Range;
@@ -20,7 +17,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::future::BoxFuture;
 use futures::stream::{self, BoxStream, StreamExt};
 use object_store::path::Path;
 use object_store::{
@@ -174,77 +170,32 @@ fn gated_list(
     .boxed()
 }
 
+#[async_trait::async_trait]
 impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
-    fn put_opts<'life0, 'life1, 'async_trait>(
-        &'life0 self,
-        location: &'life1 Path,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> BoxFuture<'async_trait, Result<PutResult>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, "put", location.as_ref()).await?;
-            self.inner.put_opts(location, payload, opts).await
-        })
+    async fn put_opts(&self, location: &Path, payload: PutPayload, opts: PutOptions) -> Result<PutResult> {
+        gate(&self.state, "put", location.as_ref()).await?;
+        self.inner.put_opts(location, payload, opts).await
     }
 
-    fn put_multipart_opts<'life0, 'life1, 'async_trait>(
-        &'life0 self,
-        location: &'life1 Path,
-        opts: PutMultipartOptions,
-    ) -> BoxFuture<'async_trait, Result<Box<dyn MultipartUpload>>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, "start multipart", location.as_ref()).await?;
-            let inner = self.inner.put_multipart_opts(location, opts).await?;
-            let upload =
-                FaultyUpload { inner, state: self.state.clone(), path: location.to_string(), parts: 0, refused: false };
-            Ok(Box::new(upload) as Box<dyn MultipartUpload>)
-        })
+    async fn put_multipart_opts(&self, location: &Path, opts: PutMultipartOptions) -> Result<Box<dyn MultipartUpload>> {
+        gate(&self.state, "start multipart", location.as_ref()).await?;
+        let inner = self.inner.put_multipart_opts(location, opts).await?;
+        let upload =
+            FaultyUpload { inner, state: self.state.clone(), path: location.to_string(), parts: 0, refused: false };
+        Ok(Box::new(upload) as Box<dyn MultipartUpload>)
     }
 
-    fn get_opts<'life0, 'life1, 'async_trait>(
-        &'life0 self,
-        location: &'life1 Path,
-        options: GetOptions,
-    ) -> BoxFuture<'async_trait, Result<GetResult>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, if options.head { "head" } else { "get" }, location.as_ref()).await?;
-            let head = options.head;
-            let r = self.inner.get_opts(location, options).await?;
-            Ok(if !head && self.state.fault() == Some(Fault::Corrupt) { corrupt(r) } else { r })
-        })
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> Result<GetResult> {
+        gate(&self.state, if options.head { "head" } else { "get" }, location.as_ref()).await?;
+        let head = options.head;
+        let r = self.inner.get_opts(location, options).await?;
+        Ok(if !head && self.state.fault() == Some(Fault::Corrupt) { corrupt(r) } else { r })
     }
 
-    fn get_ranges<'life0, 'life1, 'life2, 'async_trait>(
-        &'life0 self,
-        location: &'life1 Path,
-        ranges: &'life2 [Range<u64>],
-    ) -> BoxFuture<'async_trait, Result<Vec<Bytes>>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        'life2: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, "get", location.as_ref()).await?;
-            let r = self.inner.get_ranges(location, ranges).await?;
-            Ok(if self.state.fault() == Some(Fault::Corrupt) { r.into_iter().map(flip).collect() } else { r })
-        })
+    async fn get_ranges(&self, location: &Path, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        gate(&self.state, "get", location.as_ref()).await?;
+        let r = self.inner.get_ranges(location, ranges).await?;
+        Ok(if self.state.fault() == Some(Fault::Corrupt) { r.into_iter().map(flip).collect() } else { r })
     }
 
     /// Each location passes the gate when it comes up; a refused one reaches
@@ -273,55 +224,19 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         gated_list(self.state.clone(), prefix_str(prefix), self.inner.list_with_offset(prefix, offset))
     }
 
-    fn list_with_delimiter<'life0, 'life1, 'async_trait>(
-        &'life0 self,
-        prefix: Option<&'life1 Path>,
-    ) -> BoxFuture<'async_trait, Result<ListResult>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, "list", &prefix_str(prefix)).await?;
-            self.inner.list_with_delimiter(prefix).await
-        })
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> Result<ListResult> {
+        gate(&self.state, "list", &prefix_str(prefix)).await?;
+        self.inner.list_with_delimiter(prefix).await
     }
 
-    fn copy_opts<'life0, 'life1, 'life2, 'async_trait>(
-        &'life0 self,
-        from: &'life1 Path,
-        to: &'life2 Path,
-        options: CopyOptions,
-    ) -> BoxFuture<'async_trait, Result<()>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        'life2: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, "copy", from.as_ref()).await?;
-            self.inner.copy_opts(from, to, options).await
-        })
+    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> Result<()> {
+        gate(&self.state, "copy", from.as_ref()).await?;
+        self.inner.copy_opts(from, to, options).await
     }
 
-    fn rename_opts<'life0, 'life1, 'life2, 'async_trait>(
-        &'life0 self,
-        from: &'life1 Path,
-        to: &'life2 Path,
-        options: RenameOptions,
-    ) -> BoxFuture<'async_trait, Result<()>>
-    where
-        'life0: 'async_trait,
-        'life1: 'async_trait,
-        'life2: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, "rename", from.as_ref()).await?;
-            self.inner.rename_opts(from, to, options).await
-        })
+    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> Result<()> {
+        gate(&self.state, "rename", from.as_ref()).await?;
+        self.inner.rename_opts(from, to, options).await
     }
 }
 
@@ -337,6 +252,7 @@ struct FaultyUpload {
     refused: bool,
 }
 
+#[async_trait::async_trait]
 impl MultipartUpload for FaultyUpload {
     fn put_part(&mut self, data: PutPayload) -> UploadPart {
         self.parts += 1;
@@ -370,33 +286,21 @@ impl MultipartUpload for FaultyUpload {
         })
     }
 
-    fn complete<'life0, 'async_trait>(&'life0 mut self) -> BoxFuture<'async_trait, Result<PutResult>>
-    where
-        'life0: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            gate(&self.state, "complete multipart", &self.path).await?;
-            if self.refused {
-                return Err(object_store::Error::Generic {
-                    store: STORE,
-                    source: format!("injected: {:?} lacks a refused part", self.path).into(),
-                });
-            }
-            self.inner.complete().await
-        })
+    async fn complete(&mut self) -> Result<PutResult> {
+        gate(&self.state, "complete multipart", &self.path).await?;
+        if self.refused {
+            return Err(object_store::Error::Generic {
+                store: STORE,
+                source: format!("injected: {:?} lacks a refused part", self.path).into(),
+            });
+        }
+        self.inner.complete().await
     }
 
-    fn abort<'life0, 'async_trait>(&'life0 mut self) -> BoxFuture<'async_trait, Result<()>>
-    where
-        'life0: 'async_trait,
-        Self: 'async_trait,
-    {
-        Box::pin(async move {
-            self.state.aborts.fetch_add(1, Ordering::Relaxed);
-            gate(&self.state, "abort multipart", &self.path).await?;
-            self.inner.abort().await
-        })
+    async fn abort(&mut self) -> Result<()> {
+        self.state.aborts.fetch_add(1, Ordering::Relaxed);
+        gate(&self.state, "abort multipart", &self.path).await?;
+        self.inner.abort().await
     }
 }
 
