@@ -47,44 +47,59 @@ impl Drop for Etcd {
     }
 }
 
+/// Start etcd on two free loopback ports, and wait until it answers. A
+/// port taken between our finding it free and etcd's binding it (another
+/// program on a busy host) makes etcd exit at once: it is started again on
+/// other ports, up to three times.
 fn start_etcd(args: &DevClusterArgs) -> anyhow::Result<(Etcd, String)> {
     if !args.etcd.exists() {
         bail!("{} not found: install etcd (apt-get install etcd-server) or pass --etcd PATH", args.etcd.display());
     }
-    let (client, peer) = (free_port()?, free_port()?);
-    let dir = args.dir.join("etcd");
-    let log = std::fs::File::create(args.dir.join("etcd.log"))?;
-    let child = Command::new(&args.etcd)
-        .args(["--name", "dev", "--data-dir"])
-        .arg(&dir)
-        // Every create and seal is a revision: without compaction etcd keeps
-        // them all, grows to its space quota and then refuses writes.
-        .args(["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h"])
-        .arg("--listen-client-urls")
-        .arg(format!("http://127.0.0.1:{client}"))
-        .arg("--advertise-client-urls")
-        .arg(format!("http://127.0.0.1:{client}"))
-        .arg("--listen-peer-urls")
-        .arg(format!("http://127.0.0.1:{peer}"))
-        .arg("--initial-advertise-peer-urls")
-        .arg(format!("http://127.0.0.1:{peer}"))
-        .arg("--initial-cluster")
-        .arg(format!("dev=http://127.0.0.1:{peer}"))
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .with_context(|| format!("start {}", args.etcd.display()))?;
-    let etcd = Etcd(child);
-    let endpoint = format!("127.0.0.1:{client}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match converged_metadata::EtcdKv::connect(std::slice::from_ref(&endpoint), "dev", Duration::from_secs(2)) {
-            Ok(_) => break,
-            Err(e) if Instant::now() > deadline => bail!("etcd did not answer within 30 s: {e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+    let log_path = args.dir.join("etcd.log");
+    let mut said = String::new();
+    for _ in 0..3 {
+        let (client, peer) = (free_port()?, free_port()?);
+        let log = std::fs::File::create(&log_path)?;
+        let child = Command::new(&args.etcd)
+            .args(["--name", "dev", "--data-dir"])
+            .arg(args.dir.join("etcd"))
+            // Every create and seal is a revision: without compaction etcd keeps
+            // them all, grows to its space quota and then refuses writes.
+            .args(["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h"])
+            .arg("--listen-client-urls")
+            .arg(format!("http://127.0.0.1:{client}"))
+            .arg("--advertise-client-urls")
+            .arg(format!("http://127.0.0.1:{client}"))
+            .arg("--listen-peer-urls")
+            .arg(format!("http://127.0.0.1:{peer}"))
+            .arg("--initial-advertise-peer-urls")
+            .arg(format!("http://127.0.0.1:{peer}"))
+            .arg("--initial-cluster")
+            .arg(format!("dev=http://127.0.0.1:{peer}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("start {}", args.etcd.display()))?;
+        let mut etcd = Etcd(child);
+        let endpoint = format!("127.0.0.1:{client}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = etcd.0.try_wait()? {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                said = format!("{status}: {}", log.lines().rev().take(3).collect::<Vec<_>>().join(" | "));
+                tracing::warn!(%said, "etcd exited at start; starting it again on other ports");
+                break;
+            }
+            match converged_metadata::EtcdKv::connect(std::slice::from_ref(&endpoint), "dev", Duration::from_secs(2)) {
+                Ok(_) => return Ok((etcd, endpoint)),
+                Err(e) if Instant::now() > deadline => {
+                    bail!("etcd did not answer within 30 s: {e} (its log: {})", log_path.display())
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
         }
     }
-    Ok((etcd, endpoint))
+    bail!("etcd exited at start three times; the last time, {said}")
 }
 
 fn certificates(dir: &Path, nodes: u16) -> anyhow::Result<()> {
