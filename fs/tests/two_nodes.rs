@@ -642,3 +642,49 @@ fn a_backed_file_with_no_live_holder_reads_from_the_object_store() {
     }
     assert_same(&read_all(reader_core, ino).unwrap(), &data, "read from the object store");
 }
+
+/// Writes through one handle while another handle's fsync publishes the
+/// file (on a cluster node, where fsync seals what was written so far),
+/// then the last close: the seal's checksums describe the bytes the file
+/// holds, so it reads back whole, here and on the other node. A write
+/// marked dirty only after its bytes landed could fall between a publish's
+/// stat of the file and its taking the dirty set; the last close, finding
+/// the file as that stat saw it, sealed stale checksums. Each round: two
+/// writable handles on one file of 256 KiB; one thread overwrites 64 KiB
+/// pieces in place (the size never changes) while the other fsyncs.
+#[test]
+fn writes_racing_a_publish_are_in_the_seal() {
+    const LEN: usize = 256 << 10;
+    const PIECE: usize = 64 << 10;
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (c.node("a").core.clone(), &c.node("b").core);
+    for round in 0..100u64 {
+        let mut want = pattern(round, LEN);
+        let ino = create(&a, &format!("f{round}"), &want).unwrap();
+        let (w, p) = (a.open(ino, true).unwrap().fh, a.open(ino, true).unwrap().fh);
+        let publisher = {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for _ in 0..10 {
+                    a.fsync(p, false).unwrap();
+                }
+            })
+        };
+        for i in 0..24u64 {
+            let at = (i as usize % (LEN / PIECE)) * PIECE;
+            let piece = pattern(round * 1000 + i + 1, PIECE);
+            write_all(&a, w, at as u64, &piece).unwrap();
+            want[at..at + PIECE].copy_from_slice(&piece);
+        }
+        publisher.join().unwrap();
+        for fh in [w, p] {
+            a.close(fh).and_then(|_| a.release(fh)).unwrap();
+        }
+        for (node, core) in [("a", &a), ("b", b)] {
+            match read_all(core, ino) {
+                Ok(got) => assert_same(&got, &want, &format!("round {round} on {node}")),
+                Err(e) => panic!("round {round}: the file does not read back on {node}: errno {}: {e}", e.errno()),
+            }
+        }
+    }
+}

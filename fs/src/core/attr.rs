@@ -229,10 +229,11 @@ impl Core {
     fn truncate(&self, ino: Ino, old_size: u64, size: u64) -> FsResult<()> {
         let fh = self.open_for_core(ino)?;
         let cut = self.open.handle(fh).and_then(|(_, _, oi)| {
-            oi.file.set_len(size).map_err(|e| FsError::io("truncate backing file", e))?;
-            let mut st = oi.state.lock();
-            st.write.mark_dirty(chunk_range(old_size.min(size), 0, self.ns.chunk_size()));
-            st.forget_layout();
+            let range = chunk_range(old_size.min(size), 0, self.ns.chunk_size());
+            super::write::changing_bytes(&oi, range, || {
+                oi.file.set_len(size).map_err(|e| FsError::io("truncate backing file", e))
+            })?;
+            oi.state.lock().forget_layout();
             Ok(())
         });
         let released = self.release(fh);

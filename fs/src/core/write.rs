@@ -654,7 +654,9 @@ impl Core {
         if !writable {
             return Err(FsError::io("write", std::io::Error::from_raw_os_error(libc::EBADF)));
         }
-        if let Err(e) = oi.file.write_all_at(data, offset) {
+        let range = chunk_range(offset, data.len() as u64, self.ns.chunk_size());
+        changing_bytes(&oi, range, || {
+            let Err(e) = oi.file.write_all_at(data, offset) else { return Ok(()) };
             // A disk full of backed data makes room instead of failing.
             let t = self.tier.get().filter(|_| e.raw_os_error() == Some(libc::ENOSPC));
             let freed = match t {
@@ -664,10 +666,8 @@ impl Core {
             if freed == 0 {
                 return Err(FsError::io("write backing file", e));
             }
-            oi.file.write_all_at(data, offset).map_err(|e| FsError::io("write backing file", e))?;
-        }
-        let range = chunk_range(offset, data.len() as u64, self.ns.chunk_size());
-        oi.state.lock().write.mark_dirty(range);
+            oi.file.write_all_at(data, offset).map_err(|e| FsError::io("write backing file", e))
+        })?;
         self.stats.written_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(data.len() as u32)
     }
@@ -684,12 +684,14 @@ impl Core {
         if mode & !allowed != 0 {
             return Err(FsError::NotSupported("fallocate mode"));
         }
-        // SAFETY: plain syscall on an fd we own.
-        let rc = unsafe { libc::fallocate(oi.file.as_raw_fd(), mode, offset as i64, length as i64) };
-        if rc != 0 {
-            return Err(FsError::io("fallocate backing file", std::io::Error::last_os_error()));
-        }
-        oi.state.lock().write.mark_dirty(chunk_range(offset, length, self.ns.chunk_size()));
+        changing_bytes(&oi, chunk_range(offset, length, self.ns.chunk_size()), || {
+            // SAFETY: plain syscall on an fd we own.
+            let rc = unsafe { libc::fallocate(oi.file.as_raw_fd(), mode, offset as i64, length as i64) };
+            match rc {
+                0 => Ok(()),
+                _ => Err(FsError::io("fallocate backing file", std::io::Error::last_os_error())),
+            }
+        })?;
         self.drop_setid(ino, caller)
     }
 
@@ -914,6 +916,25 @@ impl Core {
 /// The error a fenced session's fsync and close return (`EIO`).
 fn lease_lost() -> FsError {
     FsError::Meta(MetaError::LeaseLost { holder: String::new() })
+}
+
+/// Change chunks `range` of a writer's backing file with `change`, marking
+/// them dirty before and after. A publish stats the file, then takes the
+/// dirty set to checksum, and counts on the stat to tell whether anything
+/// changed after it: a change that lands before its stat is marked in the
+/// set it takes (the mark before), and one whose set was taken before the
+/// change is marked in the next (the mark after). Marked only after, a
+/// change between the stat and the mark would be in neither, and a last
+/// close finding the file as that publish saw it would seal stale checksums.
+pub(super) fn changing_bytes<T>(
+    oi: &OpenInode,
+    range: std::ops::RangeInclusive<u32>,
+    change: impl FnOnce() -> FsResult<T>,
+) -> FsResult<T> {
+    oi.state.lock().write.mark_dirty(range.clone());
+    let changed = change();
+    oi.state.lock().write.mark_dirty(range);
+    changed
 }
 
 pub(super) fn stamp(file: &File) -> FsResult<Stamp> {
