@@ -59,7 +59,7 @@ impl Core {
         }
         if let Some(oi) = self.open.get(inode.ino) {
             let (reads_backing, held) = {
-                let st = oi.state.lock();
+                let st = oi.state();
                 (st.write.reads_backing_file(), st.write.held_attrs().cloned())
             };
             if reads_backing {
@@ -233,7 +233,7 @@ impl Core {
             super::write::changing_bytes(&oi, range, || {
                 oi.file.set_len(size).map_err(|e| FsError::io("truncate backing file", e))
             })?;
-            oi.state.lock().forget_layout();
+            oi.state().forget_layout();
             Ok(())
         });
         let released = self.release(fh);

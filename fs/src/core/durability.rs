@@ -284,7 +284,7 @@ impl Core {
                 match self.open.try_claim_closed(ino) {
                     Some(Claim::Closed(h)) => held.push(h),
                     Some(Claim::Open(oi)) => {
-                        if matches!(oi.state.lock().write, super::write::WriteState::Sealed) {
+                        if matches!(oi.state().write, super::write::WriteState::Sealed) {
                             later.push(ino);
                         }
                     }

@@ -33,7 +33,8 @@
 //! 1. `open` (a shard of the open-inode table, [`open::OpenTable`]): held
 //!    only to look up, insert or remove a slot. Inside it, only (2) may be
 //!    taken, for a constant-time update.
-//! 2. `OpenInode::state` (one file's [`open::OpenState`]): never held across
+//! 2. `OpenInode::state` (one file's [`open::OpenState`], a private field
+//!    taken through `state()`, `settled_state()` or `quiet_state()`): never held across
 //!    I/O, a KV transaction or a network call. Long work (checksums, replica
 //!    writes, commits, hydration) runs with the state in a transitional
 //!    [`write::WriteState`] (`Leasing`, `Publishing`, `Sealing`) and no lock
@@ -482,7 +483,7 @@ impl Core {
     /// ahead of its metadata, and its attributes are the backing file's,
     /// which writes may change behind the kernel.
     pub(crate) fn is_being_written(&self, ino: Ino) -> bool {
-        self.open.get(ino).is_some_and(|oi| oi.state.lock().write.reads_backing_file())
+        self.open.get(ino).is_some_and(|oi| oi.state().write.reads_backing_file())
     }
 
     /// Whether the backing file of `ino` here may hold bytes of no
@@ -490,7 +491,7 @@ impl Core {
     /// lease was lost left it so. Peers are then sent elsewhere.
     pub(crate) fn rewrites_backing_file(&self, ino: Ino) -> bool {
         self.open.get(ino).is_some_and(|oi| {
-            let st = oi.state.lock();
+            let st = oi.state();
             st.write.reads_backing_file() || st.write.is_fenced()
         })
     }
@@ -599,7 +600,7 @@ impl Core {
         let inode = self.ns.link_answering(ino, newparent, newname, request)?;
         if inode.nlink == 1 {
             if let Some(oi) = self.open.get(ino) {
-                oi.state.lock().orphaned = false;
+                oi.state().orphaned = false;
             }
         }
         self.getattr(ino)
@@ -747,7 +748,7 @@ impl Core {
         }
         match self.open.claim_closed(gone.ino) {
             Claim::Open(oi) => {
-                oi.state.lock().orphaned = true;
+                oi.state().orphaned = true;
                 Ok(())
             }
             Claim::Closed(_held) => self.purge(gone.ino),

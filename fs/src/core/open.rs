@@ -71,7 +71,9 @@ pub struct KernelOpen {
 pub(super) struct OpenInode {
     pub ino: Ino,
     pub file: Arc<File>,
-    pub state: Mutex<OpenState>,
+    /// Locked through [`OpenInode::state`], [`OpenInode::settled_state`]
+    /// or [`OpenInode::quiet_state`] only: lock order 2 (see core/mod.rs).
+    state: Mutex<OpenState>,
     /// Signalled whenever `state.write` leaves a transitional state.
     pub changed: Condvar,
     /// Windows fetched from peers for chunks this node does not hold.
@@ -105,6 +107,13 @@ impl OpenState {
 }
 
 impl OpenInode {
+    /// The state as it is now, a transition perhaps under way (see
+    /// `write.rs`): for what does not depend on it (counts, the layout
+    /// cache) or that checks it.
+    pub fn state(&self) -> MutexGuard<'_, OpenState> {
+        self.state.lock()
+    }
+
     /// The state once no transition is under way: waits (holding nothing
     /// else) while the write state is `Leasing`, `Publishing` or `Sealing`.
     pub fn settled_state(&self) -> MutexGuard<'_, OpenState> {
@@ -275,7 +284,7 @@ impl OpenTable {
             });
             let gate = match self.inodes.entry(ino) {
                 dashmap::Entry::Vacant(v) => {
-                    fresh.state.lock().opens = 1;
+                    fresh.state().opens = 1;
                     v.insert(Slot::Open(fresh.clone()));
                     return Ok(fresh);
                 }
@@ -295,7 +304,7 @@ impl OpenTable {
         let slot = self.inodes.get(&ino)?;
         match &*slot {
             Slot::Open(oi) => {
-                oi.state.lock().opens += 1;
+                oi.state().opens += 1;
                 Some(oi.clone())
             }
             Slot::Held(_) => None,
@@ -308,7 +317,7 @@ impl OpenTable {
         let mut purge = false;
         self.inodes.remove_if(&ino, |_, slot| {
             let Slot::Open(oi) = slot else { return false };
-            let mut st = oi.state.lock();
+            let mut st = oi.state();
             st.opens -= 1;
             match io {
                 Io::Passthrough => st.passthrough_handles -= 1,
@@ -444,7 +453,7 @@ impl Core {
         }
         if inode.nlink == 0 {
             // An orphan the kernel still holds: purged at its last close here.
-            oi.state.lock().orphaned = true;
+            oi.state().orphaned = true;
         }
         if writable {
             self.begin_writer(ino, oi, created)?;
@@ -460,23 +469,23 @@ impl Core {
                 passthrough = self.room_for_passthrough_writes(t);
             }
         }
-        let sealed = !oi.state.lock().write.reads_backing_file();
+        let sealed = !oi.state().write.reads_backing_file();
         if !writable && self.tier.get().is_some() && sealed && self.check_import(ino)? {
-            oi.state.lock().forget_layout();
+            oi.state().forget_layout();
         }
         let clustered = self.cluster.get().is_some();
         if clustered && sealed {
             // Close-to-open: read the layout as it is now (size and chunks
             // together, past the node's cache, which it refreshes), and
             // have the kernel drop the attributes it holds.
-            oi.state.lock().forget_layout();
+            oi.state().forget_layout();
             self.layout(ino, oi)?;
         }
         let partial = clustered || self.tier.get().is_some();
         if passthrough && !writable && partial && sealed {
             // The kernel may read the backing file directly only if every chunk is here...
             if !clustered {
-                oi.state.lock().forget_layout();
+                oi.state().forget_layout();
             }
             let layout = self.layout(ino, oi)?;
             // ... and the backing file has the file's size: passthrough reads
@@ -507,7 +516,7 @@ impl Core {
 
     /// The kernel I/O mode of a new handle, given the handles already open.
     fn choose_io(&self, oi: &OpenInode, passthrough: bool, writable: bool) -> Io {
-        let mut st = oi.state.lock();
+        let mut st = oi.state();
         let io = match (passthrough, st.cached_handles > 0, st.passthrough_handles > 0) {
             (true, false, _) => Io::Passthrough,
             (true, true, _) => Io::Cached,
@@ -550,7 +559,7 @@ impl Core {
         let adopted = (|| {
             let inode = self.ns.getattr(k.ino)?;
             if inode.nlink == 0 {
-                oi.state.lock().orphaned = true;
+                oi.state().orphaned = true;
             }
             if k.writable {
                 match lease {
@@ -559,7 +568,7 @@ impl Core {
                 }
                 self.open.set_writable(k.fh);
             }
-            self.count_io(&mut oi.state.lock(), k.io, k.writable);
+            self.count_io(&mut oi.state(), k.io, k.writable);
             self.open.set_io(k.fh, k.io);
             Ok(())
         })();

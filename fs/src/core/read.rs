@@ -120,7 +120,7 @@ impl Core {
             let (r, layout) = self.read_once(ino, &oi, offset, size);
             let overtaken = matches!(r, Err(FsError::Corrupt { .. }))
                 && layout.as_ref().is_some_and(|used| {
-                    let st = oi.state.lock();
+                    let st = oi.state();
                     st.write.reads_backing_file() || !st.layout.as_ref().is_some_and(|l| Arc::ptr_eq(l, used))
                 });
             let superseded = matches!(r, Err(FsError::Peer(_) | FsError::Corrupt { .. }))
@@ -129,7 +129,7 @@ impl Core {
                 return r;
             }
             if superseded {
-                oi.state.lock().forget_layout();
+                oi.state().forget_layout();
             }
             tracing::debug!(ino, offset, attempt, superseded, "a read overtaken by a writer; reading again");
             attempt += 1;
@@ -161,7 +161,7 @@ impl Core {
         offset: u64,
         size: u32,
     ) -> (FsResult<Vec<u8>>, Option<Arc<Layout>>) {
-        if oi.state.lock().write.reads_backing_file() {
+        if oi.state().write.reads_backing_file() {
             return (self.read_unsealed(oi, offset, size), None);
         }
         let layout = match self.layout(ino, oi) {
@@ -208,7 +208,7 @@ impl Core {
                     self.fetch_ahead(ino, oi, layout, index as u32 + 1);
                     let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, false)?;
                     // Local from now on: the next read of this open uses the new layout.
-                    oi.state.lock().forget_layout();
+                    oi.state().forget_layout();
                     self.read_local(
                         ino,
                         oi,
@@ -267,7 +267,7 @@ impl Core {
                         tracing::warn!(ino, chunk = index, error = %e, "no holder served the chunk; reading it from the object store");
                         out.truncate(before);
                         let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, index as u32, obj, true)?;
-                        oi.state.lock().forget_layout();
+                        oi.state().forget_layout();
                         let part = Part { rec: &rec, index: index as u32, chunk_start, from: pos, to };
                         self.read_local(ino, oi, &part, &mut out)?;
                     }
@@ -458,7 +458,7 @@ impl Core {
             (Err(_), Some(obj)) => {
                 let cs = layout.chunk_size;
                 let rec = self.fetch_object_chunk(ino, &oi.file, layout.size, cs, part.index, obj, true)?;
-                oi.state.lock().forget_layout();
+                oi.state().forget_layout();
                 self.read_local(ino, oi, &Part { rec: &rec, ..*part }, out)
             }
             (Err(e), None) => Err(e),
@@ -500,13 +500,13 @@ impl Core {
 
     /// The layout of a sealed file open here, loaded once per open.
     pub(super) fn layout(&self, ino: Ino, oi: &OpenInode) -> FsResult<Arc<Layout>> {
-        if let Some(l) = oi.state.lock().layout.clone() {
+        if let Some(l) = oi.state().layout.clone() {
             return Ok(l);
         }
-        let epoch = oi.state.lock().layout_epoch;
+        let epoch = oi.state().layout_epoch;
         let layout = Arc::new(self.load_layout(ino)?);
         {
-            let mut st = oi.state.lock();
+            let mut st = oi.state();
             // A seal (or a fetch) that ended while this one loaded made it
             // stale: it serves this read only, and the next loads again.
             if st.layout_epoch != epoch {

@@ -519,7 +519,7 @@ impl Core {
                 Ok(lease)
             }),
         };
-        let mut st = oi.state.lock();
+        let mut st = oi.state();
         st.write.end_lease(r.as_ref().ok().copied(), created.is_some());
         st.forget_layout();
         if r.is_err() {
@@ -533,7 +533,7 @@ impl Core {
     /// A writer's handle taken over from an earlier daemon of this mount,
     /// whose session is unsealed under `lease` (see [`Core::adopt`]).
     pub(super) fn adopt_writer(&self, oi: &OpenInode, lease: u64) {
-        let mut st = oi.state.lock();
+        let mut st = oi.state();
         st.writers += 1;
         st.write.adopt(lease);
         st.forget_layout();
@@ -574,7 +574,7 @@ impl Core {
                 (SealEnd::Sealed, Err(lease_lost()))
             }
         };
-        let mut st = oi.state.lock();
+        let mut st = oi.state();
         st.write.end_seal(end);
         st.forget_layout();
         // Under the state lock: an attribute read that finds the file
@@ -639,7 +639,7 @@ impl Core {
     /// node may have taken them over and written meanwhile.
     pub fn fence_all_writers(&self) {
         for oi in self.open.all() {
-            let lease = oi.state.lock().write.fence();
+            let lease = oi.state().write.fence();
             let Some(lease) = lease else { continue };
             let ino = oi.ino;
             tracing::warn!(ino, "membership lapsed: this node's writes to the file since its last publish are dropped");
@@ -781,7 +781,7 @@ impl Core {
         let (ino, writable, oi) = self.open.handle(fh)?;
         let r = if datasync { oi.file.sync_data() } else { oi.file.sync_all() };
         r.map_err(|e| FsError::io("fsync backing file", e))?;
-        if writable && oi.state.lock().write.is_fenced() {
+        if writable && oi.state().write.is_fenced() {
             return Err(lease_lost());
         }
         if self.cluster.get().is_some() {
@@ -793,7 +793,7 @@ impl Core {
             return Ok(());
         }
         let (writing, lease) = {
-            let st = oi.state.lock();
+            let st = oi.state();
             (st.write.reads_backing_file(), st.write.lease())
         };
         if writing {
@@ -803,7 +803,7 @@ impl Core {
             let seal =
                 Seal { size, mtime, chunks: Vec::new(), keep_unsealed: true, lease, data_durable: true, attrs: None };
             self.ns.seal(ino, &seal, Durability::Durable)?;
-            oi.state.lock().write.size_recorded();
+            oi.state().write.size_recorded();
         } else {
             self.make_durable()?;
         }
@@ -857,7 +857,7 @@ impl Core {
         let r =
             self.ns.getattr(ino).map_err(FsError::from).and_then(|inode| self.seal_file(&inode, &oi.file, &dirty, how));
         let fenced = {
-            let mut st = oi.state.lock();
+            let mut st = oi.state();
             st.write.end_publish(r.as_ref().map(|_| now).map_err(Lost::of), floor.get());
             st.write.is_fenced()
         };
@@ -889,7 +889,7 @@ impl Core {
         let mut copied = 0;
         for oi in self.open.all() {
             let job = {
-                let mut st = oi.state.lock();
+                let mut st = oi.state();
                 match st.orphaned {
                     true => None,
                     false => st.write.begin_stream(),
@@ -906,7 +906,7 @@ impl Core {
                 false => (Vec::new(), job.floor),
             };
             copied += looked.iter().filter(|(_, s)| s.as_ref().is_some_and(|s| !s.copies.is_empty())).count();
-            oi.state.lock().write.end_stream(looked, floor);
+            oi.state().write.end_stream(looked, floor);
             oi.changed.notify_all();
         }
         copied
@@ -931,9 +931,9 @@ pub(super) fn changing_bytes<T>(
     range: std::ops::RangeInclusive<u32>,
     change: impl FnOnce() -> FsResult<T>,
 ) -> FsResult<T> {
-    oi.state.lock().write.mark_dirty(range.clone());
+    oi.state().write.mark_dirty(range.clone());
     let changed = change();
-    oi.state.lock().write.mark_dirty(range);
+    oi.state().write.mark_dirty(range);
     changed
 }
 
