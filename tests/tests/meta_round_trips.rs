@@ -66,21 +66,31 @@ fn within(mnt: &Path, before: &BTreeMap<String, (u64, u64)>, budget: u64, what: 
     assert!(spent <= budget, "{what} cost {spent} etcd round trips: {:?}", per_op(before, &after));
 }
 
-/// [`within`] for a step run twice (round 0 and 1; `setup` uncounted, then
-/// `work` counted), the better round held to `budget`: a round trip the
-/// code adds shows in both rounds, a race of a loaded host in one at most.
-fn within_at_best_of_two(mnt: &Path, budget: u64, what: &str, mut setup: impl FnMut(u64), mut work: impl FnMut(u64)) {
-    let rounds: Vec<_> = (0..2)
-        .map(|r| {
-            setup(r);
-            let before = charged(mnt);
-            work(r);
-            let after = charged(mnt);
-            (trips_between(&before, &after), per_op(&before, &after))
-        })
-        .collect();
-    let best = rounds.iter().map(|(t, _)| *t).min().unwrap();
-    assert!(best <= budget, "{what} cost {best} etcd round trips at best of two rounds: {rounds:?}");
+/// [`within`] for a step run up to three times (round 0, 1, 2; `setup`
+/// uncounted, then `work` counted) until a round is within `budget`: a
+/// round trip the code adds shows in every round, a race of a loaded host
+/// (a commit retried, a listing dropped by an eviction while it was read)
+/// in some. Returns how many rounds ran; fails naming what each cost.
+fn within_in_one_of_three(
+    mnt: &Path,
+    budget: u64,
+    what: &str,
+    mut setup: impl FnMut(u64),
+    mut work: impl FnMut(u64),
+) -> u64 {
+    let mut rounds = Vec::new();
+    for r in 0..3 {
+        setup(r);
+        let before = charged(mnt);
+        work(r);
+        let after = charged(mnt);
+        let spent = trips_between(&before, &after);
+        if spent <= budget {
+            return r + 1;
+        }
+        rounds.push((spent, per_op(&before, &after)));
+    }
+    panic!("{what} cost more than {budget} etcd round trips in each of three rounds: {rounds:?}");
 }
 
 fn create_excl(p: &Path) -> Result<(), i32> {
@@ -188,12 +198,12 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     create_excl(&udir.join("warm")).unwrap();
     // Three commits a file, and a few retries of a publish that met another
     // commit of the same directory's records (up to nine seen in a run
-    // beside another test; a round trip added per file costs 40). Two
-    // rounds: a round trip the code adds shows in both, a race under load
-    // (a retry, or a fill that raced with an eviction and dropped the
-    // directory's listing, so that later names are looked up in etcd) in
-    // one at most.
-    within_at_best_of_two(
+    // beside another test; a round trip added per file costs 40). Up to
+    // three rounds: a round trip the code adds shows in every one, a race
+    // under load (a retry, or a fill that raced with an eviction and
+    // dropped the directory's listing, so that later names are looked up
+    // in etcd) in some.
+    let rounds = within_in_one_of_three(
         &n1,
         3 * FILES + 12,
         &format!("{FILES} files written and closed"),
@@ -204,7 +214,7 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
             }
         },
     );
-    for r in 0..2 {
+    for r in 0..rounds {
         for i in 0..FILES {
             let p = u2.join(format!("w{r}-{i}"));
             assert_eq!(fs::read(&p).unwrap(), pattern(4096 + i as usize, i), "w{r}-{i} read on n2 after close");
@@ -236,8 +246,8 @@ with tarfile.open(sys.argv[1], "w") as t:
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // Three commits a file, and the directory's mkdir and its own mode and
     // times (a directory's changes are not held back), its opens, a few
-    // retries; two rounds, the better one counted (as above).
-    within_at_best_of_two(
+    // retries; up to three rounds, as above.
+    let rounds = within_in_one_of_three(
         &n1,
         3 * FILES + 12,
         &format!("tar x of {FILES} files"),
@@ -252,7 +262,7 @@ with tarfile.open(sys.argv[1], "w") as t:
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         },
     );
-    for r in 0..2 {
+    for r in 0..rounds {
         for i in 0..FILES {
             let p = c.node(1).mnt.join(format!("untar{r}/files/t{i}"));
             let want: Vec<u8> = (0..1000 + i).map(|j| ((i * 7 + j) % 251) as u8).collect();
