@@ -90,6 +90,19 @@ pub fn start_writeback(file: &File, offset: u64, len: u64) {
     }
 }
 
+/// `umount2(2)` of the mount at `path`; `detach`: lazily (`MNT_DETACH`),
+/// the mount going once nothing uses it.
+pub fn unmount(path: &std::path::Path, detach: bool) -> io::Result<()> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))?;
+    let flags = if detach { libc::MNT_DETACH } else { 0 };
+    // SAFETY: umount2 with a valid path.
+    match unsafe { libc::umount2(c.as_ptr(), flags) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
 /// `statvfs(3)` of the filesystem holding `path`.
 pub fn statvfs(path: &std::path::Path) -> io::Result<libc::statvfs> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())

@@ -183,11 +183,14 @@ pub(crate) fn data_dir_of(mountpoint: &Path) -> anyhow::Result<PathBuf> {
     let Some(src) = mount_source(&mp) else {
         bail!("{} is not mounted", mp.display());
     };
-    src.split_once(' ')
-        .map(|(_, s)| s)
-        .and_then(|s| s.strip_prefix("converged:"))
-        .map(PathBuf::from)
+    source_data_dir(&src)
         .with_context(|| format!("{} is not a converged mount with its data dir in its source", mp.display()))
+}
+
+/// The data dir named in a mount's source as [`mount_source`] gives it
+/// (`fstype converged:DATA_DIR`).
+fn source_data_dir(src: &str) -> Option<PathBuf> {
+    src.split_once(' ').map(|(_, s)| s).and_then(|s| s.strip_prefix("converged:")).map(PathBuf::from)
 }
 
 /// Whether the mount at `mountpoint` answers (statfs; waits while no daemon serves it).
@@ -200,11 +203,8 @@ fn umount(mountpoint: &Path) -> anyhow::Result<()> {
     let Some(src) = mount_source(&mp) else {
         bail!("{} is not mounted", mp.display());
     };
-    let data_dir = src.split_once(' ').map(|(_, s)| s).and_then(|s| s.strip_prefix("converged:")).map(PathBuf::from);
-    let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
-    // SAFETY: umount2 with a valid path.
-    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
-        let e = std::io::Error::last_os_error();
+    let data_dir = source_data_dir(&src);
+    if let Err(e) = crate::blocks::unmount(&mp, false) {
         if e.raw_os_error() == Some(libc::EBUSY) {
             bail!("{} is busy (files are open or a process has its cwd there)", mp.display());
         }

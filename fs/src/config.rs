@@ -423,9 +423,7 @@ pub fn unescape_mountinfo(s: &str) -> String {
 /// daemon is gone (killed, crashed), and a restarting service unit must be
 /// able to mount there again.
 fn detach_dead_mount(mountpoint: &Path) {
-    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else { return };
-    // SAFETY: umount2(2) with a valid path.
-    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+    if crate::blocks::unmount(mountpoint, true).is_ok() {
         eprintln!("converged: detached the dead converged mount at {} (its daemon had exited)", mountpoint.display());
     }
 }

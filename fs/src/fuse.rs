@@ -355,7 +355,31 @@ fn node_for(req: &Request, kind: FileKind, mode: u32, umask: u32) -> NewNode<'st
     }
 }
 
-/// Open flags for a handle the daemon serves.
+/// Answer an open with handle `fh`: passed through to backing id `id`, or
+/// served by the daemon in kernel I/O mode `io`.
+fn reply_open(reply: ReplyOpen, fh: u64, io: crate::core::Io, id: Option<&BackingId>) {
+    match id {
+        Some(id) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id),
+        None => reply.opened(FileHandle(fh), fopen_flags(io)),
+    }
+}
+
+/// Answer a create with the new file's attributes `a` and handle `fh`, as
+/// [`reply_open`] answers an open.
+fn reply_create(
+    reply: ReplyCreate,
+    ttl: &Duration,
+    a: &FileAttr,
+    fh: u64,
+    io: crate::core::Io,
+    id: Option<&BackingId>,
+) {
+    match id {
+        Some(id) => reply.created_passthrough(ttl, a, Generation(0), FileHandle(fh), FopenFlags::empty(), id),
+        None => reply.created(ttl, a, Generation(0), FileHandle(fh), fopen_flags(io)),
+    }
+}
+
 /// The open flags of a handle served by the daemon in kernel I/O mode `io`.
 fn fopen_flags(io: crate::core::Io) -> FopenFlags {
     match io {
@@ -441,12 +465,7 @@ impl FuseAdapter {
         if let Err(e) = self.record(req, inode.ino, opened, writable, id.as_deref()) {
             return reply.error(e);
         }
-        match id {
-            Some(id) => {
-                reply.created_passthrough(&ttl, &a, Generation(0), FileHandle(opened.fh), FopenFlags::empty(), &id)
-            }
-            None => reply.created(&ttl, &a, Generation(0), FileHandle(opened.fh), fopen_flags(opened.io)),
-        }
+        reply_create(reply, &ttl, &a, opened.fh, opened.io, id.as_deref());
     }
 
     /// A create the kernel sends again: answered with the handle the
@@ -454,15 +473,7 @@ impl FuseAdapter {
     fn resent_create(&self, req: &Request, reply: ReplyCreate) -> Option<ReplyCreate> {
         let Some((r, id)) = self.resent_open(req) else { return Some(reply) };
         match self.core.getattr(r.handle.ino) {
-            Ok(i) => {
-                let fh = FileHandle(r.handle.fh);
-                match id {
-                    Some(id) => {
-                        reply.created_passthrough(&self.ttl, &attr(&i), Generation(0), fh, FopenFlags::empty(), &id)
-                    }
-                    None => reply.created(&self.ttl, &attr(&i), Generation(0), fh, fopen_flags(r.handle.io)),
-                }
-            }
+            Ok(i) => reply_create(reply, &self.ttl, &attr(&i), r.handle.fh, r.handle.io, id.as_deref()),
             Err(e) => reply.error(errno("create", e)),
         }
         None
@@ -690,11 +701,7 @@ impl Filesystem for FuseAdapter {
         let _s = debug_span!("open", ino = ino.0, flags = flags.0).entered();
         let _t = self.enter("open");
         if let Some((r, id)) = self.resent_open(req) {
-            let fh = FileHandle(r.handle.fh);
-            return match id {
-                Some(id) => reply.opened_passthrough(fh, FopenFlags::empty(), &id),
-                None => reply.opened(fh, fopen_flags(r.handle.io)),
-            };
+            return reply_open(reply, r.handle.fh, r.handle.io, id.as_deref());
         }
         let writable = is_writable(flags);
         match self.core.open(ino.0, writable) {
@@ -706,10 +713,7 @@ impl Filesystem for FuseAdapter {
                 if let Err(e) = self.record(req, ino.0, &opened, writable, id.as_deref()) {
                     return reply.error(e);
                 }
-                match id {
-                    Some(id) => reply.opened_passthrough(FileHandle(opened.fh), FopenFlags::empty(), &id),
-                    None => reply.opened(FileHandle(opened.fh), fopen_flags(opened.io)),
-                }
+                reply_open(reply, opened.fh, opened.io, id.as_deref());
             }
             Err(e) => reply.error(errno("open", e)),
         }
@@ -822,7 +826,7 @@ impl Filesystem for FuseAdapter {
         match self.forget_handle(ino.0, fh.0) {
             Ok(()) => reply.ok(),
             // A release the kernel sends again after the daemon that did it died.
-            Err(FsError::BadHandle(_)) if req.unique().0 & (1 << 63) != 0 => reply.ok(),
+            Err(FsError::BadHandle(_)) if req.unique().0 & RESENT != 0 => reply.ok(),
             Err(e) => reply.error(errno("release", e)),
         }
     }
@@ -1198,7 +1202,7 @@ pub fn serve(
             tracing::info!(signal = sig, mountpoint = %mp.display(), "unmounting on signal");
             let r = match fuser_mounted {
                 true => unmounter.unmount(),
-                false => unmount_detached(&mp),
+                false => crate::blocks::unmount(&mp, true),
             };
             if let Err(e) = r {
                 tracing::error!(error = %e, "unmount on signal failed");
@@ -1228,16 +1232,6 @@ fn hand_over(gate: &EntryGate, core: &Core) -> ! {
     core.shutdown();
     tracing::info!("connection handed over");
     std::process::exit(crate::supervise::EXIT_HANDOVER)
-}
-
-/// Detach the mount at `mp` (what fuser does for a mount it made).
-fn unmount_detached(mp: &Path) -> std::io::Result<()> {
-    let c = std::ffi::CString::new(mp.as_os_str().as_bytes())?;
-    // SAFETY: umount2 with a valid path.
-    match unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } {
-        0 => Ok(()),
-        _ => Err(std::io::Error::last_os_error()),
-    }
 }
 
 /// Mount the filesystem at the spec's mount point on the /dev/fuse

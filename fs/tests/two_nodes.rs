@@ -213,31 +213,11 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// What the kernel asks for on open(O_CREAT) for writing.
 fn file_node() -> NewNode<'static> {
-    NewNode {
-        kind: FileKind::Regular,
-        perm: 0o644,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-        target: None,
-        unsealed: true,
-        umask: 0,
-        request: None,
-    }
+    NewNode { unsealed: true, ..NewNode::plain(FileKind::Regular, 0o644) }
 }
 
 fn dir_node() -> NewNode<'static> {
-    NewNode {
-        kind: FileKind::Directory,
-        perm: 0o755,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-        target: None,
-        unsealed: false,
-        umask: 0,
-        request: None,
-    }
+    NewNode::plain(FileKind::Directory, 0o755)
 }
 
 /// Write `data` at `offset` through a handle, one MiB per call (max_write).

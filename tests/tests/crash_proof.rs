@@ -20,15 +20,14 @@ const CKPT: usize = 64 << 20;
 type Errors = Arc<Mutex<Vec<String>>>;
 
 fn daemon_of(data: &Path) -> i32 {
-    fs::read_to_string(data.join("converged.lock")).unwrap().trim().parse().unwrap()
+    daemon_pid(data).expect("a daemon holds the data dir")
 }
 
 /// Wait until a daemon other than `old` holds the data dir.
 fn replaced(data: &Path, old: i32) -> i32 {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let now = fs::read_to_string(data.join("converged.lock")).ok().and_then(|s| s.trim().parse().ok());
-        if let Some(pid) = now.filter(|p| *p != old && Path::new(&format!("/proc/{p}")).exists()) {
+        if let Some(pid) = daemon_pid(data).filter(|p| *p != old && Path::new(&format!("/proc/{p}")).exists()) {
             return pid;
         }
         assert!(Instant::now() < deadline, "no new daemon within 20 s of {old}");

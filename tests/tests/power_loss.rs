@@ -206,8 +206,8 @@ impl Converged {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        let pid = fs::read_to_string(data.join("converged.lock")).unwrap().trim().parse().unwrap();
-        let supervisor = fs::read_to_string(data.join("converged.supervisor")).ok().and_then(|s| s.trim().parse().ok());
+        let pid = common::daemon_pid(data).expect("a daemon holds the data dir");
+        let supervisor = common::supervisor_pid(data);
         Converged { mnt: mnt.to_path_buf(), pid, supervisor, stopped: false, mounted: true }
     }
 

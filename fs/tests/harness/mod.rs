@@ -242,32 +242,12 @@ pub fn resolve_parent<'p>(core: &Core, path: &'p str) -> FsResult<(Ino, &'p str)
 
 /// What the kernel asks for on open(O_CREAT) for writing.
 pub fn file_node() -> NewNode<'static> {
-    NewNode {
-        kind: FileKind::Regular,
-        perm: 0o644,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-        target: None,
-        unsealed: true,
-        umask: 0,
-        request: None,
-    }
+    NewNode { unsealed: true, ..NewNode::plain(FileKind::Regular, 0o644) }
 }
 
 /// What the kernel asks for on mkdir.
 pub fn dir_node() -> NewNode<'static> {
-    NewNode {
-        kind: FileKind::Directory,
-        perm: 0o755,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-        target: None,
-        unsealed: false,
-        umask: 0,
-        request: None,
-    }
+    NewNode::plain(FileKind::Directory, 0o755)
 }
 
 // ---- whole-file operations, as a process would do them ----

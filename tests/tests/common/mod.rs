@@ -130,7 +130,7 @@ impl Mount {
 
     /// The daemon's pid, from the data-dir lock file.
     pub fn daemon_pid(&self) -> i32 {
-        std::fs::read_to_string(self.data.join("converged.lock")).unwrap().trim().parse().unwrap()
+        daemon_pid(&self.data).expect("a daemon holds the data dir")
     }
 
     /// The pid of the mount's supervisor (see fs/src/supervise.rs).
@@ -162,6 +162,11 @@ impl Drop for Mount {
     }
 }
 
+/// The pid of the daemon holding `data` (its lock file), if one wrote it.
+pub fn daemon_pid(data: &Path) -> Option<i32> {
+    std::fs::read_to_string(data.join("converged.lock")).ok()?.trim().parse().ok()
+}
+
 /// The supervisor's pid from its file in the data dir, if it runs.
 pub fn supervisor_pid(data: &Path) -> Option<i32> {
     std::fs::read_to_string(data.join("converged.supervisor")).ok()?.trim().parse().ok()
@@ -176,13 +181,10 @@ pub fn kill_node(data: &Path) {
         unsafe { libc::kill(pid, libc::SIGKILL) };
         wait_gone(pid);
     }
-    if let Ok(pid) = std::fs::read_to_string(data.join("converged.lock")).map(|s| s.trim().parse::<i32>().unwrap_or(0))
-    {
-        if pid > 0 {
-            // SAFETY: kill(2).
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            wait_gone(pid);
-        }
+    if let Some(pid) = daemon_pid(data).filter(|p| *p > 0) {
+        // SAFETY: kill(2).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        wait_gone(pid);
     }
 }
 
