@@ -80,10 +80,16 @@ struct DroppedRange {
 #[derive(Default)]
 struct Listings {
     dirs: Mutex<std::collections::HashMap<Vec<u8>, Listing>>,
-    /// Bumped (under `dirs`) by every change this node's commits note: a
-    /// listing read while one landed may have missed it and is not kept.
-    generation: AtomicU64,
+    /// Changes of names, by stripe of their range: bumped (under `dirs`)
+    /// by every eviction from the change feed and every change this node's
+    /// commits note. A listing read while its stripe moved may have missed
+    /// a change and is not kept; changes in other ranges (most of them, on
+    /// a busy node) leave it alone.
+    changes: [AtomicU64; STRIPES],
 }
+
+/// Stripes of [`Listings::changes`].
+const STRIPES: usize = 32;
 
 struct Listing {
     /// Dentry keys present.
@@ -118,30 +124,40 @@ impl Listings {
         }
     }
 
-    /// Keep `keys` as the listing of `dir`, unless an eviction happened
-    /// since `epoch` was taken or one of this node's commits was noted
-    /// since `generation` was (both checked under the lock they are bumped
-    /// under).
-    fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, epoch: &AtomicU64, since: (u64, u64)) {
+    fn stripe(&self, dir: &[u8]) -> &AtomicU64 {
+        let hash = dir.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3));
+        &self.changes[(hash % STRIPES as u64) as usize]
+    }
+
+    /// Where `dir`'s stripe of changes stands: what [`Listings::set`] is
+    /// given, taken before the listing is read.
+    fn changes(&self, dir: &[u8]) -> u64 {
+        self.stripe(dir).load(Ordering::Acquire)
+    }
+
+    /// Keep `keys` as the listing of `dir`, unless a change of a name in
+    /// its stripe was evicted or noted since `since` was taken (checked
+    /// under the lock it is bumped under).
+    fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, since: u64) {
         let mut dirs = self.dirs.lock();
-        if (epoch.load(Ordering::Acquire), self.generation.load(Ordering::Acquire)) == since {
+        if self.changes(dir) == since {
             dirs.insert(dir.to_vec(), Listing { keys, since: std::time::Instant::now() });
         }
     }
 
-    fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
-    }
-
-    /// An eviction: bump `epoch` and drop `key`'s directory (all of them
-    /// for an empty key), together.
+    /// An eviction: bump `epoch`, and drop `key`'s directory and bump its
+    /// stripe (all of them for an empty key), together.
     fn evict(&self, key: &[u8], epoch: &AtomicU64) {
         let mut dirs = self.dirs.lock();
         epoch.fetch_add(1, Ordering::AcqRel);
         if key.is_empty() {
             dirs.clear();
+            for c in &self.changes {
+                c.fetch_add(1, Ordering::AcqRel);
+            }
         } else if let Some(dir) = crate::schema::listed_range(key).map(|(p, _)| p) {
             dirs.remove(dir);
+            self.stripe(dir).fetch_add(1, Ordering::AcqRel);
         }
     }
 
@@ -149,7 +165,7 @@ impl Listings {
     fn note(&self, key: &[u8], present: bool) {
         let Some(dir) = crate::schema::listed_range(key).map(|(p, _)| p) else { return };
         let mut dirs = self.dirs.lock();
-        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.stripe(dir).fetch_add(1, Ordering::AcqRel);
         let Some(l) = dirs.get_mut(dir) else { return };
         if present {
             l.keys.insert(key.to_vec());
@@ -163,12 +179,14 @@ impl Listings {
 
     /// Drop the listing of the range `prefix` names (a range deleted).
     fn forget(&self, prefix: &[u8]) {
-        self.dirs.lock().remove(prefix);
+        let mut dirs = self.dirs.lock();
+        dirs.remove(prefix);
+        self.stripe(prefix).fetch_add(1, Ordering::AcqRel);
     }
 
     fn forget_dir_of(&self, key: &[u8]) {
         if let Some(dir) = crate::schema::listed_range(key).map(|(p, _)| p) {
-            self.dirs.lock().remove(dir);
+            self.forget(dir);
         }
     }
 }
@@ -290,10 +308,10 @@ impl CachedKv {
             Known::Relist => {
                 let dir = crate::schema::listed_range(key).map(|(p, _)| p).expect("a listed key has a listed range");
                 let (start, end) = crate::schema::prefix_range(dir);
-                let since = (self.epoch.load(Ordering::Acquire), self.listings.generation());
+                let since = self.listings.changes(dir);
                 let found = self.inner.read_txn()?.scan(&start, &end, LISTING_MAX)?;
                 if found.len() < LISTING_MAX {
-                    self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), &self.epoch, since);
+                    self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since);
                 }
                 Ok(self.listings.lookup(key) == Known::Absent)
             }
@@ -361,7 +379,7 @@ struct CachedWrite<'a> {
     /// Keys the transaction knows are absent (records of a new inode).
     absent: Vec<Vec<u8>>,
     /// Directories it makes (their listings start empty).
-    empty_dirs: Vec<Vec<u8>>,
+    empty_dirs: Vec<(Vec<u8>, u64)>,
     /// Cacheable ranges deleted: later reads of this transaction go to
     /// the engine, which lays the ranges over what it holds.
     ranges: Vec<(Vec<u8>, Vec<u8>)>,
@@ -424,7 +442,9 @@ impl KvWrite for CachedWrite<'_> {
     }
     fn known_empty(&mut self, prefix: &[u8]) {
         if crate::schema::is_listed_prefix(prefix) {
-            self.empty_dirs.push(prefix.to_vec());
+            // Its stripe now, before the commit makes the range known to
+            // anyone: a change in it from then on keeps it from being set.
+            self.empty_dirs.push((prefix.to_vec(), self.kv.listings.changes(prefix)));
         }
     }
     fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
@@ -464,11 +484,10 @@ impl KvWrite for CachedWrite<'_> {
                 for (k, v) in &written {
                     last.insert(k, v);
                 }
-                for dir in &empty_dirs {
+                for (dir, since) in &empty_dirs {
                     // A new number's range: nothing but this commit's own
                     // writes (noted below) can be in it yet.
-                    let now = kv.listings.generation();
-                    kv.listings.set(dir, Default::default(), &kv.epoch, (epoch, now));
+                    kv.listings.set(dir, Default::default(), *since);
                 }
                 for (k, v) in last {
                     let version = if v.is_some() { *rev } else { 0 };
