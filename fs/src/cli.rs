@@ -198,7 +198,7 @@ pub(crate) fn serves(mountpoint: &Path) -> bool {
     crate::blocks::statvfs(mountpoint).is_ok()
 }
 
-fn umount(mountpoint: &Path) -> anyhow::Result<()> {
+pub(crate) fn umount(mountpoint: &Path) -> anyhow::Result<()> {
     let mp = mountpoint.canonicalize().with_context(|| format!("mount point {}", mountpoint.display()))?;
     let Some(src) = mount_source(&mp) else {
         bail!("{} is not mounted", mp.display());

@@ -120,16 +120,14 @@ fn certificates(dir: &Path, nodes: u16) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Unmount each node, last first, waiting for its daemon's final sync. In
+/// this process, not by running the binary again: a binary rebuilt while
+/// the cluster ran is no longer at the path it was started from.
 fn unmount_all(mounted: &[PathBuf]) {
     for mnt in mounted.iter().rev() {
-        let out = Command::new(std::env::current_exe().unwrap_or_else(|_| "converged".into()))
-            .arg("umount")
-            .arg(mnt)
-            .output();
-        match out {
-            Ok(o) if o.status.success() => println!("unmounted {}", mnt.display()),
-            Ok(o) => eprintln!("umount {}: {}", mnt.display(), String::from_utf8_lossy(&o.stderr).trim()),
-            Err(e) => eprintln!("umount {}: {e}", mnt.display()),
+        match crate::cli::umount(mnt) {
+            Ok(()) => println!("unmounted {}", mnt.display()),
+            Err(e) => eprintln!("umount {}: {e:#}", mnt.display()),
         }
     }
 }
