@@ -268,6 +268,24 @@ impl ChunkStore {
         self.index.lock().unsettled.remove(&ino);
     }
 
+    /// The layout records version `version` of chunk `index` of `ino` with
+    /// this node as a holder (the change feed said so). When that is the
+    /// only version file of the inode here and no backing file holds any of
+    /// the inode, the version file is the chunk's home, which is what the
+    /// settler would find after reading the inode's records: the inode is
+    /// settled without that read. (A replica received from the writer is
+    /// this case: one read of the metadata fewer per chunk copied here.)
+    pub fn recorded_here(&self, ino: Ino, index: u32, version: u64) {
+        if self.path(ino).exists() {
+            return;
+        }
+        let mut idx = self.index.lock();
+        let only = idx.versions.get(&ino).is_some_and(|v| v.len() == 1 && v.contains(&(index, version)));
+        if only {
+            idx.unsettled.remove(&ino);
+        }
+    }
+
     /// How long ago a version file was written.
     pub fn version_age(&self, ino: Ino, index: u32, version: u64) -> Option<std::time::Duration> {
         let md = std::fs::metadata(self.version_path(ino, index, version)).ok()?;

@@ -384,6 +384,8 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             // The sweep hears which files other nodes changed, and the
             // workers which control-plane records did.
             engine.watch(core.sweep_hints().feed(core.node_id().to_string()))?;
+            engine.watch(core.peer_leases().feed())?;
+            engine.watch(core.recorded_copies_feed())?;
             if engine.watch(core.control().feed())? {
                 core.control().watching();
             }

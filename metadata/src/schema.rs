@@ -295,6 +295,11 @@ pub fn is_chunk(key: &[u8]) -> bool {
     key.first() == Some(&CHUNK)
 }
 
+/// Whether `key` is a `U` record (a file's write lease mark).
+pub fn is_unsealed(key: &[u8]) -> bool {
+    key.first() == Some(&UNSEALED) && key.len() == 9
+}
+
 /// Whether `key` is a record of a layout written in batches (`P`, `Q`).
 pub fn is_batched_layout(key: &[u8]) -> bool {
     matches!(key.first(), Some(&(PENDING_CHUNK | LAYOUT_COMMIT)))

@@ -419,3 +419,47 @@ fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
         assert_eq!(s3.client().list("rest", "v/held/").len(), HELD as usize - 1, "the other objects stay");
     }
 }
+
+const COPIED: u64 = 200;
+
+/// A node that takes the copies of files another node writes asks etcd
+/// next to nothing for them: whether the writer holds the file's write lease
+/// (which a peer must before it stores a copy) and whether the layout
+/// records the copy (which settles it) come from the change feed, not from
+/// a read per file. Counted from the receiving daemon's own metrics; a read
+/// per copy (which the receiving node made before) is 200 here.
+#[test]
+fn taking_a_writers_copies_costs_the_receiving_node_no_read_per_file() {
+    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
+    let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
+    c.add_node(&["--metrics", &ports[1]]);
+    let dir = c.node(0).mnt.join("copied");
+    fs::create_dir(&dir).unwrap();
+    // The first file warms both nodes (connections, the directory's records).
+    fs::write(dir.join("warm"), pattern(2048, 0)).unwrap();
+    let warm = fs::metadata(dir.join("warm")).unwrap().ino();
+    eventually(30, "the first file has its copy on n2", || c.holds(1, warm));
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let before = etcd_requests(&ports[1]);
+    let mut inos = Vec::new();
+    for i in 0..COPIED {
+        let p = dir.join(format!("f{i}"));
+        fs::write(&p, pattern(2048, i + 1)).unwrap();
+        inos.push(fs::metadata(&p).unwrap().ino());
+    }
+    eventually(30, "every file has its copy on n2", || inos.iter().all(|ino| c.holds(1, *ino)));
+    // The settler looks at new copies every second: give it a few.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let after = etcd_requests(&ports[1]);
+    let reads = after.get("read").copied().unwrap_or(0) - before.get("read").copied().unwrap_or(0);
+    eprintln!("n2 read etcd {reads} times while taking copies of {COPIED} files");
+    assert!(
+        reads <= COPIED / 4,
+        "n2 read etcd {reads} times while taking copies of {COPIED} files: a read per copy is back"
+    );
+    // The copies are the files' bytes, readable on n2 (close-to-open).
+    for (i, _) in inos.iter().enumerate().step_by(40) {
+        let got = fs::read(c.node(1).mnt.join("copied").join(format!("f{i}"))).unwrap();
+        assert_eq!(got, pattern(2048, i as u64 + 1), "f{i} read on n2");
+    }
+}

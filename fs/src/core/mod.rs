@@ -41,10 +41,11 @@
 //!    held; others wait on `OpenInode::changed`, holding nothing.
 //! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
 //!    `doomed`, `unseal_later`, `spares`, `under_replicated`, `flush_now`,
-//!    `last_repair`, `removed`, the tier's tables, the chunk store's version index,
-//!    the cluster's member list (read from etcd with no lock held), and
-//!    `sweep_hints` (also taken by the change feed, under the node cache's
-//!    subscriber list, which takes nothing else).
+//!    `last_repair`, `removed`, the tier's tables, the cluster's member list
+//!    (read from etcd with no lock held), and three that the change feed
+//!    also takes, under the node cache's subscriber list, which takes
+//!    nothing else: `sweep_hints`, the `peer_leases` shards and the chunk
+//!    store's version index.
 //!
 //! And across the boundaries:
 //! - **No in-memory lock is taken inside a KV transaction closure**: what a
@@ -70,6 +71,7 @@ mod attr;
 mod dirs;
 mod durability;
 mod open;
+mod peer_leases;
 mod read;
 mod reconcile;
 mod removed;
@@ -98,6 +100,7 @@ use crate::tier::Tiering;
 
 use open::{Claim, OpenTable};
 pub use open::{Io, KernelOpen, Opened};
+pub use peer_leases::PeerLeases;
 pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairTrigger};
 pub use replicate::Replicated;
 pub use scrub::Scrubbed;
@@ -247,6 +250,8 @@ pub struct Core {
     under_replicated: (Mutex<std::collections::BTreeSet<Ino>>, parking_lot::Condvar),
     /// Files whose records changed, for the sweep (see `sweep.rs`).
     sweep_hints: Arc<sweep::SweepHints>,
+    /// Write leases other nodes hold, as the change feed told (see `peer_leases.rs`).
+    peer_leases: Arc<PeerLeases>,
     /// Which control-plane records changed, for the workers that act on them.
     control: Arc<crate::control::ControlChanges>,
     /// The object store tier, when the mount has one.
@@ -306,6 +311,7 @@ impl Core {
             cluster: OnceLock::new(),
             under_replicated: Default::default(),
             sweep_hints: Default::default(),
+            peer_leases: Default::default(),
             control: Default::default(),
             tier: OnceLock::new(),
             me: OnceLock::new(),
@@ -356,6 +362,12 @@ impl Core {
         Ok(())
     }
 
+    /// Write leases other nodes hold, kept from the change feed: the daemon
+    /// subscribes [`PeerLeases::feed`] to it.
+    pub fn peer_leases(&self) -> &Arc<PeerLeases> {
+        &self.peer_leases
+    }
+
     /// Which control-plane records changed (members, admin states,
     /// rebalance, gc and rescan requests).
     pub fn control(&self) -> &Arc<crate::control::ControlChanges> {
@@ -404,6 +416,11 @@ impl Core {
             msg: format!("metadata: {e}"),
         };
         self.refuse_peers_if_read_only(|| format!("write of chunk {} of inode {}", c.index, c.ino))?;
+        // The change feed's word first: the lease of a file a peer writes
+        // was usually taken long enough ago for its mark to have arrived.
+        if self.peer_leases.holder_is(c.ino, |holder| caller.is(holder)) {
+            return Ok(());
+        }
         if self.ns.lease_holder(c.ino).map_err(meta)?.is_some_and(|holder| caller.is(&holder)) {
             return Ok(());
         }

@@ -169,6 +169,19 @@ impl Core {
         Ok(changed)
     }
 
+    /// A change feed subscriber that tells the chunk store which chunk
+    /// versions the layout records with this node as a holder, so that a
+    /// copy a writer pushed here settles without the settler's read of the
+    /// file's records (see [`ChunkStore::recorded_here`](crate::chunkstore::ChunkStore::recorded_here)).
+    pub fn recorded_copies_feed(&self) -> converged_metadata::ChangeFeed {
+        let (store, node) = (self.store.clone(), self.node_id().to_string());
+        std::sync::Arc::new(move |key: &[u8], value: Option<&[u8]>| {
+            if let Some((ino, index, version)) = value.and_then(|v| converged_metadata::chunk_held_by(key, v, &node)) {
+                store.recorded_here(ino, index, version);
+            }
+        })
+    }
+
     /// Before a writing session rewrites the backing file in place: keep,
     /// in version files, the chunks whose only live copy is this node's, so
     /// that readers elsewhere keep reading the last published version while

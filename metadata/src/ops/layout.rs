@@ -76,6 +76,27 @@ pub fn chunk_value_names(key: &[u8], value: &[u8], node: &str) -> bool {
     crate::namespace::decode::<ChunkRecord>(key, value).is_ok_and(|r| r.replicas.iter().any(|h| h == node))
 }
 
+/// (inode, chunk index, version) of a chunk record (`C`) as the change
+/// feed hands it out, when the record names `node` among its holders;
+/// `None` for any other record, or a value that does not decode.
+pub fn chunk_held_by(key: &[u8], value: &[u8], node: &str) -> Option<(Ino, u32, u64)> {
+    if !crate::schema::is_chunk(key) || key.len() != 13 {
+        return None;
+    }
+    let record = crate::namespace::decode::<ChunkRecord>(key, value).ok()?;
+    record
+        .replicas
+        .iter()
+        .any(|h| h == node)
+        .then(|| (crate::schema::key_ino(key), crate::schema::chunk_index(key), record.version))
+}
+
+/// The holder a change feed's `U` record names (the node that holds the
+/// file's write lease); `None` for any other record.
+pub fn lease_holder_of<'v>(key: &[u8], value: &'v [u8]) -> Option<&'v [u8]> {
+    crate::schema::is_unsealed(key).then(|| parse_lease_mark(value).0)
+}
+
 /// The version of a chunk written under lease `epoch`, after `previous`.
 /// Versions of one chunk only grow, and two writers under different epochs
 /// never pick the same one (the epoch is in the high 32 bits), so a copy
