@@ -190,12 +190,14 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
     // A small file written and closed (what unpacking a dataset makes):
     // the create's commit, the publish at close and the seal that ends the
     // writing session at release.
-    // In a directory of n1's own (n2's changes above dropped n1's listing of
-    // `shards`, so there each new name's lookup reads etcd).
+    // In directories of n1's own, a fresh one each round (n2's changes above
+    // dropped n1's listing of `shards`, so there each new name's lookup
+    // reads etcd; and a listing one round's race dropped would make every
+    // later round of the same directory pay a lookup a file).
     let udir = n1.join("unpacked");
     fs::create_dir(&udir).unwrap();
     let u2 = c.node(1).mnt.join("unpacked");
-    create_excl(&udir.join("warm")).unwrap();
+    let round_dir = |r: u64| udir.join(format!("r{r}"));
     // Three commits a file, and a few retries of a publish that met another
     // commit of the same directory's records (up to nine seen in a run
     // beside another test; a round trip added per file costs 40). Up to
@@ -207,17 +209,20 @@ fn creates_stats_and_unlinks_on_etcd_cost_one_round_trip_or_none() {
         &n1,
         3 * FILES + 12,
         &format!("{FILES} files written and closed"),
-        |_| {},
+        |r| {
+            fs::create_dir(round_dir(r)).unwrap();
+            create_excl(&round_dir(r).join("warm")).unwrap();
+        },
         |r| {
             for i in 0..FILES {
-                fs::write(udir.join(format!("w{r}-{i}")), pattern(4096 + i as usize, i)).unwrap();
+                fs::write(round_dir(r).join(format!("w{i}")), pattern(4096 + i as usize, i)).unwrap();
             }
         },
     );
     for r in 0..rounds {
         for i in 0..FILES {
-            let p = u2.join(format!("w{r}-{i}"));
-            assert_eq!(fs::read(&p).unwrap(), pattern(4096 + i as usize, i), "w{r}-{i} read on n2 after close");
+            let p = u2.join(format!("r{r}")).join(format!("w{i}"));
+            assert_eq!(fs::read(&p).unwrap(), pattern(4096 + i as usize, i), "r{r}/w{i} read on n2 after close");
         }
     }
 
@@ -307,11 +312,11 @@ with tarfile.open(sys.argv[1], "w") as t:
     // commit each. The purge's commit hands back the chunk records it
     // removed, so the holders to tell are not read before it; n2 then
     // removes its copies.
-    let inos: Vec<u64> = (0..FILES).map(|i| fs::metadata(udir.join(format!("w0-{i}"))).unwrap().ino()).collect();
+    let inos: Vec<u64> = (0..FILES).map(|i| fs::metadata(round_dir(0).join(format!("w{i}"))).unwrap().ino()).collect();
     assert!(inos.iter().all(|ino| c.holds(1, *ino)), "n2 holds a copy of each written file");
     let before = charged(&n1);
     for i in 0..FILES {
-        fs::remove_file(udir.join(format!("w0-{i}"))).unwrap();
+        fs::remove_file(round_dir(0).join(format!("w{i}"))).unwrap();
     }
     within(&n1, &before, FILES + 2 + RETRIES, &format!("{FILES} unlinks of written files"));
     eventually(30, "n2 removed its copies of the unlinked files", || !inos.iter().any(|ino| c.holds(1, *ino)));
