@@ -275,13 +275,20 @@ impl ChunkStore {
     /// settler would find after reading the inode's records: the inode is
     /// settled without that read. (A replica received from the writer is
     /// this case: one read of the metadata fewer per chunk copied here.)
+    ///
+    /// Called for every chunk record naming this node that the feed hands
+    /// out, so the backing file is looked for (a stat, with no lock held)
+    /// only for an inode that waits to be settled.
     pub fn recorded_here(&self, ino: Ino, index: u32, version: u64) {
-        if self.path(ino).exists() {
+        let only = |idx: &Index| {
+            idx.unsettled.contains(&ino)
+                && idx.versions.get(&ino).is_some_and(|v| v.len() == 1 && v.contains(&(index, version)))
+        };
+        if !only(&self.index.lock()) || self.path(ino).exists() {
             return;
         }
         let mut idx = self.index.lock();
-        let only = idx.versions.get(&ino).is_some_and(|v| v.len() == 1 && v.contains(&(index, version)));
-        if only {
+        if only(&idx) {
             idx.unsettled.remove(&ino);
         }
     }
