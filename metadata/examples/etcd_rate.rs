@@ -1,6 +1,10 @@
 //! Transactions per second against an etcd endpoint, from N threads:
 //! the ceiling a mount's creates meet (the last line is a create's shape). `cargo run --release -p
 //! converged-metadata --example etcd_rate -- 127.0.0.1:2379 16 2000`
+//!
+//! With `WATCH=1` the client also holds a watch on the prefix it writes, as
+//! every node of a cluster does on its volume (etcd then sends each put
+//! to a watcher too).
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,6 +21,9 @@ fn main() {
     for (label, alone) in [("alone", true), ("grouped", false)] {
         let kv = EtcdKv::connect(std::slice::from_ref(&endpoint), "rate", Duration::from_secs(5)).unwrap();
         let kv = Arc::new(if alone { kv.alone() } else { kv });
+        if std::env::var_os("WATCH").is_some() {
+            kv.watch(Arc::new(|_: &[u8], _: Option<&[u8]>| {})).unwrap();
+        }
         // (reads, puts, compares of versions known without reading them): a
         // put alone; three reads and a put; and a create as a node with a warm
         // cache commits it (three compares, four puts, no read).

@@ -16,6 +16,11 @@
 //! the whole transaction fails and nobody knows whose it was: each commit
 //! then goes again alone, and gets its own answer (a conflict, or done).
 //!
+//! Each commit gets the whole transaction's answer and where its own
+//! operations start in it, so a commit that asked for what a range delete
+//! removed (an unlink's purge) finds its records there and may share a
+//! transaction too.
+//!
 //! Locks: the queue (`Group::queue`), then a commit's `Slot::state`, in that
 //! order, each held only to change a few fields; neither is held while a
 //! transaction is sent, and no transaction is sent while a caller holds an
@@ -90,19 +95,27 @@ pub(crate) struct Limits {
     pub members: usize,
 }
 
-/// The answer a sent transaction got: whether its compares held, and the
-/// revision it committed at.
-pub(crate) type Sent = KvResult<(bool, Option<i64>)>;
+/// The answer a sent transaction got: whether its compares held, the
+/// revision it committed at, and the engine's response (`R`).
+pub(crate) type Sent<R> = KvResult<(bool, Option<i64>, R)>;
 
-enum State {
+/// A commit's outcome: the revision, the response of the transaction it
+/// went out in, and the index of its own first operation in that response.
+pub(crate) struct Committed<R> {
+    pub revision: Option<i64>,
+    pub answer: Arc<R>,
+    pub first_op: usize,
+}
+
+enum State<R> {
     Queued,
     /// This commit's thread leads the next transaction.
     Lead,
-    Done(Outcome),
+    Done(Outcome<R>),
 }
 
-enum Outcome {
-    Committed(Option<i64>),
+enum Outcome<R> {
+    Committed(Committed<R>),
     /// Alone, its compares failed.
     Conflict,
     /// Shared, some compare failed: go again alone.
@@ -110,27 +123,27 @@ enum Outcome {
     Failed(KvError),
 }
 
-struct Slot<C, O> {
+struct Slot<C, O, R> {
     member: Mutex<Option<Member<C, O>>>,
-    state: Mutex<State>,
+    state: Mutex<State<R>>,
     changed: Condvar,
 }
 
-impl<C, O> Slot<C, O> {
-    fn set(&self, s: State) {
+impl<C, O, R> Slot<C, O, R> {
+    fn set(&self, s: State<R>) {
         *self.state.lock() = s;
         self.changed.notify_one();
     }
 }
 
-struct Queue<C, O> {
+struct Queue<C, O, R> {
     /// A transaction is being formed or is in flight.
     busy: bool,
-    waiting: VecDeque<Arc<Slot<C, O>>>,
+    waiting: VecDeque<Arc<Slot<C, O, R>>>,
 }
 
-pub(crate) struct Group<C, O> {
-    queue: Mutex<Queue<C, O>>,
+pub(crate) struct Group<C, O, R> {
+    queue: Mutex<Queue<C, O, R>>,
     limits: Limits,
 }
 
@@ -142,14 +155,14 @@ fn copy_of(e: &KvError) -> KvError {
     }
 }
 
-impl<C: Clone, O: Clone> Group<C, O> {
+impl<C: Clone, O: Clone, R> Group<C, O, R> {
     pub fn new(limits: Limits) -> Self {
         Group { queue: Mutex::new(Queue { busy: false, waiting: VecDeque::new() }), limits }
     }
 
     /// Commit `m`, in a transaction of its own or shared; `send` sends one
     /// transaction. `Err(Conflict)` when what `m` read changed.
-    pub fn commit(&self, m: Member<C, O>, send: &dyn Fn(Vec<C>, Vec<O>) -> Sent) -> KvResult<Option<i64>> {
+    pub fn commit(&self, m: Member<C, O>, send: &dyn Fn(Vec<C>, Vec<O>) -> Sent<R>) -> KvResult<Committed<R>> {
         let alone = (m.compares.clone(), m.ops.clone());
         let slot =
             Arc::new(Slot { member: Mutex::new(Some(m)), state: Mutex::new(State::Queued), changed: Condvar::new() });
@@ -172,12 +185,14 @@ impl<C: Clone, O: Clone> Group<C, O> {
                     State::Lead => true,
                     State::Done(o) => {
                         return match o {
-                            Outcome::Committed(rev) => Ok(rev),
+                            Outcome::Committed(c) => Ok(c),
                             Outcome::Conflict => Err(KvError::Conflict),
                             Outcome::Failed(e) => Err(e),
                             Outcome::Alone => match send(alone.0, alone.1)? {
-                                (true, rev) => Ok(rev),
-                                (false, _) => Err(KvError::Conflict),
+                                (true, revision, answer) => {
+                                    Ok(Committed { revision, answer: Arc::new(answer), first_op: 0 })
+                                }
+                                (false, ..) => Err(KvError::Conflict),
                             },
                         };
                     }
@@ -192,7 +207,7 @@ impl<C: Clone, O: Clone> Group<C, O> {
 
     /// Form the next transaction around `me`, send it, give every commit in
     /// it its outcome, and hand the lead to the first commit still queued.
-    fn lead(&self, me: &Arc<Slot<C, O>>, send: &dyn Fn(Vec<C>, Vec<O>) -> Sent) {
+    fn lead(&self, me: &Arc<Slot<C, O, R>>, send: &dyn Fn(Vec<C>, Vec<O>) -> Sent<R>) {
         let mut batch = vec![me.clone()];
         let mut members = vec![me.member.lock().take().expect("a commit leads once")];
         {
@@ -225,17 +240,20 @@ impl<C: Clone, O: Clone> Group<C, O> {
             }
         }
         let shared = batch.len() > 1;
-        let (mut compares, mut ops) = (Vec::new(), Vec::new());
+        let (mut compares, mut ops, mut first_ops) = (Vec::new(), Vec::new(), Vec::with_capacity(members.len()));
         for m in members {
+            first_ops.push(ops.len());
             compares.extend(m.compares);
             ops.extend(m.ops);
         }
-        let answer = send(compares, ops);
-        for s in &batch {
+        let answer = send(compares, ops).map(|(held, revision, r)| (held, revision, Arc::new(r)));
+        for (s, first_op) in batch.iter().zip(first_ops) {
             s.set(State::Done(match &answer {
-                Ok((true, rev)) => Outcome::Committed(*rev),
-                Ok((false, _)) if shared => Outcome::Alone,
-                Ok((false, _)) => Outcome::Conflict,
+                Ok((true, revision, answer)) => {
+                    Outcome::Committed(Committed { revision: *revision, answer: answer.clone(), first_op })
+                }
+                Ok((false, ..)) if shared => Outcome::Alone,
+                Ok((false, ..)) => Outcome::Conflict,
                 Err(e) => Outcome::Failed(copy_of(e)),
             }));
         }
@@ -255,23 +273,27 @@ mod tests {
     use super::*;
 
     /// A store of counters: a compare is (key, expected value), an op
-    /// (key, new value). Sending applies the ops when every compare holds.
+    /// (key, new value). Sending applies the ops when every compare holds,
+    /// and answers each op with the value it replaced.
     type Store = Mutex<HashMap<String, u64>>;
 
-    fn send(store: &Store, sends: &AtomicUsize, compares: Vec<(String, u64)>, ops: Vec<(String, u64)>) -> Sent {
+    fn send(
+        store: &Store,
+        sends: &AtomicUsize,
+        compares: Vec<(String, u64)>,
+        ops: Vec<(String, u64)>,
+    ) -> Sent<Vec<u64>> {
         sends.fetch_add(1, Ordering::SeqCst);
         std::thread::sleep(std::time::Duration::from_millis(2));
         let mut s = store.lock();
         if compares.iter().any(|(k, v)| s.get(k).copied().unwrap_or(0) != *v) {
-            return Ok((false, None));
+            return Ok((false, None, Vec::new()));
         }
-        for (k, v) in ops {
-            s.insert(k, v);
-        }
-        Ok((true, Some(1)))
+        let replaced = ops.into_iter().map(|(k, v)| s.insert(k, v).unwrap_or(0)).collect();
+        Ok((true, Some(1), replaced))
     }
 
-    fn increment(group: &Group<(String, u64), (String, u64)>, store: &Store, sends: &AtomicUsize, key: &str) {
+    fn increment(group: &Group<(String, u64), (String, u64), Vec<u64>>, store: &Store, sends: &AtomicUsize, key: &str) {
         loop {
             let seen = store.lock().get(key).copied().unwrap_or(0);
             let m = Member {
@@ -282,7 +304,12 @@ mod tests {
                 writes: vec![Span::key(key.as_bytes())],
             };
             match group.commit(m, &|c, o| send(store, sends, c, o)) {
-                Ok(_) => return,
+                Ok(done) => {
+                    // Its own op's answer, wherever the commit sat in the
+                    // transaction: the value it replaced is the one it read.
+                    assert_eq!(done.answer[done.first_op], seen, "{key}: another commit's answer");
+                    return;
+                }
                 Err(KvError::Conflict) => continue,
                 Err(e) => panic!("{e}"),
             }

@@ -42,7 +42,7 @@ pub struct EtcdKv {
     own: Arc<OwnCommits>,
     /// Commits from this node's threads that meet share a transaction
     /// (unless `alone`).
-    group: Group<Compare, TxnOp>,
+    group: Group<Compare, TxnOp, etcd_client::TxnResponse>,
     alone: bool,
 }
 
@@ -606,16 +606,25 @@ impl KvWrite for EtcdWrite<'_> {
             });
             writes.push(Span::key(k));
         }
-        if !taking.is_empty() {
-            // Sent alone: the records come back in this transaction's own
-            // response (a shared one would have to hand each its part).
+        let member = group_commit::Member { compares, ops, bytes, reads, writes };
+        let send = |compares, ops| {
             let resp = kv.send_commit(compares, ops)?;
-            if !resp.succeeded() {
-                return Err(KvError::Conflict);
+            Ok((resp.succeeded(), resp.header().map(|h| h.revision()), resp))
+        };
+        let done = if kv.alone {
+            match send(member.compares, member.ops)? {
+                (true, revision, resp) => group_commit::Committed { revision, answer: Arc::new(resp), first_op: 0 },
+                (false, ..) => return Err(KvError::Conflict),
             }
-            let answers = resp.op_responses();
+        } else {
+            kv.group.commit(member, &send)?
+        };
+        // What this commit's range deletes removed, from its own part of
+        // the answer (a shared transaction answers every commit in it).
+        if !taking.is_empty() {
+            let answers = done.answer.op_responses();
             for (at, into) in taking {
-                if let Some(etcd_client::TxnOpResponse::Delete(d)) = answers.get(at) {
+                if let Some(etcd_client::TxnOpResponse::Delete(d)) = answers.get(done.first_op + at) {
                     *into.lock() = d
                         .prev_kvs()
                         .iter()
@@ -625,20 +634,8 @@ impl KvWrite for EtcdWrite<'_> {
                         .collect();
                 }
             }
-            return Ok(resp.header().map(|h| h.revision()));
         }
-        let member = group_commit::Member { compares, ops, bytes, reads, writes };
-        let send = |compares, ops| {
-            let resp = kv.send_commit(compares, ops)?;
-            Ok((resp.succeeded(), resp.header().map(|h| h.revision())))
-        };
-        if kv.alone {
-            return match send(member.compares, member.ops)? {
-                (true, rev) => Ok(rev),
-                (false, _) => Err(KvError::Conflict),
-            };
-        }
-        kv.group.commit(member, &send)
+        Ok(done.revision)
     }
 }
 

@@ -25,6 +25,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("kv_commit_is_atomic_and_abort_discards", kv_commit_is_atomic_and_abort_discards),
     ("kv_scan_is_ordered_bounded_and_sees_pending_writes", kv_scan_is_ordered_bounded_and_sees_pending_writes),
     ("kv_range_delete_hands_back_what_it_removed", kv_range_delete_hands_back_what_it_removed),
+    ("kv_range_deletes_that_meet_each_take_their_own", kv_range_deletes_that_meet_each_take_their_own),
     ("namespace_create_lookup_link_unlink", namespace_create_lookup_link_unlink),
     ("namespace_rename_rules", namespace_rename_rules),
     ("changes_made_for_a_request_say_so", changes_made_for_a_request_say_so),
@@ -238,6 +239,38 @@ fn redb_keeps_commits_across_reopen() {
     }
     let kv = RedbKv::open(&path, Duration::from_secs(1)).unwrap();
     assert_eq!(kv.read_txn().unwrap().get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
+}
+
+/// Range deletes that take their records, from many threads at once (on
+/// etcd they share transactions: group commit), each get exactly the
+/// records of their own range, never another commit's.
+fn kv_range_deletes_that_meet_each_take_their_own(name: &str, kv: Arc<dyn KvEngine>) {
+    std::thread::scope(|s| {
+        for t in 0..16u8 {
+            let kv = kv.clone();
+            s.spawn(move || {
+                for round in 0..10u8 {
+                    // A different number of records per thread and round,
+                    // so that a neighbour's answer cannot look like one's own.
+                    let want: Vec<(Vec<u8>, Vec<u8>)> =
+                        (0..1 + (t + round) % 4).map(|i| (vec![b'q', t, i], vec![t, round, i])).collect();
+                    let mut w = kv.write_txn().unwrap();
+                    for (k, v) in &want {
+                        w.put(k, v);
+                    }
+                    w.commit(Durability::Buffered).unwrap();
+                    let taken = converged_metadata::kv::Taken::default();
+                    let mut w = kv.write_txn().unwrap();
+                    w.delete_range_taking(&[b'q', t], &[b'q', t + 1], &taken).unwrap();
+                    w.put(&[b'd', t], &[round]);
+                    w.commit(Durability::Buffered).unwrap();
+                    assert_eq!(*taken.lock(), want, "{name}: thread {t}, round {round}: records taken");
+                }
+            });
+        }
+    });
+    let left = kv.read_txn().unwrap().scan(b"q", b"r", 10).unwrap();
+    assert!(left.is_empty(), "{name}: every range was emptied: {left:?}");
 }
 
 // ---- namespace suite ----

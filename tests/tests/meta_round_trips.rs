@@ -468,3 +468,59 @@ fn taking_a_writers_copies_costs_the_receiving_node_no_read_per_file() {
         assert_eq!(got, pattern(2048, i as u64 + 1), "f{i} read on n2");
     }
 }
+
+/// Unlinks from many threads at once share commits (group commit), also
+/// when each purges a written file and needs the chunk records its commit
+/// removed to tell the holders: every commit in a shared transaction gets
+/// its own part of the answer. Before, such an unlink went out alone: one
+/// round trip each. The copies on n2 of exactly the unlinked files then go.
+#[test]
+fn unlinks_from_many_threads_share_commits_and_each_frees_its_own_copies() {
+    const THREADS: u64 = 16;
+    const PER_THREAD: u64 = 20;
+    let Some(c) = Cluster::start(2, &[]) else { return };
+    let n1 = c.node(0).mnt.clone();
+    let root = n1.join("many");
+    fs::create_dir(&root).unwrap();
+    let mut inos = Vec::new();
+    for t in 0..THREADS {
+        let d = root.join(format!("t{t}"));
+        fs::create_dir(&d).unwrap();
+        for i in 0..PER_THREAD {
+            let p = d.join(format!("f{i}"));
+            fs::write(&p, pattern(2048 + i as usize, t * PER_THREAD + i)).unwrap();
+            inos.push(fs::metadata(&p).unwrap().ino());
+        }
+    }
+    // A file that stays, with a copy on n2: its copy must stay too.
+    fs::write(root.join("kept"), pattern(3000, 999)).unwrap();
+    let kept = fs::metadata(root.join("kept")).unwrap().ino();
+    eventually(30, "n2 holds a copy of every file", || inos.iter().chain([&kept]).all(|ino| c.holds(1, *ino)));
+    let before = charged(&n1);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let d = root.join(format!("t{t}"));
+            s.spawn(move || {
+                for i in 0..PER_THREAD {
+                    fs::remove_file(d.join(format!("f{i}"))).unwrap();
+                }
+            });
+        }
+    });
+    let after = charged(&n1);
+    let unlinks = THREADS * PER_THREAD;
+    let spent = trips_between(&before, &after);
+    eprintln!("{unlinks} unlinks from {THREADS} threads cost {spent} etcd round trips");
+    assert!(
+        spent <= unlinks * 3 / 4,
+        "{unlinks} unlinks from {THREADS} threads cost {spent} etcd round trips: they did not share commits: {:?}",
+        per_op(&before, &after)
+    );
+    for t in 0..THREADS {
+        let left: Vec<_> = fs::read_dir(root.join(format!("t{t}"))).unwrap().collect();
+        assert!(left.is_empty(), "t{t} still lists {} files", left.len());
+    }
+    eventually(30, "n2 removed its copies of the unlinked files", || !inos.iter().any(|ino| c.holds(1, *ino)));
+    assert!(c.holds(1, kept), "n2 lost its copy of a file nobody unlinked");
+    assert_eq!(fs::read(c.node(1).mnt.join("many/kept")).unwrap(), pattern(3000, 999), "kept read on n2");
+}
