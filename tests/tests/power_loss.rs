@@ -496,3 +496,97 @@ fn power_cut_loses_no_fsynced_byte_and_no_file_reads_eio() {
     ext4_after.umount();
     assert!(failures.is_empty(), "after a power cut:\n  {}", failures.join("\n  "));
 }
+
+/// In a cluster, close(2) publishes: the bytes are checksummed, copied to
+/// a peer's stable storage and recorded, and then close returns; the
+/// writing node's own copy may still be in its page cache only. A file
+/// still open for writing through another descriptor keeps its write lease
+/// after that close. A power cut of the writing node then must not lose
+/// what close published: at its next mount the node brings its own copy
+/// back to the published layout, and never records its torn copy instead.
+#[test]
+fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
+    assert!(Path::new("/dev/loop-control").exists(), "this test needs loop devices (/dev/loop-control)");
+    let Some(mut c) = cluster::Cluster::start(2, &[]) else { return };
+    let root = tempfile::Builder::new().prefix("converged-powerloss").tempdir_in("/var/tmp").expect("tempdir");
+    let img = root.path().join("disk.img");
+    let cut = root.path().join("disk-at-power-cut.img");
+    let disk = root.path().join("disk");
+    let disk_after = root.path().join("disk-after");
+    for d in [&disk, &disk_after] {
+        fs::create_dir(d).unwrap();
+    }
+    File::create(&img).unwrap().set_len(IMAGE_SIZE).unwrap();
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
+
+    // n1 moves onto a disk whose write-back is held back: the same node
+    // (its certificate, its data dir copied over), stopped cleanly first.
+    let extra = c.nodes[0].extra.clone();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mnt = c.nodes[0].mnt.clone();
+    c.nodes[0].umount();
+    let sysctls = Sysctls::hold_writeback();
+    let mut ext4 = Ext4::mount(&img, &disk);
+    let data = disk.join("data");
+    run(Command::new("cp").arg("-a").arg(&c.nodes[0].data).arg(&data));
+    // SAFETY: syncfs on an open directory fd.
+    assert_eq!(unsafe { libc::syncfs(File::open(&data).unwrap().as_raw_fd()) }, 0);
+    let mut n1 = Converged::mount(&mnt, &data, &extra);
+
+    let bytes = pattern(300_000, 40);
+    let path = mnt.join("published.bin");
+    let mut first = File::create(&path).unwrap();
+    first.write_all(&bytes).unwrap();
+    let ino = first.metadata().unwrap().ino();
+    // A second writer holds the file open from a process of its own (a
+    // descriptor of this one would be closed, and flushed through the
+    // frozen daemon, by every command this test starts).
+    let mut second = Command::new("sh")
+        .arg("-c")
+        .arg("exec 3>>\"$0\"; echo open; exec sleep 600")
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut open = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(second.stdout.take().unwrap()), &mut open).unwrap();
+    assert_eq!(open.trim(), "open", "the second writer opened the file");
+    drop(first); // close: published, the lease kept by the second writer
+    assert_eq!(fs::read(c.node(1).mnt.join("published.bin")).unwrap(), bytes, "n2 reads what close published");
+    let backing = format!("chunks/{ino:016x}");
+    assert!(holds(&data.join(&backing), &bytes), "n1's copy should be in its page cache before the cut");
+
+    // ---- the power cut of n1 ----
+    n1.freeze();
+    run(Command::new("cp").arg("--sparse=always").arg(&img).arg(&cut));
+    n1.kill();
+    let _ = second.kill();
+    let _ = second.wait();
+    drop(sysctls);
+    ext4.umount();
+
+    let mut ext4_after = Ext4::mount(&cut, &disk_after);
+    let data_after = disk_after.join("data");
+    let raw = fs::read(data_after.join(&backing));
+    assert!(
+        !raw.as_ref().is_ok_and(|b| *b == bytes),
+        "n1's copy reached the disk image: write-back was not held back, so this is not a power cut"
+    );
+    let mut n1_after = Converged::mount(&mnt, &data_after, &extra);
+    let on_n1 = fs::read(&path);
+    let on_n2 = fs::read(c.node(1).mnt.join("published.bin"));
+    n1_after.umount();
+    ext4_after.umount();
+    let same = |r: &std::io::Result<Vec<u8>>| match r {
+        Ok(b) if *b == bytes => "the published bytes".to_string(),
+        Ok(b) => format!("{} other bytes", b.len()),
+        Err(e) => format!("an error: {e}"),
+    };
+    assert!(
+        on_n1.as_ref().is_ok_and(|b| *b == bytes) && on_n2.as_ref().is_ok_and(|b| *b == bytes),
+        "after n1's power cut, n1 reads {} and n2 reads {}, where close had published {} bytes",
+        same(&on_n1),
+        same(&on_n2),
+        bytes.len()
+    );
+}

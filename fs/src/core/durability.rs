@@ -64,7 +64,8 @@ impl Core {
         }
         // Files open for writing when the daemon stopped (with the epoch of
         // their lease), and files whose seal may describe bytes the disk
-        // never got: sealed again from what the backing file holds now.
+        // never got: on one node sealed again from what the backing file
+        // holds now; in a cluster brought back to what was published.
         let mut reseal: std::collections::BTreeMap<Ino, Option<u64>> = Default::default();
         for (ino, _) in self.ns.sync_pending()? {
             reseal.insert(ino, None);
@@ -84,13 +85,23 @@ impl Core {
                 Err(e) => return Err(e.into()),
             };
             let file = self.store.open_backing(ino)?;
-            if epoch.is_none() && self.ns.is_clustered() {
-                // Sealed here and replicated before the crash; another node
-                // may have written the file since. Only this node's copy is
-                // in doubt: kept where it matches the layout, else dropped
-                // from it (repair copies it back from the replicas).
+            if self.ns.is_clustered() {
+                // In a cluster every close and fsync publishes: what a writer
+                // was told is safe is what the layout records, on peers'
+                // stable storage. This node's copy may be torn (a power cut
+                // takes its page cache), so it is never sealed again as it
+                // stands: it is kept where it matches the layout, else
+                // dropped from it (repair copies it back from the replicas).
+                // Bytes written after the last publish were never
+                // acknowledged, and go. Another node may also have written
+                // the file since a sync-pending seal.
                 let dropped = self.reconcile(ino, &file)?;
-                self.ns.clear_sync_pending_of(ino)?;
+                match epoch {
+                    None => self.ns.clear_sync_pending_of(ino)?,
+                    Some(epoch) => {
+                        self.ns.release_lease(ino, epoch)?;
+                    }
+                }
                 if dropped > 0 {
                     tracing::warn!(ino, chunks = dropped, "local copy did not survive the crash whole");
                 }
