@@ -42,8 +42,28 @@ pub struct EtcdKv {
     own: Arc<OwnCommits>,
     /// Commits from this node's threads that meet share a transaction
     /// (unless `alone`).
-    group: Group<Compare, TxnOp, etcd_client::TxnResponse>,
+    group: Group<Compare, TxnOp, Answer>,
     alone: bool,
+}
+
+/// A sent transaction's response, shared by the commits that went out in
+/// it. The answers of its operations are copied out of the response once,
+/// at the first commit that asks (etcd_client copies all of them on every
+/// call), and only when one does.
+struct Answer {
+    resp: etcd_client::TxnResponse,
+    ops: std::sync::OnceLock<Vec<etcd_client::TxnOpResponse>>,
+}
+
+impl Answer {
+    fn new(resp: etcd_client::TxnResponse) -> Self {
+        Answer { resp, ops: std::sync::OnceLock::new() }
+    }
+
+    /// The answer of operation `i` of the transaction.
+    fn op(&self, i: usize) -> Option<&etcd_client::TxnOpResponse> {
+        self.ops.get_or_init(|| self.resp.op_responses()).get(i)
+    }
 }
 
 /// etcd's defaults: `--max-txn-ops` 128 (compares and operations each) and
@@ -609,11 +629,11 @@ impl KvWrite for EtcdWrite<'_> {
         let member = group_commit::Member { compares, ops, bytes, reads, writes };
         let send = |compares, ops| {
             let resp = kv.send_commit(compares, ops)?;
-            Ok((resp.succeeded(), resp.header().map(|h| h.revision()), resp))
+            Ok((resp.succeeded(), resp.header().map(|h| h.revision()), Answer::new(resp)))
         };
         let done = if kv.alone {
             match send(member.compares, member.ops)? {
-                (true, revision, resp) => group_commit::Committed { revision, answer: Arc::new(resp), first_op: 0 },
+                (true, revision, answer) => group_commit::Committed { revision, answer: Arc::new(answer), first_op: 0 },
                 (false, ..) => return Err(KvError::Conflict),
             }
         } else {
@@ -621,18 +641,13 @@ impl KvWrite for EtcdWrite<'_> {
         };
         // What this commit's range deletes removed, from its own part of
         // the answer (a shared transaction answers every commit in it).
-        if !taking.is_empty() {
-            let answers = done.answer.op_responses();
-            for (at, into) in taking {
-                if let Some(etcd_client::TxnOpResponse::Delete(d)) = answers.get(done.first_op + at) {
-                    *into.lock() = d
-                        .prev_kvs()
-                        .iter()
-                        .filter_map(|r| {
-                            Some((r.key().strip_prefix(kv.prefix.as_slice())?.to_vec(), r.value().to_vec()))
-                        })
-                        .collect();
-                }
+        for (at, into) in taking {
+            if let Some(etcd_client::TxnOpResponse::Delete(d)) = done.answer.op(done.first_op + at) {
+                *into.lock() = d
+                    .prev_kvs()
+                    .iter()
+                    .filter_map(|r| Some((r.key().strip_prefix(kv.prefix.as_slice())?.to_vec(), r.value().to_vec())))
+                    .collect();
             }
         }
         Ok(done.revision)

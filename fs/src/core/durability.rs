@@ -98,9 +98,7 @@ impl Core {
                 let dropped = self.reconcile(ino, &file)?;
                 match epoch {
                     None => self.ns.clear_sync_pending_of(ino)?,
-                    Some(epoch) => {
-                        self.ns.release_lease(ino, epoch)?;
-                    }
+                    Some(epoch) => drop(self.ns.release_lease(ino, epoch)?),
                 }
                 if dropped > 0 {
                     tracing::warn!(ino, chunks = dropped, "local copy did not survive the crash whole");

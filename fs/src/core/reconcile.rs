@@ -1,9 +1,9 @@
 //! Bringing this node's copy of a file back to what the layout records,
 //! after a writing session here lost its write lease, or after a crash of
 //! a cluster node (see `Core::recover`): the backing file may hold writes
-//! that were never published, or have lost some to a power cut. Every chunk this node is
-//! recorded as holding is checked against its checksums; a chunk that does
-//! not match is read again from another holder or the object store, and
+//! that were never published, or have lost some to a power cut. Every
+//! chunk this node is recorded as holding is checked against its
+//! checksums; a chunk that does not match is read again from another holder or the object store, and
 //! when neither has it, this node is dropped from the chunk's holders.
 //!
 //! It runs with the file in the `Sealing` state (no writer, openers wait)

@@ -150,7 +150,9 @@ impl SweepHints {
             Change::Everything => hints.note_everything(),
             Change::Inode(ino) => match value {
                 None => hints.note(ino),
-                Some(v) if is_chunk(key) && !converged_metadata::chunk_value_names(key, v, &node) => hints.note(ino),
+                Some(v) if is_chunk(key) && converged_metadata::chunk_held_by(key, v, &node).is_none() => {
+                    hints.note(ino)
+                }
                 Some(_) => {}
             },
             Change::FileState(ino) if is_batched_layout(key) => hints.note(ino),

@@ -70,12 +70,6 @@ pub(crate) fn parse_lease_mark(v: &[u8]) -> (&[u8], u64) {
 /// transaction writes the mark, and every later take gets a higher one.
 pub const CREATE_LEASE: u64 = 0;
 
-/// Whether `value`, a chunk record (`C`) as the change feed hands it out,
-/// names `node` among its holders; false for a value that does not decode.
-pub fn chunk_value_names(key: &[u8], value: &[u8], node: &str) -> bool {
-    crate::namespace::decode::<ChunkRecord>(key, value).is_ok_and(|r| r.replicas.iter().any(|h| h == node))
-}
-
 /// (inode, chunk index, version) of a chunk record (`C`) as the change
 /// feed hands it out, when the record names `node` among its holders;
 /// `None` for any other record, or a value that does not decode.
