@@ -230,11 +230,15 @@ fn write_all(core: &Core, fh: u64, offset: u64, data: &[u8]) -> FsResult<()> {
 }
 
 /// open(O_CREAT|O_EXCL|O_WRONLY) in `parent`, write, close, release.
+/// create, write, close, release, then the node's flush (its flusher's
+/// work, every second in a daemon; no worker runs here), which gives up the
+/// write lease of a file its close published.
 fn create_in(core: &Core, parent: Ino, name: &str, data: &[u8]) -> FsResult<Ino> {
     let (attr, opened) = core.create(parent, name.as_bytes(), &file_node())?;
     let written = write_all(core, opened.fh, 0, data).and_then(|()| core.close(opened.fh).map(|_| ()));
     let released = core.release(opened.fh);
     written.and(released)?;
+    core.flush()?;
     Ok(attr.ino)
 }
 
@@ -242,12 +246,14 @@ fn create(core: &Core, name: &str, data: &[u8]) -> FsResult<Ino> {
     create_in(core, ROOT, name, data)
 }
 
-/// open(O_WRONLY), pwrite at `offset`, close, release.
+/// open(O_WRONLY), pwrite at `offset`, close, release, and the node's
+/// flush (as [`create_in`]).
 fn overwrite(core: &Core, ino: Ino, offset: u64, data: &[u8]) -> FsResult<()> {
     let fh = core.open(ino, true)?.fh;
     let written = write_all(core, fh, offset, data).and_then(|()| core.close(fh).map(|_| ()));
     let released = core.release(fh);
-    written.and(released)
+    written.and(released)?;
+    core.flush()
 }
 
 /// open(O_RDONLY), read `[offset, offset + len)` (less at the end), release.
@@ -466,8 +472,14 @@ fn a_second_writing_node_gets_etxtbsy_until_the_first_closes() {
         "closed, but a's handle is not released yet"
     );
     a.release(opened.fh).unwrap();
+    assert_eq!(
+        errno(b.open(ino, true).map(|o| o.fh)),
+        Err(libc::ETXTBSY),
+        "released, but a gives up the lease of the file its close published at its next flush"
+    );
+    a.flush().unwrap();
 
-    // a released: b writes, and a, opening after b's close, sees it.
+    // a released and flushed: b writes, and a, opening after b's close, sees it.
     let patch = pattern(10, 3000);
     overwrite(b, ino, 100, &patch).unwrap();
     let mut want = first.clone();

@@ -10,7 +10,9 @@ use std::time::Duration;
 use converged_metadata::kv::{Durability, KvEngine, KvError};
 use converged_metadata::kv_fault::{Fault, FaultyKv};
 use converged_metadata::types::*;
-use converged_metadata::{CachedKv, EtcdKv, MemKv, MetaError, Namespace, RedbKv, UploadEnd, UploadStart, ROOT};
+use converged_metadata::{
+    CachedKv, EtcdKv, MemKv, MetaError, Namespace, RedbKv, SessionEnd, UploadEnd, UploadStart, ROOT,
+};
 
 fn engines() -> Vec<(&'static str, Arc<dyn KvEngine>, Option<tempfile::TempDir>)> {
     let dir = tempfile::tempdir().unwrap();
@@ -41,6 +43,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("large_layouts_switch_whole_across_a_crash", large_layouts_switch_whole_across_a_crash),
     ("copies_leave_a_record_only_after_their_replacements", copies_leave_a_record_only_after_their_replacements),
     ("many_files_closed_empty_lose_their_marks_together", many_files_closed_empty_lose_their_marks_together),
+    ("published_sessions_end_together_under_their_own_lease", published_sessions_end_together_under_their_own_lease),
     ("a_seconds_sync_marks_clear_past_the_txn_limit", a_seconds_sync_marks_clear_past_the_txn_limit),
     ("fsck_finds_what_was_broken_and_repairs_what_it_can", fsck_finds_what_was_broken_and_repairs_what_it_can),
 ];
@@ -1041,9 +1044,51 @@ fn many_files_closed_empty_lose_their_marks_together(name: &str, kv: Arc<dyn KvE
         inos.push(f.ino);
     }
     assert_eq!(ns.unsealed().unwrap().len(), 300, "{name}");
-    ns.clear_unsealed(&inos).unwrap();
+    let ends: Vec<SessionEnd> = inos.iter().map(|i| SessionEnd::Empty(*i)).collect();
+    ns.end_sessions(&ends).unwrap();
     assert!(ns.unsealed().unwrap().is_empty(), "{name}: every mark cleared");
     assert!(inos.iter().all(|i| ns.tier(*i).unwrap().is_some_and(|t| t.state == TierState::Dirty)), "{name}");
+}
+
+/// Writing sessions that ended unchanged since their publish give up their
+/// leases in batches, past the engine's limit per transaction, each with a
+/// sync-pending mark and its published layout kept; a session whose lease
+/// was taken again since (a later epoch) keeps the new lease, with no mark.
+fn published_sessions_end_together_under_their_own_lease(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv);
+    let mut ends = Vec::new();
+    for i in 0..100 {
+        let f = ns.mknod(ROOT, format!("published-{i}").as_bytes(), &file(0o644)).unwrap();
+        let lease = ns.mark_unsealed(f.ino).unwrap();
+        let record = ChunkRecord { version: 1, len: 10, replicas: vec!["n1".into()], block_crcs: vec![i] };
+        let publish = converged_metadata::Seal {
+            size: 10,
+            mtime: Timespec::now(),
+            chunks: vec![(0, record)],
+            keep_unsealed: true,
+            lease: Some(lease),
+            data_durable: false,
+            attrs: None,
+        };
+        ns.seal(f.ino, &publish, Durability::Buffered).unwrap();
+        ends.push(SessionEnd::Published { ino: f.ino, lease });
+    }
+    // The last one's lease was given up and taken again: a later epoch.
+    let SessionEnd::Published { ino: retaken, lease: old } = ends[99] else { unreachable!() };
+    assert!(ns.release_lease(retaken, old).unwrap(), "{name}");
+    let new = ns.mark_unsealed(retaken).unwrap();
+    assert!(new > old, "{name}");
+    ns.end_sessions(&ends).unwrap();
+    assert_eq!(ns.unsealed().unwrap(), vec![(retaken, new)], "{name}: only the retaken lease stays");
+    let marked: Vec<Ino> = ns.sync_pending().unwrap().into_iter().map(|(ino, _)| ino).collect();
+    assert_eq!(marked.len(), 99, "{name}: each ended session's copy waits for its sync");
+    assert!(!marked.contains(&retaken), "{name}");
+    for (i, end) in ends.iter().enumerate() {
+        let chunks = ns.chunks(end.ino()).unwrap();
+        assert_eq!(chunks.len(), 1, "{name}");
+        assert_eq!(chunks[0].1.block_crcs, vec![i as u32], "{name}: the published layout stays");
+        assert_eq!(ns.getattr(end.ino()).unwrap().size, 10, "{name}");
+    }
 }
 
 /// More seals of unsynced bytes than one etcd transaction can clear (a

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use converged_metadata::held_locks::Mutex;
 use converged_metadata::types::*;
-use converged_metadata::{Durability, MetaError};
+use converged_metadata::{Durability, MetaError, SessionEnd};
 use parking_lot::Condvar;
 
 use super::open::Claim;
@@ -40,10 +40,12 @@ pub(super) struct Pending {
     /// with the peers that held copies, told to remove theirs then.
     doomed: Mutex<Vec<(Ino, Vec<String>)>>,
     doomed_bytes: AtomicU64,
-    /// Files closed while still empty: nothing to checksum, so their
-    /// unsealed mark is cleared in one batch by the next flush instead of a
-    /// commit per close (what makes creating many empty files cheap).
-    unseal_later: Mutex<Vec<Ino>>,
+    /// Writing sessions that ended with nothing to record but the end of
+    /// their lease (files closed empty, files unchanged since the close
+    /// that published them): the next flush gives up their leases in
+    /// batches (see [`Core::end_sessions`]) instead of a commit per close,
+    /// what makes creating and unpacking many files cheap.
+    session_ends: Mutex<Vec<SessionEnd>>,
     /// Wakes the flusher early (a purge wants its space back).
     flush_now: (Mutex<bool>, Condvar),
 }
@@ -197,9 +199,14 @@ impl Core {
         }
     }
 
-    /// A file closed empty keeps its unsealed mark until the next flush.
-    pub(super) fn unseal_later(&self, ino: Ino) {
-        self.pending.unseal_later.lock().push(ino);
+    /// A writing session ended with nothing to record but the end of its
+    /// lease: the next flush ends it with others. Until then the lease is
+    /// still this node's: another node's open for writing waits for it
+    /// (up to the flusher's period; see `LEASE_WAIT`), and after a crash
+    /// recovery gives it up (a cluster node's file back at its published
+    /// layout).
+    pub(super) fn end_session_later(&self, end: SessionEnd) {
+        self.pending.session_ends.lock().push(end);
     }
 
     /// Wait until `period` passed or a flush is wanted now.
@@ -215,7 +222,7 @@ impl Core {
     /// seals among them; then remove the backing files of inodes purged
     /// before. Called every second by the flusher and at unmount.
     pub fn flush(&self) -> FsResult<()> {
-        self.clear_unsealed_batch()?;
+        self.end_sessions()?;
         let doomed = std::mem::take(&mut *self.pending.doomed.lock());
         self.pending.doomed_bytes.store(0, Ordering::Relaxed);
         if let Err(e) = self.make_durable() {
@@ -269,50 +276,57 @@ impl Core {
         }
     }
 
-    /// Drop the unsealed marks of files closed empty, holding each closed
-    /// while the batch commits (an opener waits, then takes the lease anew).
-    /// A file open again keeps its mark: its writer's seal drops it, or, when
-    /// only readers have it open, a later batch does.
-    fn clear_unsealed_batch(&self) -> FsResult<()> {
-        let mut inos = std::mem::take(&mut *self.pending.unseal_later.lock());
-        if inos.is_empty() {
+    /// Give up the leases of the sessions that ended with nothing to
+    /// record, holding each file closed while its batch commits (an opener
+    /// waits, then takes the lease anew). A file open again keeps its
+    /// lease: a writer's session ends it, or, when only readers have it
+    /// open, a later flush does.
+    fn end_sessions(&self) -> FsResult<()> {
+        let mut ends = std::mem::take(&mut *self.pending.session_ends.lock());
+        if ends.is_empty() {
             return Ok(());
         }
-        // A file closed empty twice is queued twice; held once.
-        inos.sort_unstable();
-        inos.dedup();
-        // A batch of inodes is held at once here (one transaction's worth,
+        // A file whose sessions ended twice is held once, for the last end.
+        ends.reverse();
+        let mut seen = std::collections::HashSet::with_capacity(ends.len());
+        ends.retain(|e| seen.insert(e.ino()));
+        // A batch of files is held at once here (one transaction's worth,
         // so an unlink or an open waits for one small commit at most), and
         // none is waited for: one that another holder has (an unlink, an
         // eviction) comes back in the next flush.
-        let batches: Vec<&[Ino]> = inos.chunks(self.ns.unsealed_batch().min(inos.len())).collect();
+        let batches: Vec<&[SessionEnd]> = ends.chunks(self.ns.unsealed_batch().min(ends.len())).collect();
         for (i, batch) in batches.iter().enumerate() {
             let mut held = Vec::with_capacity(batch.len());
+            let mut now = Vec::with_capacity(batch.len());
             let mut later = Vec::new();
-            for &ino in *batch {
-                match self.open.try_claim_closed(ino) {
-                    Some(Claim::Closed(h)) => held.push(h),
+            for &end in *batch {
+                match self.open.try_claim_closed(end.ino()) {
+                    Some(Claim::Closed(h)) => {
+                        held.push(h);
+                        now.push(end);
+                    }
                     Some(Claim::Open(oi)) => {
                         if matches!(oi.state().write, super::write::WriteState::Sealed) {
-                            later.push(ino);
+                            later.push(end);
                         }
                     }
-                    None => later.push(ino),
+                    None => later.push(end),
                 }
             }
-            self.pending.unseal_later.lock().extend(later);
-            let clear: Vec<Ino> = held.iter().map(|h| h.ino()).collect();
-            let r = self.ns.clear_unsealed(&clear);
+            if !later.is_empty() {
+                self.pending.session_ends.lock().extend(later);
+            }
+            let r = self.ns.end_sessions(&now);
             drop(held);
             if let Err(e) = r {
-                let mut again = self.pending.unseal_later.lock();
-                again.extend(clear);
+                let mut again = self.pending.session_ends.lock();
+                again.extend(now);
                 again.extend(batches[i + 1..].iter().flat_map(|b| b.iter().copied()));
                 return Err(e.into());
             }
             if let Some(t) = self.tier.get() {
-                for ino in clear {
-                    t.enqueue(ino, t.cfg.backfill_delay);
+                for end in now {
+                    t.enqueue(end.ino(), t.cfg.backfill_delay);
                 }
             }
         }

@@ -40,7 +40,7 @@
 //!    [`write::WriteState`] (`Leasing`, `Publishing`, `Sealing`) and no lock
 //!    held; others wait on `OpenInode::changed`, holding nothing.
 //! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
-//!    `doomed`, `unseal_later`, `spares`, `under_replicated`, `flush_now`,
+//!    `doomed`, `session_ends`, `spares`, `under_replicated`, `flush_now`,
 //!    `last_repair`, `removed`, the tier's tables, the cluster's member list
 //!    (read from etcd with no lock held), and three that the change feed
 //!    also takes, under the node cache's subscriber list, which takes

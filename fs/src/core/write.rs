@@ -41,7 +41,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use converged_metadata::types::*;
-use converged_metadata::{Durability, MetaError, Seal};
+use converged_metadata::{Durability, MetaError, Seal, SessionEnd};
 
 use super::open::OpenInode;
 use super::{chunk_range, ts_from, Caller, Core};
@@ -589,19 +589,27 @@ impl Core {
     /// The seal at last close: checksums of what changed since the last
     /// publish, recorded with the sync-pending mark (the bytes are still in
     /// the page cache; the flusher syncs them before it drops the mark).
+    /// A file with nothing to record (unchanged since its publish, or
+    /// closed empty) only gives up its lease, in a batch with others.
     fn final_seal(&self, ino: Ino, oi: &OpenInode, u: Unsealed) -> FsResult<()> {
         let unchanged = u.published.is_some() && stamp(&oi.file).ok() == u.published;
+        if unchanged && u.attrs.is_none() {
+            // The last publish (this close's, in a cluster) recorded the
+            // layout: only the lease is left to give up, with others.
+            self.end_session_later(SessionEnd::Published { ino, lease: u.lease });
+            return Ok(());
+        }
         let dirty = if unchanged { Dirty::None } else { u.dirty };
         let backing_empty = oi.file.metadata().is_ok_and(|m| m.len() == 0);
         if u.created_here && !u.size_recorded && backing_empty && u.attrs.is_none() {
             // Created here and never written: recorded with size 0 at
             // create, nothing to read back or checksum.
-            self.unseal_later(ino);
+            self.end_session_later(SessionEnd::Empty(ino));
             return Ok(());
         }
         let inode = self.ns.getattr(ino)?;
         if inode.size == 0 && backing_empty && u.attrs.is_none() {
-            self.unseal_later(ino);
+            self.end_session_later(SessionEnd::Empty(ino));
             return Ok(());
         }
         let how = SealAs {
@@ -617,10 +625,12 @@ impl Core {
         self.seal_file(&inode, &oi.file, &dirty, how).map(|_| ())
     }
 
-    /// Mark `ino` unsealed, taking its write lease. The kernel releases a
-    /// file asynchronously after close(2) returns, so a writer on another
-    /// node that has just closed may still hold the lease for a moment: wait
-    /// for it a little before answering ETXTBSY.
+    /// Mark `ino` unsealed, taking its write lease. A writer on another
+    /// node that has just closed may still hold the lease for a moment (the
+    /// kernel releases a file after close(2) returns, and a file unchanged
+    /// since the close published it gives its lease up at that node's next
+    /// flush, within a second): wait for it a little before answering
+    /// ETXTBSY.
     fn take_write_lease(&self, ino: Ino) -> converged_metadata::MetaResult<u64> {
         let deadline = std::time::Instant::now() + LEASE_WAIT;
         loop {

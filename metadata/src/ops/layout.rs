@@ -22,6 +22,26 @@ use crate::namespace::{chunk_at_version, decode, encode, get_inode, put_inode, s
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, SetAttr, Timespec};
 
+/// A writing session of this node that ended with nothing left to record
+/// but the end of its write lease (see [`Namespace::end_sessions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionEnd {
+    /// Created here and closed while still empty: its create recorded it
+    /// whole.
+    Empty(Ino),
+    /// Unchanged since a publish (close or fsync in a cluster) recorded its
+    /// layout under lease `lease`.
+    Published { ino: Ino, lease: u64 },
+}
+
+impl SessionEnd {
+    pub fn ino(&self) -> Ino {
+        match *self {
+            SessionEnd::Empty(ino) | SessionEnd::Published { ino, .. } => ino,
+        }
+    }
+}
+
 /// What [`Namespace::seal`] records.
 #[derive(Debug, Clone)]
 pub struct Seal {
@@ -525,40 +545,64 @@ impl Namespace {
         }
     }
 
-    /// Drop the unsealed mark of files known to need no checksums (closed
-    /// while still empty), many in one transaction.
-    pub fn clear_unsealed(&self, inos: &[Ino]) -> MetaResult<()> {
-        // Up to three operations per file (the mark, a tier record, an
-        // object key), under the engine's per-transaction limit.
-        for batch in inos.chunks(self.unsealed_batch().min(inos.len().max(1))) {
-            self.clear_unsealed_batch(batch)?;
+    /// Give up the write leases of writing sessions that ended with nothing
+    /// left to record, many in one transaction: files closed while still
+    /// empty, and files unchanged since a publish recorded their layout.
+    pub fn end_sessions(&self, ends: &[SessionEnd]) -> MetaResult<()> {
+        // Up to three operations per file (the mark, and a tier record and
+        // object key, or a sync-pending mark), under the engine's limit.
+        for batch in ends.chunks(self.unsealed_batch().min(ends.len().max(1))) {
+            let r = self.end_sessions_batch(batch);
+            if batch.iter().any(|e| matches!(e, SessionEnd::Published { .. })) {
+                // After the commit (also a failed one: it may have applied),
+                // so that the flusher's next look finds the marks.
+                self.sync_marks.store(true, std::sync::atomic::Ordering::Release);
+            }
+            r?;
         }
         Ok(())
     }
 
-    /// The most files [`Namespace::clear_unsealed`] clears in one transaction.
+    /// The most sessions [`Namespace::end_sessions`] ends in one transaction.
     pub fn unsealed_batch(&self) -> usize {
         self.kv.txn_limit().map_or(usize::MAX, |limit| (limit / 4).max(1))
     }
 
-    fn clear_unsealed_batch(&self, inos: &[Ino]) -> MetaResult<()> {
-        if inos.is_empty() {
+    fn end_sessions_batch(&self, ends: &[SessionEnd]) -> MetaResult<()> {
+        if ends.is_empty() {
             return Ok(());
         }
+        let token = self.sync_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.write(Durability::Buffered, |txn| {
-            for ino in inos {
-                let key = schema::unsealed(*ino);
-                // Another node's lease (taken since) is not ours to drop.
-                match txn.get(&key)? {
-                    Some(mark) if self.is_mine(parse_lease_mark(&mark).0) => txn.delete(&key),
-                    _ => continue,
-                }
-                // Empty files are backfilled too (an empty object).
-                if self.tiered
-                    && crate::ops::tier::get_tier(txn, *ino)?.is_none()
-                    && txn.get(&schema::inode(*ino))?.is_some()
-                {
-                    crate::ops::tier::mark_dirty(txn, *ino, &self.node)?;
+            for end in ends {
+                match *end {
+                    SessionEnd::Empty(ino) => {
+                        let key = schema::unsealed(ino);
+                        // Another node's lease (taken since) is not ours to drop.
+                        match txn.get(&key)? {
+                            Some(mark) if self.is_mine(parse_lease_mark(&mark).0) => txn.delete(&key),
+                            _ => continue,
+                        }
+                        // Empty files are backfilled too (an empty object).
+                        if self.tiered
+                            && crate::ops::tier::get_tier(txn, ino)?.is_none()
+                            && txn.get(&schema::inode(ino))?.is_some()
+                        {
+                            crate::ops::tier::mark_dirty(txn, ino, &self.node)?;
+                        }
+                    }
+                    SessionEnd::Published { ino, lease } => {
+                        // A lease lost meanwhile is the new holder's now.
+                        match self.check_lease(txn, ino, lease) {
+                            Ok(()) => {}
+                            Err(MetaError::LeaseLost { .. }) => continue,
+                            Err(e) => return Err(e),
+                        }
+                        txn.delete(&schema::unsealed(ino));
+                        // The layout is the publish's; the local copy may
+                        // still be in the page cache: the flusher syncs it.
+                        txn.put(&schema::sync_pending(ino), &sync_mark(token, &self.node));
+                    }
                 }
             }
             Ok(())
