@@ -427,6 +427,19 @@ fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
     }
 }
 
+/// Two nodes serving their Prometheus metrics (at the returned addresses),
+/// and a directory `name` made on n1 with a first file, `warm`, written in
+/// it: it warms both nodes (connections, the directory's records).
+fn metered_pair(name: &str) -> Option<(Cluster, Vec<String>, std::path::PathBuf)> {
+    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
+    let mut c = Cluster::start(1, &["--metrics", &ports[0]])?;
+    c.add_node(&["--metrics", &ports[1]]);
+    let dir = c.node(0).mnt.join(name);
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("warm"), pattern(2048, 0)).unwrap();
+    Some((c, ports, dir))
+}
+
 const COPIED: u64 = 200;
 
 /// A node that takes the copies of files another node writes asks etcd
@@ -437,13 +450,7 @@ const COPIED: u64 = 200;
 /// per copy (which the receiving node made before) is 200 here.
 #[test]
 fn taking_a_writers_copies_costs_the_receiving_node_no_read_per_file() {
-    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
-    let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
-    c.add_node(&["--metrics", &ports[1]]);
-    let dir = c.node(0).mnt.join("copied");
-    fs::create_dir(&dir).unwrap();
-    // The first file warms both nodes (connections, the directory's records).
-    fs::write(dir.join("warm"), pattern(2048, 0)).unwrap();
+    let Some((c, ports, dir)) = metered_pair("copied") else { return };
     let warm = fs::metadata(dir.join("warm")).unwrap().ino();
     eventually(30, "the first file has its copy on n2", || c.holds(1, warm));
     std::thread::sleep(std::time::Duration::from_secs(3));
@@ -539,13 +546,7 @@ const WRITTEN: u64 = 100;
 /// writer reads what it appended.
 #[test]
 fn written_files_cost_two_commits_each_and_give_up_their_leases_together() {
-    let ports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
-    let Some(mut c) = Cluster::start(1, &["--metrics", &ports[0]]) else { return };
-    c.add_node(&["--metrics", &ports[1]]);
-    let dir = c.node(0).mnt.join("written");
-    fs::create_dir(&dir).unwrap();
-    // The first file warms the node (connections, the directory's records).
-    fs::write(dir.join("warm"), pattern(2048, 0)).unwrap();
+    let Some((c, ports, dir)) = metered_pair("written") else { return };
     std::thread::sleep(std::time::Duration::from_secs(3));
     let before = etcd_requests(&ports[0]);
     for i in 0..WRITTEN {
