@@ -310,3 +310,34 @@ fn scattered_reads_of_a_remote_file_fetch_only_their_blocks() {
     let got = fs::read(c.node(1).path("solo/samples.bin")).unwrap();
     assert!(got == data, "a sequential read on n2 differs");
 }
+
+/// A writer killed (kill -9) right after closing many small files, before
+/// its flusher gave up their write leases (files unchanged since the close
+/// that published them give theirs up in a batch at the next flush): every
+/// file reads whole on the other node, which takes the dead node's leases
+/// over and appends; the killed node, mounted again, reads the appends.
+#[test]
+fn a_writer_killed_before_giving_up_its_leases_loses_no_closed_file() {
+    const FILES: usize = 50;
+    let Some(mut c) = Cluster::start(2, &[]) else { return };
+    fs::create_dir(c.node(0).path("closed")).unwrap();
+    for i in 0..FILES {
+        fs::write(c.node(0).path(&format!("closed/f{i}")), pattern(3000 + i, i as u64 + 1)).unwrap();
+    }
+    c.nodes[0].crash();
+    for i in 0..FILES {
+        let got = fs::read(c.node(1).path(&format!("closed/f{i}"))).unwrap();
+        same(&got, &pattern(3000 + i, i as u64 + 1), &format!("f{i} on n2 after n1's kill"));
+    }
+    eventually(20, "status reports n1 dead", || status(&c).contains("1 live, 1 dead"));
+    for i in 0..FILES {
+        let mut f = fs::OpenOptions::new().append(true).open(c.node(1).path(&format!("closed/f{i}"))).unwrap();
+        f.write_all(b"+n2").unwrap();
+    }
+    c.nodes[0].mount();
+    for i in 0..FILES {
+        let mut want = pattern(3000 + i, i as u64 + 1);
+        want.extend_from_slice(b"+n2");
+        same(&fs::read(c.node(0).path(&format!("closed/f{i}"))).unwrap(), &want, &format!("f{i} on n1, back"));
+    }
+}
