@@ -8,6 +8,8 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
