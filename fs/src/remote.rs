@@ -16,22 +16,30 @@ use parking_lot::Condvar;
 use crate::cluster::Cluster;
 use crate::error::{FsError, FsResult};
 
-/// Bytes fetched per peer request.
+/// Bytes fetched per peer request. Chunk sizes are multiples of it: a
+/// window never spans two chunks.
 pub const WINDOW: u64 = 4 << 20;
+const _: () = assert!(converged_metadata::types::DEFAULT_CHUNK_SIZE as u64 % WINDOW == 0);
 /// Windows fetched ahead of a sequential reader (64 MiB in flight).
 pub const READAHEAD: u64 = 16;
 
 /// Check each block of `bytes`, which start at `offset` of the file (block
 /// aligned), against the record of the chunk starting at `chunk_start`.
+/// A block's checksum covers the chunk's data only: bytes past the chunk's
+/// length (a hole up to a later chunk the file was extended into) must be
+/// zeros.
 pub fn verify(ino: u64, rec: &ChunkRecord, chunk_start: u64, offset: u64, bytes: &[u8]) -> FsResult<()> {
     let bs = BLOCK_SIZE as u64;
+    let data_end = chunk_start + rec.len as u64;
     for (i, block) in bytes.chunks(bs as usize).enumerate() {
         let at = offset + i as u64 * bs;
         let idx = ((at - chunk_start) / bs) as usize;
-        let ok = match rec.block_crcs.get(idx) {
-            Some(crc) => crc32c::crc32c(block) == *crc,
-            None => block.iter().all(|b| *b == 0),
-        };
+        let (data, past) = block.split_at((data_end.saturating_sub(at) as usize).min(block.len()));
+        let ok = past.iter().all(|b| *b == 0)
+            && match rec.block_crcs.get(idx) {
+                Some(crc) => crc32c::crc32c(data) == *crc,
+                None => data.iter().all(|b| *b == 0),
+            };
         if !ok {
             return Err(FsError::Corrupt { ino, offset: at });
         }

@@ -502,3 +502,21 @@ fn writes_racing_a_publish_are_in_the_seal() {
         }
     }
 }
+
+/// A file extended by a write into its next chunk: the first chunk's data
+/// stops short of the chunk's end and the rest of it is a hole. Every node
+/// reads the hole as zeros, the writer from its own copy too (whose blocks'
+/// checksums cover the data only), not EIO.
+#[test]
+fn a_hole_between_a_short_chunk_and_the_next_reads_as_zeros_everywhere() {
+    let c = TestCluster::start(&["a", "b", "c"], 2);
+    let a = &c.node("a").core;
+    let ino = create(a, "sparse", b"x").unwrap();
+    overwrite(a, ino, CHUNK as u64, b"y").unwrap();
+    let mut want = vec![0u8; CHUNK + 1];
+    want[0] = b'x';
+    want[CHUNK] = b'y';
+    for node in &c.nodes {
+        assert_same(&read_all(&node.core, ino).unwrap(), &want, &format!("read on {}", node.id));
+    }
+}
