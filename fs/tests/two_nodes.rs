@@ -520,3 +520,25 @@ fn a_hole_between_a_short_chunk_and_the_next_reads_as_zeros_everywhere() {
         assert_same(&read_all(&node.core, ino).unwrap(), &want, &format!("read on {}", node.id));
     }
 }
+
+/// A file unlinked on one node while another node holds it open for
+/// writing (the unlinking node does not know, and purges it): the writer's
+/// close and release succeed, as they would for a file unlinked where it
+/// is open, its bytes go with it, and no record of it is left.
+#[test]
+fn a_file_unlinked_elsewhere_while_being_written_closes_without_error() {
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    let ino = create(a, "doomed", b"first").unwrap();
+    let fh = b.open(ino, true).unwrap().fh;
+    write_all(b, fh, 0, b"second").unwrap();
+    a.unlink(ROOT, b"doomed").unwrap();
+    write_all(b, fh, 6, b" and more").unwrap();
+    assert_eq!(errno(b.close(fh)), Ok(true), "close of the writer");
+    assert_eq!(errno(b.release(fh)), Ok(()), "release of the writer");
+    b.flush().unwrap();
+    for node in [a, b] {
+        assert_eq!(errno(node.lookup(ROOT, b"doomed").map(|_| ())), Err(libc::ENOENT));
+        assert!(node.namespace().getattr(ino).is_err(), "no inode record left");
+    }
+}

@@ -543,6 +543,9 @@ impl Core {
     /// its session was fenced, brings the local copy back to the layout
     /// and reports the lost writes (`EIO`).
     pub(super) fn end_writer(&self, ino: Ino, oi: &OpenInode) -> FsResult<()> {
+        if self.cluster.get().is_some() {
+            self.orphaned_elsewhere(ino, oi)?;
+        }
         let job = {
             let mut st = oi.quiet_state();
             st.writers -= 1;
@@ -840,6 +843,9 @@ impl Core {
     /// it committed a seal.
     /// Fails with `EIO` once the session lost its write lease.
     fn publish(&self, ino: Ino, oi: &OpenInode, d: Durability) -> FsResult<bool> {
+        if self.orphaned_elsewhere(ino, oi)? {
+            return Ok(false);
+        }
         let now = stamp(&oi.file)?;
         let next = if self.passthrough() { Dirty::All } else { Dirty::None };
         let dirty = {
@@ -884,6 +890,25 @@ impl Core {
 }
 
 impl Core {
+    /// Whether `ino`, open for writing here, lost its last name to another
+    /// node (which does not know it is open here and purged it, or left it
+    /// an orphan). It is then this node's orphan: nothing more of it is
+    /// sealed, its close succeeds and its last release here purges what is
+    /// left, as for a file unlinked here while open. (Its bytes go with it,
+    /// as POSIX has them go at the last close of an unlinked file; until
+    /// then reads on other nodes' open handles fail, as NFS's do.)
+    fn orphaned_elsewhere(&self, ino: Ino, oi: &OpenInode) -> FsResult<bool> {
+        let gone = match self.ns.getattr(ino) {
+            Ok(inode) => inode.nlink == 0,
+            Err(MetaError::NotFound) => true,
+            Err(e) => return Err(e.into()),
+        };
+        if gone {
+            oi.state().orphaned = true;
+        }
+        Ok(gone)
+    }
+
     /// One pass of the streamer: the full chunks that writers here have
     /// moved past are copied to peers while the writes go on (in a cluster
     /// whose durability is `replicated`), at most [`REPLICATION_WINDOW`](super::seal::REPLICATION_WINDOW) of
