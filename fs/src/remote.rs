@@ -19,7 +19,7 @@ use crate::error::{FsError, FsResult};
 /// Bytes fetched per peer request. Chunk sizes are multiples of it: a
 /// window never spans two chunks.
 pub const WINDOW: u64 = 4 << 20;
-const _: () = assert!(converged_metadata::types::DEFAULT_CHUNK_SIZE as u64 % WINDOW == 0);
+const _: () = assert!((converged_metadata::types::DEFAULT_CHUNK_SIZE as u64).is_multiple_of(WINDOW));
 /// Windows fetched ahead of a sequential reader (64 MiB in flight).
 pub const READAHEAD: u64 = 16;
 
