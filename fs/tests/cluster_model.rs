@@ -32,7 +32,7 @@ use converged_fs::workers::{Backfiller, Evictor, Worker};
 use converged_metadata::membership::Heartbeat;
 use converged_metadata::types::Ino;
 use converged_transport::PeerFault;
-use harness::cluster::{tier_config, TestCluster, CHUNK};
+use harness::cluster::{pattern, tier_config, TestCluster, CHUNK};
 use harness::{put_file, read_ino, resolve, truncate, unlink, write_all, write_file};
 use object_store::memory::InMemory;
 use proptest::prelude::*;
@@ -145,19 +145,6 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// `len` bytes that differ from file to file and from block to block.
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    let mut x = (seed as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// `bytes` with `data` written at `offset` (a hole of zeros before it).
 fn patched(bytes: &[u8], offset: usize, data: &[u8]) -> Vec<u8> {
     let mut out = bytes.to_vec();
@@ -244,7 +231,7 @@ impl World {
                 if !self.reachable(node) || existing.is_some_and(|i| self.is_held(i)) {
                     return Ok(());
                 }
-                let data = pattern(len, seed);
+                let data = pattern(seed as u64 + 1, len);
                 let core = self.core(node);
                 put_file(core, &path(name), &data).and_then(|()| core.flush()).map_err(|e| format!("put: {e}"))?;
                 let ino = resolve(core, &path(name)).map_err(|e| format!("resolve after put: {e}"))?.ino;
@@ -260,7 +247,7 @@ impl World {
                 if !self.reachable(node) || self.model.names[name].is_some_and(|i| self.is_held(i)) {
                     return Ok(());
                 }
-                let data = pattern(len, seed);
+                let data = pattern(seed as u64 + 1, len);
                 let core = self.core(node);
                 let got = errno(write_file(core, &path(name), offset as u64, &data).and_then(|()| core.flush()));
                 match self.model.names[name] {
@@ -326,7 +313,7 @@ impl World {
                 if !self.reachable(node) || self.model.held.is_some() {
                     return Ok(());
                 }
-                let data = pattern(len, seed);
+                let data = pattern(seed as u64 + 1, len);
                 let core = self.core(node);
                 let fh = core.open(ino, true).map_err(|e| format!("open for writing: {e}"))?.fh;
                 write_all(core, fh, offset as u64, &data).map_err(|e| format!("held write: {e}"))?;

@@ -14,24 +14,11 @@ use converged_metadata::kv_fault::Fault;
 use converged_metadata::types::{FileKind, Ino, NewNode, XattrMode, LAYOUT_XATTR, REPLICAS_XATTR};
 use converged_metadata::ROOT;
 use converged_transport::PeerFault;
-use harness::cluster::{TestCluster, CHUNK};
+use harness::cluster::{pattern, TestCluster, CHUNK};
 use object_store::memory::InMemory;
 
 /// Bytes asked for by each read, as the kernel would (max_read).
 const READ_PIECE: u32 = 128 << 10;
-
-/// `len` bytes that differ from block to block and from file to file.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 /// What the kernel asks for on open(O_CREAT) for writing.
 fn file_node() -> NewNode<'static> {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use converged_fs::cluster::{Cluster, ClusterConfig, DurabilityMode};
-use converged_fs::core::{Core, CoreConfig};
+use converged_fs::core::Core;
 use converged_fs::tier::TierConfig;
 use converged_metadata::kv_fault::FaultyKv;
 use converged_metadata::membership::NodeInfo;
@@ -91,18 +91,7 @@ fn start_node(
     if objects.is_some() {
         ns = ns.with_tier();
     }
-    let cfg = CoreConfig {
-        data_dir: dir.path().to_path_buf(),
-        node_id: id.into(),
-        verify_reads: true,
-        read_only: false,
-        atime: converged_metadata::AtimeRule::Never,
-        diratime: false,
-        meta_file: None,
-        kernel_open: Vec::new(),
-        fh_base: 0,
-    };
-    let core = Arc::new(Core::start(ns, cfg).expect("start the core"));
+    let core = Arc::new(Core::start(ns, super::core_config(dir.path(), id)).expect("start the core"));
     let cfg = ClusterConfig {
         node: id.into(),
         default_replicas: replicas,
@@ -216,4 +205,17 @@ fn encode_varint(mut v: u64) -> Vec<u8> {
         }
         out.push(b | 0x80);
     }
+}
+
+/// `len` bytes that differ from block to block and from file to file.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
 }

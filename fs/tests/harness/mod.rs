@@ -95,21 +95,7 @@ impl TestCore {
         let kv = MemKv::new();
         let engine: Arc<dyn KvEngine> = Arc::new(kv.clone());
         let ns = Namespace::open(engine.clone(), 0, 0).expect("open the namespace").with_node(NODE).with_tier();
-        let core = Core::start(
-            ns,
-            CoreConfig {
-                data_dir: dir.path().to_path_buf(),
-                node_id: NODE.into(),
-                verify_reads: true,
-                read_only: false,
-                atime: converged_metadata::AtimeRule::Never,
-                diratime: false,
-                meta_file: None,
-                kernel_open: Vec::new(),
-                fh_base: 0,
-            },
-        )
-        .expect("start the core");
+        let core = Core::start(ns, core_config(dir.path(), NODE)).expect("start the core");
         let core = Arc::new(core);
         let home = converged_fs::objects::Location { base: "memory://test".into(), prefix: "mnt".into() };
         let objects = converged_fs::objects::ObjectTier::with_store(home, store).expect("an object tier");
@@ -120,21 +106,24 @@ impl TestCore {
 
 pub fn start(engine: &Arc<dyn KvEngine>, data_dir: &Path) -> FsResult<Core> {
     let ns = Namespace::open(engine.clone(), 0, 0)?.with_node(NODE);
-    Core::start(
-        ns,
-        CoreConfig {
-            data_dir: data_dir.to_path_buf(),
-            node_id: NODE.into(),
-            verify_reads: true,
-            read_only: false,
-            // The reference models keep no atime; the mount tests check it.
-            atime: converged_metadata::AtimeRule::Never,
-            diratime: false,
-            meta_file: None,
-            kernel_open: Vec::new(),
-            fh_base: 0,
-        },
-    )
+    Core::start(ns, core_config(data_dir, NODE))
+}
+
+/// The settings of a test core of node `node` over `data_dir`: reads
+/// verified against their checksums, no atime (the reference models keep
+/// none; the mount tests check it), no kernel handles to adopt.
+pub fn core_config(data_dir: &Path, node: &str) -> CoreConfig {
+    CoreConfig {
+        data_dir: data_dir.to_path_buf(),
+        node_id: node.into(),
+        verify_reads: true,
+        read_only: false,
+        atime: converged_metadata::AtimeRule::Never,
+        diratime: false,
+        meta_file: None,
+        kernel_open: Vec::new(),
+        fh_base: 0,
+    }
 }
 
 /// Another node's view of the volume: changes made through it bypass the
