@@ -30,7 +30,7 @@ use converged_fs::error::FsResult;
 use converged_fs::object_faults::{Fault, FaultyStore};
 use converged_fs::workers::{Backfiller, Evictor, Worker};
 use converged_metadata::membership::Heartbeat;
-use converged_metadata::types::Ino;
+use converged_metadata::types::{Ino, TierState};
 use converged_transport::PeerFault;
 use harness::cluster::{pattern, tier_config, TestCluster, CHUNK};
 use harness::{put_file, read_ino, resolve, truncate, unlink, write_all, write_file};
@@ -101,6 +101,10 @@ enum Op {
     Lapse {
         node: usize,
     },
+    /// The node's core stops as at an unmount and starts again (recovery).
+    Restart {
+        node: usize,
+    },
     /// The node leaves the network.
     Cut {
         node: usize,
@@ -136,6 +140,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Publish),
         2 => Just(Op::Close),
         1 => node.clone().prop_map(|node| Op::Lapse { node }),
+        1 => node.clone().prop_map(|node| Op::Restart { node }),
         1 => node.clone().prop_map(|node| Op::Cut { node }),
         1 => Just(Op::Heal),
         1 => node.clone().prop_map(|node| Op::Backfill { node }),
@@ -369,6 +374,14 @@ impl World {
                     h.fenced = true;
                 }
             }
+            Op::Restart { node } => {
+                // Not with a writer there (the model does not say what a
+                // restart makes of unpublished bytes), nor while cut off.
+                if !self.reachable(node) || self.model.held.as_ref().is_some_and(|h| h.node == node) {
+                    return Ok(());
+                }
+                self.cluster.restart(node);
+            }
             Op::Cut { node } => {
                 if self.model.cut.is_some() {
                     return Ok(());
@@ -447,15 +460,22 @@ impl World {
         }
     }
 
-    /// Whether some chunk of `ino` has no copy `reader` can reach: none on
-    /// a node on the network, and the object store down.
+    /// Whether some chunk of `ino` has no copy `reader` can reach, and
+    /// no object to read instead (the store is down, or the file is not
+    /// backed yet). Out of reach: a holder cut off from the network, and
+    /// the copy of a node rewriting the file in place (its writer keeps the
+    /// published version aside only when no live peer holds it, and a peer
+    /// cut off the network is live: see the README's known gaps).
     fn copy_out_of_reach(&self, reader: usize, ino: Ino) -> bool {
-        if !self.model.store_down {
-            return false;
-        }
         let cut = self.model.cut.map(|c| NODES[c]);
-        let chunks = self.core(reader).namespace().chunks(ino).unwrap_or_default();
-        chunks.iter().any(|(_, rec)| rec.replicas.iter().all(|holder| Some(holder.as_str()) == cut))
+        let writer = self.model.held.as_ref().filter(|h| h.ino == ino && h.node != reader).map(|h| NODES[h.node]);
+        let ns = self.core(reader).namespace();
+        let chunks = ns.chunks(ino).unwrap_or_default();
+        let stranded = chunks.iter().any(|(_, rec)| {
+            rec.replicas.iter().all(|holder| Some(holder.as_str()) == cut || Some(holder.as_str()) == writer)
+        });
+        let backed = matches!(ns.tier(ino), Ok(Some(t)) if t.state == TierState::Backed);
+        stranded && (self.model.store_down || !backed)
     }
 
     /// The end of a sequence: the network and the store back, the held

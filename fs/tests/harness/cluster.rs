@@ -41,7 +41,9 @@ pub struct Node {
 
 pub struct TestCluster {
     pub nodes: Vec<Node>,
-    _net: Arc<MemNetwork>,
+    net: Arc<MemNetwork>,
+    replicas: u32,
+    objects: Option<(Arc<dyn ObjectStore>, TierConfig)>,
 }
 
 impl TestCluster {
@@ -68,7 +70,21 @@ impl TestCluster {
         set_chunk_size(&store, chunk as u32);
         let net = MemNetwork::new();
         let nodes = ids.iter().map(|id| start_node(&store, &net, id, replicas, objects.clone())).collect();
-        TestCluster { nodes, _net: net }
+        TestCluster { nodes, net, replicas, objects }
+    }
+
+    /// Stop node `i` as an unmount does (its core shut down, its handles
+    /// dropped, the network left) and start it again over the same data dir
+    /// and metadata handle: what a daemon's restart recovers.
+    pub fn restart(&mut self, i: usize) {
+        let n = &mut self.nodes[i];
+        n.core.shutdown();
+        if let Some(cluster) = n.core.cluster() {
+            cluster.shutdown();
+        }
+        let (core, faults) = boot(&n.meta, &self.net, &n.id, n._dir.path(), self.replicas, self.objects.clone());
+        n.core = core;
+        n.faults = faults;
     }
 
     pub fn node(&self, id: &str) -> &Node {
@@ -86,12 +102,25 @@ fn start_node(
     let dir = tempfile::tempdir().expect("create a data dir");
     let kv = store.node_handle();
     let meta = Arc::new(FaultyKv::new(Arc::new(kv.clone())));
+    let (core, faults) = boot(&meta, net, id, dir.path(), replicas, objects);
+    Node { id: id.into(), kv, meta, core, faults, _dir: dir }
+}
+
+/// Start node `id`'s core over `dir`, join it to `net` and register it.
+fn boot(
+    meta: &Arc<FaultyKv>,
+    net: &Arc<MemNetwork>,
+    id: &str,
+    dir: &std::path::Path,
+    replicas: u32,
+    objects: Option<(Arc<dyn ObjectStore>, TierConfig)>,
+) -> (Arc<Core>, Arc<FaultyTransport<MemTransport>>) {
     let engine: Arc<dyn KvEngine> = meta.clone();
     let mut ns = Namespace::open(engine.clone(), 0, 0).expect("open the namespace").with_node(id);
     if objects.is_some() {
         ns = ns.with_tier();
     }
-    let core = Arc::new(Core::start(ns, super::core_config(dir.path(), id)).expect("start the core"));
+    let core = Arc::new(Core::start(ns, super::core_config(dir, id)).expect("start the core"));
     let cfg = ClusterConfig {
         node: id.into(),
         default_replicas: replicas,
@@ -118,7 +147,7 @@ fn start_node(
         let objects = converged_fs::objects::ObjectTier::with_store(home, store).expect("an object tier");
         core.attach_tier(Arc::new(converged_fs::tier::Tiering::new(objects, cfg)));
     }
-    Node { id: id.into(), kv, meta, core, faults, _dir: dir }
+    (core, faults)
 }
 
 /// Tier settings that backfill at once and evict backed chunks once the
