@@ -80,6 +80,12 @@ enum Op {
         node: usize,
         name: usize,
     },
+    /// link(2): a second name for a file.
+    Link {
+        node: usize,
+        from: usize,
+        to: usize,
+    },
     Rename {
         node: usize,
         from: usize,
@@ -135,6 +141,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (node.clone(), name.clone()).prop_map(|(node, name)| Op::Read { node, name }),
         1 => (node.clone(), name.clone()).prop_map(|(node, name)| Op::Unlink { node, name }),
         1 => (node.clone(), name.clone(), name.clone()).prop_map(|(node, from, to)| Op::Rename { node, from, to }),
+        1 => (node.clone(), name.clone(), name.clone()).prop_map(|(node, from, to)| Op::Link { node, from, to }),
         2 => (node.clone(), name.clone(), extent(), 1..(128usize << 10), any::<u8>())
             .prop_map(|(node, name, offset, len, seed)| Op::Hold { node, name, offset, len, seed }),
         1 => Just(Op::Publish),
@@ -308,7 +315,24 @@ impl World {
                     None => expect_errno(got, libc::ENOENT, "rename of a missing name")?,
                     Some(ino) => {
                         got.map_err(|e| format!("rename: errno {e}"))?;
-                        self.model.names[from] = None;
+                        // Two names of one file: rename does nothing.
+                        if self.model.names[to] != Some(ino) {
+                            self.model.names[from] = None;
+                            self.model.names[to] = Some(ino);
+                        }
+                    }
+                }
+            }
+            Op::Link { node, from, to } => {
+                if !self.reachable(node) {
+                    return Ok(());
+                }
+                let got = errno(harness::link(self.core(node), &path(from), &path(to)).map(|_| ()));
+                match (self.model.names[from], self.model.names[to]) {
+                    (None, _) => expect_errno(got, libc::ENOENT, "link of a missing name")?,
+                    (Some(_), Some(_)) => expect_errno(got, libc::EEXIST, "link onto a name in use")?,
+                    (Some(ino), None) => {
+                        got.map_err(|e| format!("link: errno {e}"))?;
                         self.model.names[to] = Some(ino);
                     }
                 }
