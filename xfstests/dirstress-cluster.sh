@@ -46,16 +46,29 @@ N2=$WORK/dev/n2/mnt
 
 BUSY=()
 cleanup() {
-    kill "${BUSY[@]}" 2>/dev/null || true
+    # The busy loops and what they run (a tar or dd holding files open on
+    # the mounts), then the mounts, then dev-cluster and its etcd.
+    for pid in "${BUSY[@]}"; do
+        kill -- "-$pid" 2>/dev/null || true
+    done
     wait "${BUSY[@]}" 2>/dev/null || true
-    kill "$CLUSTER" 2>/dev/null || true
+    # A killed dd may still be closing its file: try for a few seconds.
+    for m in "$N1" "$N2"; do
+        for _ in 1 2 3 4 5 6 7 8 9 10; do
+            grep -q " $m " /proc/mounts || break
+            "$CONVERGED" umount "$m" 2>/dev/null || sleep 0.5
+        done
+    done
+    kill -TERM "$CLUSTER" 2>/dev/null || true
     wait "$CLUSTER" 2>/dev/null || true
 }
 trap cleanup EXIT
-(while :; do mkdir -p "$N2/busy" && tar xf "$WORK/tree.tar" -C "$N2/busy" && rm -rf "$N2/busy"; done) \
+# Each in a process group of its own (setsid), which cleanup kills whole.
+export N1 N2 WORK
+setsid bash -c 'while :; do mkdir -p "$N2/busy" && tar xf "$WORK/tree.tar" -C "$N2/busy" && rm -rf "$N2/busy"; done' \
     >"$WORK/busy-n2.log" 2>&1 &
 BUSY+=($!)
-(i=0; while :; do i=$((i + 1)); dd if=/dev/urandom of="$N1/busy.$((i % 8))" bs=1M count=8 conv=fsync status=none; done) \
+setsid bash -c 'i=0; while :; do i=$((i + 1)); dd if=/dev/urandom of="$N1/busy.$((i % 8))" bs=1M count=8 conv=fsync status=none; done' \
     >"$WORK/busy-n1.log" 2>&1 &
 BUSY+=($!)
 
