@@ -341,3 +341,47 @@ fn a_writer_killed_before_giving_up_its_leases_loses_no_closed_file() {
         same(&fs::read(c.node(0).path(&format!("closed/f{i}"))).unwrap(), &want, &format!("f{i} on n1, back"));
     }
 }
+
+/// Files unlinked on one node while another node writes them (the
+/// unlinking node does not know they are open there): every writer's
+/// writes and `close(2)` succeed, as for a file unlinked where it is open,
+/// and the names are gone on both nodes. Eight files at once, the unlinks
+/// landing between the writers' writes.
+#[test]
+fn files_unlinked_on_one_node_while_another_writes_them_close_cleanly() {
+    use std::os::fd::IntoRawFd;
+    let Some(c) = Cluster::start(2, &[]) else { return };
+    let (a, b) = (c.node(0), c.node(1));
+    fs::create_dir(a.path("scratch")).unwrap();
+    let names: Vec<String> = (0..8).map(|i| format!("scratch/part-{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        fs::write(a.path(name), pattern(1 << 20, i as u64)).unwrap();
+    }
+    let mut writers: Vec<fs::File> = names
+        .iter()
+        .map(|name| {
+            let mut w = fs::OpenOptions::new().write(true).open(b.path(name)).unwrap();
+            w.write_all(&pattern(2 << 20, 40)).unwrap();
+            w
+        })
+        .collect();
+    for name in &names {
+        fs::remove_file(a.path(name)).unwrap();
+    }
+    for (w, name) in writers.iter_mut().zip(&names) {
+        w.write_all(&pattern(1 << 20, 41)).unwrap_or_else(|e| panic!("write to {name} after its unlink on a: {e}"));
+    }
+    for (w, name) in writers.into_iter().zip(&names) {
+        let fd = w.into_raw_fd();
+        // SAFETY: fd is ours, taken from the File, and closed once.
+        let rc = unsafe { libc::close(fd) };
+        let err = std::io::Error::last_os_error();
+        assert_eq!(rc, 0, "close of {name} on b after its unlink on a: {err}");
+    }
+    for n in [a, b] {
+        for name in &names {
+            eventually(5, "the name gone", || !n.path(name).exists());
+        }
+        assert_eq!(fs::read_dir(n.path("scratch")).unwrap().count(), 0, "scratch empty on {}", n.mnt.display());
+    }
+}
