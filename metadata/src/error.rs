@@ -36,6 +36,13 @@ pub enum MetaError {
     /// its last publish is not published.
     #[error("write lease lost to {holder:?}; unpublished writes are dropped")]
     LeaseLost { holder: String },
+    /// Directory `dir` is delegated to node `holder` (`--nowsync`), which
+    /// may have acknowledged changes there that are not committed yet: it
+    /// must commit them and give the delegation up before this node reads
+    /// or changes the directory's names. `Namespace` does that and retries;
+    /// a caller sees it only when the holder could not be reached.
+    #[error("directory {dir} is delegated to node {holder}, which could not be asked to give it up")]
+    Delegated { dir: u64, holder: String },
     #[error("corrupt metadata record {key}: {msg}")]
     Corrupt { key: String, msg: String },
     #[error(transparent)]
@@ -62,6 +69,7 @@ impl MetaError {
             // As for writing to a running executable: the file is in a use that excludes writers.
             MetaError::WriteLeased { .. } => libc::ETXTBSY,
             MetaError::LeaseLost { .. } => libc::EIO,
+            MetaError::Delegated { .. } => libc::EIO,
             MetaError::Corrupt { .. } => libc::EIO,
             MetaError::Kv(KvError::Conflict) => libc::EAGAIN,
             MetaError::Kv(KvError::NoSpace) => libc::ENOSPC,
@@ -72,7 +80,10 @@ impl MetaError {
     /// Whether this is an expected answer (ENOENT on lookup) rather than a fault
     /// worth logging loudly.
     pub fn is_fault(&self) -> bool {
-        matches!(self, MetaError::Corrupt { .. } | MetaError::LeaseLost { .. } | MetaError::Kv(_))
+        matches!(
+            self,
+            MetaError::Corrupt { .. } | MetaError::LeaseLost { .. } | MetaError::Delegated { .. } | MetaError::Kv(_)
+        )
     }
 }
 

@@ -132,6 +132,12 @@ pub trait KvWrite: KvRead {
     fn known_empty(&mut self, prefix: &[u8]) {
         let _ = prefix;
     }
+    /// `ino` is a new inode's number and this transaction makes it: no
+    /// other node can know it yet, so its records are this node's alone
+    /// until the commit that makes it reachable (see `kv_deferred.rs`).
+    fn new_inode(&mut self, ino: u64) {
+        let _ = ino;
+    }
     /// `commit`, returning the engine revision the writes took, where the
     /// engine has revisions (what a cache in front of it records them at).
     fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
@@ -166,6 +172,14 @@ pub trait KvEngine: Send + Sync + 'static {
     /// embedded engine serves a single node and has none.
     fn membership(&self) -> Option<&dyn crate::membership::Membership> {
         None
+    }
+    /// Whatever this node keeps of the records under each of `prefixes`
+    /// (a cache in front of the engine) is stale where it was learned at a
+    /// revision before `rev`: another node committed there through a path
+    /// the change feed may not have reported yet (a delegation it gave up
+    /// on this node's request, see `kv_deferred.rs`).
+    fn forget_below(&self, prefixes: &[Vec<u8>], rev: i64) {
+        let _ = (prefixes, rev);
     }
     /// Call `on_change` with the key of every change other clients commit,
     /// and the value it now holds (`None`: deleted), soon after they commit

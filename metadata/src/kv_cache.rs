@@ -54,7 +54,9 @@ pub struct CachedKv {
     /// is not kept (the eviction may have been of newer news than the fill).
     epoch: Arc<AtomicU64>,
     subscribers: Arc<Mutex<Vec<ChangeFeed>>>,
-    /// Ranges this node deleted (an unlinked inode's xattrs), by start: end,
+    /// Ranges this node deleted (an unlinked inode's xattrs), or that
+    /// another node changed out of the feed's sight (a recalled
+    /// directory's, see [`KvEngine::forget_below`]), by start: end,
     /// the commit's revision, and when. A cached entry in one known at an
     /// older revision is stale. Kept for [`CACHE_TTL`], after which every
     /// such entry has expired anyway.
@@ -95,6 +97,10 @@ struct Listing {
     /// Dentry keys present.
     keys: std::collections::HashSet<Vec<u8>>,
     since: std::time::Instant,
+    /// The range held more than [`LISTING_MAX`] keys when listed on a miss:
+    /// not known whole, and not listed again until it expires (each key is
+    /// read on its own meanwhile).
+    partial: bool,
 }
 
 /// Directories with more names are not kept whole (memory, and the scan
@@ -117,6 +123,7 @@ impl Listings {
         let Some((dir, list_on_miss)) = crate::schema::listed_range(key) else { return Known::Unknown };
         match self.dirs.lock().get(dir) {
             Some(l) if l.since.elapsed() >= CACHE_TTL => Known::Relist,
+            Some(l) if l.partial => Known::Unknown,
             Some(l) if !l.keys.contains(key) => Known::Absent,
             Some(_) => Known::Unknown,
             None if list_on_miss => Known::Relist,
@@ -141,8 +148,15 @@ impl Listings {
     fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, since: u64) {
         let mut dirs = self.dirs.lock();
         if self.changes(dir) == since {
-            dirs.insert(dir.to_vec(), Listing { keys, since: std::time::Instant::now() });
+            dirs.insert(dir.to_vec(), Listing { keys, since: std::time::Instant::now(), partial: false });
         }
+    }
+
+    /// `dir` was found too large to keep whole: not listed again on a miss
+    /// until [`CACHE_TTL`] passed.
+    fn set_partial(&self, dir: &[u8]) {
+        let since = std::time::Instant::now();
+        self.dirs.lock().insert(dir.to_vec(), Listing { keys: Default::default(), since, partial: true });
     }
 
     /// An eviction: bump `epoch`, and drop `key`'s directory and bump its
@@ -167,6 +181,9 @@ impl Listings {
         let mut dirs = self.dirs.lock();
         self.stripe(dir).fetch_add(1, Ordering::AcqRel);
         let Some(l) = dirs.get_mut(dir) else { return };
+        if l.partial {
+            return;
+        }
         if present {
             l.keys.insert(key.to_vec());
             if l.keys.len() > LISTING_MAX {
@@ -259,8 +276,9 @@ impl CachedKv {
     fn cached(&self, key: &[u8]) -> Option<Entry> {
         let e = self.cache.get(key)?;
         use std::ops::Bound;
-        // The ranges dropped are disjoint (each one inode's xattrs): the
-        // last one starting at or before the key is the only candidate.
+        // The ranges dropped are disjoint (an inode's xattrs, or one kind of
+        // a recalled directory's records, or the delegations): the last one
+        // starting at or before the key is the only candidate.
         let dropped = self.dropped.lock();
         if let Some((_, d)) = dropped.range::<[u8], _>((Bound::Unbounded, Bound::Included(key))).next_back() {
             if key < d.end.as_slice() && e.at < d.rev {
@@ -310,8 +328,9 @@ impl CachedKv {
                 let (start, end) = crate::schema::prefix_range(dir);
                 let since = self.listings.changes(dir);
                 let found = self.inner.read_txn()?.scan(&start, &end, LISTING_MAX)?;
-                if found.len() < LISTING_MAX {
-                    self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since);
+                match found.len() < LISTING_MAX {
+                    true => self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since),
+                    false => self.listings.set_partial(dir),
                 }
                 Ok(self.listings.lookup(key) == Known::Absent)
             }
@@ -340,6 +359,22 @@ impl KvRead for CachedRead<'_> {
             }
         }
         self.kv.read_through(self.inner.as_mut(), key)
+    }
+    /// The engine's version where the record is read from it (and kept);
+    /// a cached record's own.
+    fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
+        if cacheable(key) && !self.fresh {
+            if let Some(e) = self.kv.cached(key) {
+                let value = e.value.map(|v| v.as_ref().clone());
+                return Ok((value.clone(), Some(Versioned { value, version: e.version, at: e.at })));
+            }
+        }
+        let epoch = self.kv.epoch.load(Ordering::Acquire);
+        let (v, versioned) = self.inner.get_versioned(key)?;
+        if let (true, Some(Versioned { value, version, at })) = (cacheable(key), &versioned) {
+            self.kv.fill(key, value.clone(), *version, *at, epoch);
+        }
+        Ok((v, versioned))
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         // Not kept as a listing: this transaction's revision may predate
@@ -439,6 +474,9 @@ impl KvWrite for CachedWrite<'_> {
         if cacheable_in_writes(key) && !self.written.iter().any(|(k, _)| k == key) {
             self.absent.push(key.to_vec());
         }
+    }
+    fn new_inode(&mut self, ino: u64) {
+        self.inner.new_inode(ino);
     }
     fn known_empty(&mut self, prefix: &[u8]) {
         if crate::schema::is_listed_prefix(prefix) {
@@ -558,5 +596,15 @@ impl KvEngine for CachedKv {
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
         self.subscribers.lock().push(on_change);
         Ok(true)
+    }
+    fn forget_below(&self, prefixes: &[Vec<u8>], rev: i64) {
+        let mut ranges = Vec::with_capacity(prefixes.len());
+        for p in prefixes {
+            if crate::schema::is_listed_prefix(p) {
+                self.listings.forget(p);
+            }
+            ranges.push(crate::schema::prefix_range(p));
+        }
+        self.drop_ranges(ranges, rev);
     }
 }

@@ -10,6 +10,7 @@ mod group_commit;
 pub mod held_locks;
 pub mod kv;
 pub mod kv_cache;
+pub mod kv_deferred;
 pub mod kv_etcd;
 #[cfg(any(test, feature = "test-util"))]
 pub mod kv_fault;

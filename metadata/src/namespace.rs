@@ -34,6 +34,14 @@ pub struct Namespace {
     /// Called when the engine reports a full disk; returns true when it
     /// freed space (the data dir's reserve) so the transaction may retry.
     on_no_space: OnceLock<Box<dyn Fn() -> bool + Send + Sync>>,
+    /// Namespace changes acknowledged before they commit (`--nowsync`): the
+    /// engine's deferring layer, in front of the node cache.
+    pub(crate) deferred: Option<Arc<crate::kv_deferred::DeferredKv>>,
+    /// How this node has another give up a directory's delegation (a
+    /// peer call, installed by the daemon; see [`Namespace::set_recall_handler`]).
+    /// Unset (tools that only read, tests without peers), delegations are
+    /// not asked about: what is committed is what is read.
+    recall: OnceLock<Box<RecallHandler>>,
     /// This node's id: the value of the unsealed (write lease) and orphan
     /// marks it writes, so that in a cluster each node recovers only its own.
     pub(crate) node: String,
@@ -53,6 +61,11 @@ pub struct Namespace {
     /// open (a crash leaves them) and by seals that write one.
     pub(crate) sync_marks: AtomicBool,
 }
+
+/// Has node `holder` commit what it acknowledged in directory `dir` and
+/// give the delegation up (or, found dead, takes it over): returns a
+/// revision at or after which the engine holds the directory's changes.
+pub type RecallHandler = dyn Fn(&Namespace, Ino, &str) -> MetaResult<i64> + Send + Sync;
 
 pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     postcard::to_allocvec(v).expect("metadata records always serialize")
@@ -159,6 +172,8 @@ impl Namespace {
             sync_tokens: std::sync::atomic::AtomicU64::new(Timespec::now().sec as u64 * 1_000_000_000),
             sync_marks: AtomicBool::new(true),
             on_no_space: OnceLock::new(),
+            deferred: None,
+            recall: OnceLock::new(),
             node: String::new(),
             clustered,
             tiered: false,
@@ -237,6 +252,136 @@ impl Namespace {
         self
     }
 
+    /// Acknowledge changes in the directories this node makes before they
+    /// commit (`--nowsync`): `deferred` is the engine this namespace runs
+    /// on, seen as its deferring layer.
+    pub fn with_nowsync(mut self, deferred: Arc<crate::kv_deferred::DeferredKv>) -> Self {
+        self.deferred = Some(deferred);
+        self
+    }
+
+    /// Whether this node acknowledges changes before they commit.
+    pub fn nowsync(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// Install how this node recalls another node's directory delegation (once).
+    pub fn set_recall_handler(&self, f: impl Fn(&Namespace, Ino, &str) -> MetaResult<i64> + Send + Sync + 'static) {
+        let _ = self.recall.set(Box::new(f));
+    }
+
+    /// Directory `ino`, or ENOTDIR; and when another node holds its
+    /// delegation, [`MetaError::Delegated`] (the callers' retry loops
+    /// recall it and run again).
+    pub(crate) fn dir_in(&self, txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Inode> {
+        let dir = get_dir(txn, ino)?;
+        if self.clustered && self.recall.get().is_some() {
+            if let Some(holder) = txn.get(&schema::delegation(ino))? {
+                if holder != self.node.as_bytes() {
+                    return Err(MetaError::Delegated { dir: ino, holder: String::from_utf8_lossy(&holder).into() });
+                }
+            }
+        }
+        Ok(dir)
+    }
+
+    /// Have the holder of `dir`'s delegation give it up, and stop trusting
+    /// what this node cached of the directory from before.
+    fn recall_dir(&self, dir: Ino, holder: &str) -> MetaResult<()> {
+        let Some(recall) = self.recall.get() else {
+            return Err(MetaError::Delegated { dir, holder: holder.into() });
+        };
+        tracing::debug!(dir, holder, "recalling a directory delegation");
+        let rev = recall(self, dir, holder)?;
+        self.kv.forget_below(
+            &[schema::delegations(), schema::dentries_of(dir), schema::inode(dir), schema::xattrs_of(dir)],
+            rev.max(1),
+        );
+        Ok(())
+    }
+
+    /// Give up this node's delegation of `dir` on another node's request:
+    /// commit what was acknowledged there, drop the record. Returns a
+    /// revision at or after which the engine holds it all.
+    pub fn release_dir(&self, dir: Ino) -> MetaResult<i64> {
+        if let Some(d) = &self.deferred {
+            return Ok(d.release(dir)?);
+        }
+        // Not deferring (a daemon mounted since without --nowsync, or a
+        // record left by a crash): nothing is queued here; drop the record.
+        self.drop_delegation(dir, &self.node.clone())
+    }
+
+    /// Drop `dir`'s delegation record if node `holder` holds it (this node's
+    /// own, or a dead node's found so by the caller): its unflushed changes
+    /// died with it. Returns the commit's revision (or a read's, when the
+    /// record was gone already).
+    pub fn drop_delegation(&self, dir: Ino, holder: &str) -> MetaResult<i64> {
+        let key = schema::delegation(dir);
+        let rev = self.write(Durability::Buffered, |txn| {
+            let theirs = txn.get(&key)?.is_some_and(|v| v == holder.as_bytes());
+            if theirs {
+                txn.delete(&key);
+            }
+            Ok(theirs)
+        })?;
+        // The revision comes from a fresh read either way: at or after the delete.
+        let _ = rev;
+        let (_, versioned) = self.kv.fresh_read_txn()?.get_versioned(&key)?;
+        Ok(versioned.map_or(0, |v| v.at))
+    }
+
+    /// Give up every delegation this node holds (unmount), committing what
+    /// it acknowledged; and delegation records a crashed daemon of this node
+    /// left (mount).
+    pub fn release_delegations(&self) -> MetaResult<()> {
+        if let Some(d) = &self.deferred {
+            d.release_all()?;
+        }
+        if !self.clustered {
+            return Ok(());
+        }
+        let mine: Vec<Ino> = self.read(|txn| {
+            Ok(scan_all(txn, &schema::delegations())?
+                .into_iter()
+                .filter(|(_, v)| v == self.node.as_bytes())
+                .map(|(k, _)| schema::key_ino(&k))
+                .collect())
+        })?;
+        for dir in mine {
+            self.release_dir(dir)?;
+        }
+        Ok(())
+    }
+
+    /// Commit every change this node acknowledged and has not committed.
+    pub fn flush_deferred(&self) -> MetaResult<()> {
+        match &self.deferred {
+            Some(d) => Ok(d.flush_all()?),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether `ino` is a file made here whose records only this node may
+    /// change yet (made under `--nowsync` in a directory delegated here).
+    pub fn is_deferred(&self, ino: Ino) -> bool {
+        self.deferred.as_ref().is_some_and(|d| d.is_born(ino))
+    }
+
+    /// A file made here was published or its writing ended: its changes
+    /// no longer wait for that.
+    pub(crate) fn settle(&self, ino: Ino) {
+        if let Some(d) = &self.deferred {
+            d.settle(ino);
+        }
+    }
+
+    /// Changes acknowledged and not committed, directories delegated here,
+    /// and changes dropped for a delegation lost (`status`).
+    pub fn deferred_backlog(&self) -> Option<(usize, usize, u64)> {
+        self.deferred.as_ref().map(|d| d.backlog())
+    }
+
     /// Track every file's backfill state (the mount has an object store).
     pub fn with_tier(mut self) -> Self {
         self.tiered = true;
@@ -304,6 +449,9 @@ impl Namespace {
                 Err(MetaError::Kv(KvError::NoSpace)) if !freed && self.free_space() => {
                     freed = true;
                 }
+                Err(MetaError::Delegated { dir, holder }) if attempt < MAX_ATTEMPTS => {
+                    self.recall_dir(dir, &holder)?;
+                }
                 Err(MetaError::Kv(e)) if e.is_retryable() && attempt < MAX_ATTEMPTS => {
                     tracing::debug!(attempt, "metadata transaction conflict, retrying");
                     std::thread::sleep(Duration::from_micros(100 << attempt.min(10)));
@@ -329,6 +477,21 @@ impl Namespace {
             let mut txn = self.kv.read_txn()?;
             f(txn.as_mut())
         })
+    }
+
+    /// [`Namespace::read`], run again after recalling a directory
+    /// delegation it met (see [`Namespace::dir_in`]).
+    pub(crate) fn read_in_dirs<T>(&self, mut f: impl FnMut(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.read(&mut f) {
+                Err(MetaError::Delegated { dir, holder }) if attempt < MAX_ATTEMPTS => {
+                    self.recall_dir(dir, &holder)?;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// A fresh inode number. Numbers are never reused, so generation stays 0.

@@ -46,6 +46,13 @@
 //! | `J` node-id NUL slot(u16)  | connection, unique,  | a kernel request of that node whose change   |
 //! |                            | ino (3 × u64 BE)     | committed: a ring of slots, overwritten as   |
 //! |                            |                      | requests go (see `ops/answered.rs`)          |
+//! | `M` dir-ino                | node id              | the directory is delegated to that node      |
+//! |                            |                      | (`--nowsync`, see `kv_deferred.rs`): its     |
+//! |                            |                      | names, attributes and xattrs, and the files  |
+//! |                            |                      | made in it, change only there, acknowledged  |
+//! |                            |                      | before they commit; another node has it      |
+//! |                            |                      | commit them and give the delegation up       |
+//! |                            |                      | before it reads or changes any of them       |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -83,6 +90,7 @@ const KEY_OWNER: u8 = b'Y';
 const PENDING_CHUNK: u8 = b'P';
 const LAYOUT_COMMIT: u8 = b'Q';
 const ANSWERED: u8 = b'J';
+const DELEGATION: u8 = b'M';
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -159,10 +167,15 @@ pub fn dentry_name(key: &[u8]) -> &[u8] {
 /// a read that misses should list the whole range at once: an inode has
 /// few xattrs, so listing them costs what reading one does, and `ls -l`
 /// asks for two of every file; a directory may be large.
+///
+/// The delegations (`M`) are one range, listed on a miss: a node asks
+/// whether a directory is delegated before every read or change of its
+/// names, and nearly none are.
 pub fn listed_range(key: &[u8]) -> Option<(&[u8], bool)> {
     match key.first() {
         Some(&DENTRY) if key.len() > 9 => Some((&key[..9], false)),
         Some(&XATTR) if key.len() > 9 => Some((&key[..9], true)),
+        Some(&DELEGATION) if key.len() == 9 => Some((&key[..1], true)),
         _ => None,
     }
 }
@@ -171,7 +184,7 @@ pub fn listed_range(key: &[u8]) -> Option<(&[u8], bool)> {
 /// with: inodes, dentries, xattrs and tier records (what lookup, getattr,
 /// getxattr, a create's replica policy and an import's freshness check read).
 pub fn node_cached(key: &[u8]) -> bool {
-    matches!(key.first(), Some(&(INODE | DENTRY | XATTR | TIER)))
+    matches!(key.first(), Some(&(INODE | DENTRY | XATTR | TIER | DELEGATION)))
 }
 
 /// Records the cache answers only inside read-write transactions, where
@@ -255,7 +268,67 @@ pub fn change_of(key: &[u8]) -> Change<'_> {
 
 /// Whether `prefix` is one of the ranges [`listed_range`] names.
 pub fn is_listed_prefix(prefix: &[u8]) -> bool {
-    prefix.len() == 9 && matches!(prefix[0], DENTRY | XATTR)
+    (prefix.len() == 9 && matches!(prefix[0], DENTRY | XATTR)) || prefix == [DELEGATION]
+}
+
+/// The delegation record of directory `dir`.
+pub fn delegation(dir: Ino) -> Vec<u8> {
+    with_ino(DELEGATION, dir)
+}
+
+/// Every delegation (the prefix of all `M` keys).
+pub fn delegations() -> Vec<u8> {
+    vec![DELEGATION]
+}
+
+/// Whose records a key holds, for a node that acknowledges changes before
+/// they commit (`kv_deferred.rs`): what it may change alone while it holds
+/// a directory's delegation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Subject<'a> {
+    /// A name in directory `0` (`D`).
+    Names(Ino),
+    /// An inode's attributes, xattrs or delegation (`I`, `X`, `M`).
+    Inode(Ino),
+    /// A file's layout, lease, marks and tier record (`C`, `P`, `Q`, `U`,
+    /// `E`, `S`, `O`, `T`).
+    File(Ino),
+    /// A slot of node `0`'s ring of answered kernel requests (`J`).
+    Answered(&'a [u8]),
+    /// Volume-wide and control-plane records, and anything unparsable.
+    Other,
+}
+
+/// The [`Subject`] of `key`.
+pub fn subject(key: &[u8]) -> Subject<'_> {
+    let ino = || key.get(1..9).map(|b| Ino::from_be_bytes(b.try_into().expect("8 bytes")));
+    match (key.first(), ino()) {
+        (Some(&DENTRY), Some(ino)) => Subject::Names(ino),
+        (Some(&(INODE | DELEGATION)), Some(ino)) if key.len() == 9 => Subject::Inode(ino),
+        (Some(&XATTR), Some(ino)) => Subject::Inode(ino),
+        (
+            Some(&(CHUNK | PENDING_CHUNK | LAYOUT_COMMIT | UNSEALED | LEASE_EPOCH | SYNC_PENDING | ORPHAN | TIER)),
+            Some(ino),
+        ) => Subject::File(ino),
+        (Some(&ANSWERED), _) => match key[1..].iter().position(|b| *b == 0) {
+            Some(end) => Subject::Answered(&key[1..1 + end]),
+            None => Subject::Other,
+        },
+        _ => Subject::Other,
+    }
+}
+
+/// The [`Subject`] of every key in `[start, end)`, when they share one:
+/// the range is within the keys of one prefix and inode.
+pub fn range_subject<'a>(start: &'a [u8], end: &[u8]) -> Subject<'a> {
+    if start.len() < 9 {
+        return Subject::Other;
+    }
+    let (_, own_end) = prefix_range(&start[..9]);
+    match end <= own_end.as_slice() {
+        true => subject(start),
+        false => Subject::Other,
+    }
 }
 
 pub fn xattr(ino: Ino, name: &[u8]) -> Vec<u8> {

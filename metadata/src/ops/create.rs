@@ -4,7 +4,7 @@
 use crate::acl;
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
-use crate::namespace::{check_name, get_dentry, get_dir, put_dentry, put_inode, Namespace};
+use crate::namespace::{check_name, get_dentry, put_dentry, put_inode, Namespace};
 use crate::schema;
 use crate::types::{Dentry, FileKind, Ino, Inode, NewNode, Timespec, REPLICAS_XATTR, SYMLINK_MAX};
 
@@ -49,7 +49,7 @@ impl Namespace {
             _ => None,
         };
         self.write(Durability::Buffered, |txn| {
-            let mut dir = get_dir(txn, parent)?;
+            let mut dir = self.dir_in(txn, parent)?;
             if dir.nlink == 0 {
                 // The directory was removed while a caller still held it.
                 return Err(MetaError::NotFound);
@@ -108,7 +108,16 @@ impl Namespace {
                 target: node.target.map(|t| t.to_vec()),
             };
             put_inode(txn, &inode);
+            txn.new_inode(ino);
             self.answering(txn, node.request, ino);
+            if is_dir && self.clustered {
+                // A directory made under --nowsync is delegated to this
+                // node from birth (see kv_deferred.rs); any other is not.
+                match self.deferred.as_ref().is_some_and(|d| d.may_delegate()) {
+                    true => txn.put(&schema::delegation(ino), self.node.as_bytes()),
+                    false => txn.known_absent(&schema::delegation(ino)),
+                }
+            }
             // The new number's records that this create does not write are
             // absent: a node cache may answer for them (an unlink reads the
             // tier record, the kernel asks for ACLs) without a round trip.

@@ -2,7 +2,7 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::Durability;
-use crate::namespace::{check_name, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace, LINK_MAX};
+use crate::namespace::{check_name, get_dentry, get_inode, put_dentry, put_inode, Namespace, LINK_MAX};
 use crate::schema;
 use crate::types::{Dentry, Ino, Inode, RequestMark, Timespec};
 
@@ -37,7 +37,7 @@ impl Namespace {
             if inode.nlink >= LINK_MAX {
                 return Err(MetaError::TooManyLinks);
             }
-            let mut dir = get_dir(txn, newparent)?;
+            let mut dir = self.dir_in(txn, newparent)?;
             if get_dentry(txn, newparent, newname)?.is_some() {
                 return Err(MetaError::Exists);
             }

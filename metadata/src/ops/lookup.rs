@@ -1,7 +1,7 @@
 //! Read-only operations: lookup, getattr, readlink, readdir.
 
 use crate::error::{MetaError, MetaResult};
-use crate::namespace::{check_name, decode, get_dentry, get_dir, get_inode, scan_all, Namespace};
+use crate::namespace::{check_name, decode, get_dentry, get_inode, scan_all, Namespace};
 use crate::schema;
 use crate::types::{Dentry, Ino, Inode, NAME_MAX};
 
@@ -10,8 +10,8 @@ impl Namespace {
         if name.len() > NAME_MAX {
             return Err(MetaError::NameTooLong);
         }
-        self.read(|txn| {
-            let dir = get_dir(txn, parent)?;
+        self.read_in_dirs(|txn| {
+            let dir = self.dir_in(txn, parent)?;
             if name == b"." {
                 return Ok(dir);
             }
@@ -55,8 +55,8 @@ impl Namespace {
     }
 
     pub fn readdir(&self, ino: Ino) -> MetaResult<Vec<(Vec<u8>, Dentry)>> {
-        self.read(|txn| {
-            get_dir(txn, ino)?;
+        self.read_in_dirs(|txn| {
+            self.dir_in(txn, ino)?;
             scan_all(txn, &schema::dentries_of(ino))?
                 .into_iter()
                 .map(|(k, v)| Ok((schema::dentry_name(&k).to_vec(), decode(&k, &v)?)))

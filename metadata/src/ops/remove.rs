@@ -2,7 +2,7 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvWrite, Taken};
-use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_inode, scan_all, Namespace};
+use crate::namespace::{check_name, dir_is_empty, get_dentry, get_inode, put_inode, scan_all, Namespace};
 use crate::schema;
 use crate::types::{Ino, Inode, RequestMark, Timespec};
 
@@ -91,7 +91,7 @@ impl Namespace {
         let shared = self.clustered;
         let taken: [Taken; 2] = Default::default();
         let mut gone = self.write(Durability::Buffered, |txn| {
-            let mut dir = get_dir(txn, parent)?;
+            let mut dir = self.dir_in(txn, parent)?;
             let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
             let inode = get_inode(txn, d.ino)?;
             if inode.is_dir() {
@@ -139,17 +139,22 @@ impl Namespace {
         }
         check_name(name)?;
         self.write(Durability::Buffered, |txn| {
-            let mut dir = get_dir(txn, parent)?;
+            let mut dir = self.dir_in(txn, parent)?;
             let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
             let inode = get_inode(txn, d.ino)?;
             if !inode.is_dir() {
                 return Err(MetaError::NotDir);
             }
+            // Names another node may hold uncommitted count too.
+            self.dir_in(txn, inode.ino)?;
             if !dir_is_empty(txn, inode.ino)? {
                 return Err(MetaError::NotEmpty);
             }
             let now = Timespec::now();
             txn.delete(&schema::dentry(parent, name));
+            if self.clustered {
+                txn.delete(&schema::delegation(inode.ino));
+            }
             let (start, end) = schema::prefix_range(&schema::xattrs_of(inode.ino));
             txn.delete_range(&start, &end)?;
             // Empty: no object below it is left to re-key.

@@ -2,7 +2,7 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
-use crate::namespace::{check_name, dir_is_empty, get_dentry, get_dir, get_inode, put_dentry, put_inode, Namespace};
+use crate::namespace::{check_name, dir_is_empty, get_dentry, get_inode, put_dentry, put_inode, Namespace};
 use crate::ops::remove::{drop_link, Unlinked};
 use crate::schema;
 use crate::types::{Dentry, FileKind, Ino, Inode, RenameMode, RequestMark, Timespec, ROOT_INO};
@@ -114,8 +114,8 @@ impl Namespace {
         mode: RenameMode,
     ) -> MetaResult<Option<Unlinked>> {
         {
-            get_dir(txn, parent)?;
-            get_dir(txn, newparent)?;
+            self.dir_in(txn, parent)?;
+            self.dir_in(txn, newparent)?;
             let src = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
             let dst = get_dentry(txn, newparent, newname)?;
             if parent == newparent && name == newname {
@@ -174,8 +174,12 @@ impl Namespace {
                     (true, false) => return Err(MetaError::NotDir),
                     (false, true) => return Err(MetaError::IsDir),
                     (true, true) => {
+                        self.dir_in(txn, dst.ino)?;
                         if !dir_is_empty(txn, dst.ino)? {
                             return Err(MetaError::NotEmpty);
+                        }
+                        if self.clustered {
+                            txn.delete(&schema::delegation(dst.ino));
                         }
                         let mut np = get_inode(txn, newparent)?;
                         np.nlink -= 1;

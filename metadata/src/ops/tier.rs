@@ -6,9 +6,7 @@
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::chunk_at_version;
-use crate::namespace::{
-    check_name, decode, encode, get_dentry, get_dir, get_inode, put_dentry, put_inode, scan_all, Namespace,
-};
+use crate::namespace::{check_name, decode, encode, get_dentry, get_inode, put_dentry, put_inode, scan_all, Namespace};
 use crate::schema;
 use crate::types::*;
 
@@ -588,7 +586,7 @@ impl Namespace {
         }
         let chunk_size = self.chunk_size();
         self.write(Durability::Buffered, |txn| {
-            let mut dir = get_dir(txn, parent)?;
+            let mut dir = self.dir_in(txn, parent)?;
             let now = Timespec::now();
             let mut made = 0;
             for (e, ino) in entries.iter().zip(&inos) {

@@ -1,0 +1,1068 @@
+//! `DeferredKv`: namespace changes a node acknowledges before they commit
+//! (`--nowsync`), in the directories delegated to it.
+//!
+//! A directory made by a node mounted with `--nowsync` is delegated to that
+//! node from birth (its `M` record, see `schema.rs`). Until the node gives
+//! the delegation up, only it changes the directory's names, attributes and
+//! xattrs, and the files made there: every other node reads the record
+//! before it reads or changes any of them, and first has the holder commit
+//! what it acknowledged and give the delegation up (a recall, over the peer
+//! transport; see `Namespace::recall_dir`). A directory is delegated once,
+//! at birth: given up, it stays a plain directory.
+//!
+//! A transaction whose every key is this node's alone ([`Own`]) is not
+//! sent: its writes enter an overlay that every read on this node sees
+//! first, and a queue that a flusher commits in order a few milliseconds
+//! later, many changes to one etcd transaction. Each flushed transaction
+//! compares the delegation records of the directories it relies on, so a
+//! node that lost a delegation (it was cut off past its membership lease
+//! and another node took the directory over) commits nothing more of what
+//! it acknowledged there. Any other transaction is sent as before, after
+//! the queued changes of the keys it touches: it reads no acknowledged,
+//! uncommitted state. A durable commit (fsync) and [`KvEngine::sync`]
+//! flush everything first.
+//!
+//! A file made here is held back while its writer has it open and has not
+//! published it (up to [`HOLD_MAX`]): its create commits with its first
+//! publish, so that after a crash it is gone or whole, never a name without
+//! the bytes its close acknowledged.
+//!
+//! What a crash loses: changes acknowledged and not yet flushed (at most
+//! [`FLUSH_EVERY`] of them, or [`HOLD_MAX`] for a file held back), whole
+//! transactions at a time; never part of one.
+//!
+//! Locks: `DeferredKv::state` is a leaf, held to read or change the overlay,
+//! queue and delegations, never across a call to the engine. A flush is a
+//! gate (`State::flushing`), not a lock: one runs at a time, and the others
+//! wait for it on `changed`, holding nothing.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use crate::held_locks::Mutex;
+use crate::kv::{ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, PendingWrites, Versioned};
+use crate::schema::{self, Subject};
+use crate::types::Ino;
+
+/// How long an acknowledged change waits for the flusher at most (unless
+/// held back with its file).
+pub const FLUSH_EVERY: Duration = Duration::from_millis(10);
+/// How long a file made here is held back at most while it is written.
+pub const HOLD_MAX: Duration = Duration::from_secs(1);
+/// Most changes queued; a change past it waits for the flusher.
+pub const QUEUE_MAX: usize = 8192;
+/// Most directories delegated to one node; one made past it is a plain
+/// directory. Every node lists the volume's delegations at once (see
+/// `schema::listed_range`), so their number stays small.
+pub const HELD_MAX: usize = 256;
+/// A delegated directory without a change for this long is given up.
+pub const IDLE: Duration = Duration::from_secs(30);
+/// Keys one flushed transaction writes at most, under etcd's 128
+/// operations with room for its compares.
+const FLUSH_KEYS: usize = 100;
+
+/// A directory delegated to this node: what it is doing with it. The only
+/// transitions are in `DeferredKv::held_now` (born), `DeferredKv::release`
+/// (given up) and `DeferredKv::fence` (taken over).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Delegation {
+    /// Changes there are acknowledged before they commit.
+    Holding,
+    /// Being given up: nothing more is deferred there; what is queued is
+    /// being committed, then the record goes.
+    Releasing,
+}
+
+struct Held {
+    state: Delegation,
+    /// The `M` record's mod revision once committed (what each flush compares).
+    version: Option<i64>,
+    used: Instant,
+}
+
+/// An inode made here in a delegated directory: its records are this
+/// node's alone until the directory is given up.
+struct Born {
+    dir: Ino,
+    /// A regular file made open for writing and not published yet: its
+    /// changes are held back (see [`HOLD_MAX`]).
+    writing: bool,
+    since: Instant,
+}
+
+/// A key and what a change leaves in it (`None`: deleted).
+type Write = (Vec<u8>, Option<Arc<Vec<u8>>>);
+
+/// A range a transaction scanned, with the overlay's keys (and their
+/// sequence numbers) in it then.
+type Scanned = (Vec<u8>, Vec<u8>, Vec<(Vec<u8>, u64)>);
+
+/// An acknowledged change of the overlay: the value (`None`: deleted) and
+/// the sequence number of the change that wrote it last.
+struct Pending {
+    value: Option<Arc<Vec<u8>>>,
+    seq: u64,
+}
+
+/// One acknowledged transaction, queued for the flusher.
+struct Op {
+    seq: u64,
+    writes: Vec<Write>,
+    /// Delegated directories it relies on: each flush compares their records.
+    dirs: Vec<Ino>,
+    /// Inodes it makes.
+    born: Vec<Ino>,
+    /// Files made here whose records it writes: held back with them.
+    files: Vec<Ino>,
+    /// Cache hints for the commit that carries it.
+    absent: Vec<Vec<u8>>,
+    empty: Vec<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct State {
+    seq: u64,
+    overlay: BTreeMap<Vec<u8>, Pending>,
+    queue: VecDeque<Arc<Op>>,
+    held: HashMap<Ino, Held>,
+    born: HashMap<Ino, Born>,
+    /// Bumped by every sent transaction that writes records of this
+    /// node's alone: a deferred transaction that read them before fails.
+    epoch: u64,
+    /// Keys sent transactions are writing right now.
+    sending: HashMap<Vec<u8>, u32>,
+    /// A flush is under way.
+    flushing: bool,
+    /// Changes dropped because a delegation was lost (for `status`).
+    dropped: u64,
+}
+
+/// Whose a key is, for this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Own {
+    /// A record of a delegated directory held here.
+    Dir(Ino),
+    /// A record of an inode made here in one (`.1`: its directory).
+    Born(Ino, Ino),
+    /// This node's own (its ring of answered requests).
+    Node,
+    No,
+}
+
+impl State {
+    fn holding(&self, dir: Ino) -> bool {
+        self.held.get(&dir).is_some_and(|h| h.state == Delegation::Holding)
+    }
+
+    fn born_in_holding(&self, ino: Ino) -> Option<Ino> {
+        self.born.get(&ino).map(|b| b.dir).filter(|d| self.holding(*d))
+    }
+
+    fn own(&self, node: &str, key: &[u8], new: &[(Ino, Ino)]) -> Own {
+        let born =
+            |ino: Ino| self.born_in_holding(ino).or_else(|| new.iter().find(|(i, _)| *i == ino).map(|(_, d)| *d));
+        match schema::subject(key) {
+            Subject::Names(dir) if self.holding(dir) => Own::Dir(dir),
+            Subject::Names(dir) => born(dir).map_or(Own::No, |d| Own::Born(dir, d)),
+            Subject::Inode(ino) if self.holding(ino) => Own::Dir(ino),
+            Subject::Inode(ino) | Subject::File(ino) => born(ino).map_or(Own::No, |d| Own::Born(ino, d)),
+            Subject::Answered(n) if n == node.as_bytes() => Own::Node,
+            _ => Own::No,
+        }
+    }
+
+    /// Whether records of `ino` exist only in the overlay: made here and
+    /// not flushed, so the engine holds none of them.
+    fn unborn(&self, ino: Ino) -> bool {
+        self.born.contains_key(&ino)
+            && self.queue.iter().any(|op| op.born.contains(&ino))
+            && self.born_in_holding(ino).is_some()
+    }
+
+    fn in_overlay(&self, start: &[u8], end: &[u8]) -> Vec<(Vec<u8>, u64)> {
+        self.overlay
+            .range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
+            .map(|(k, p)| (k.clone(), p.seq))
+            .collect()
+    }
+
+    /// Whether an op is held back with a file still being written.
+    fn held_back(&self, op: &Op) -> bool {
+        op.files.iter().any(|f| self.born.get(f).is_some_and(|b| b.writing && b.since.elapsed() < HOLD_MAX))
+    }
+}
+
+pub struct DeferredKv {
+    inner: Arc<dyn KvEngine>,
+    node: String,
+    state: Mutex<State>,
+    changed: parking_lot::Condvar,
+    stop: AtomicBool,
+}
+
+/// What a flush commits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flush {
+    /// What is not held back.
+    Due,
+    /// Everything queued up to this sequence number.
+    Through(u64),
+}
+
+impl DeferredKv {
+    /// Wrap `inner` (a node's cached view of a shared engine) for node
+    /// `node`, and start the flusher.
+    pub fn wrap(inner: Arc<dyn KvEngine>, node: &str) -> Arc<DeferredKv> {
+        let kv = Self::wrap_manual(inner, node);
+        let weak = Arc::downgrade(&kv);
+        std::thread::Builder::new()
+            .name("nowsync-flush".into())
+            .spawn(move || flusher(weak))
+            .expect("spawn the nowsync flusher");
+        kv
+    }
+
+    /// [`DeferredKv::wrap`] without the flusher: changes commit only when
+    /// something asks (a flush, a durable commit, a recall). For tests
+    /// that look at what is acknowledged and not committed.
+    pub fn wrap_manual(inner: Arc<dyn KvEngine>, node: &str) -> Arc<DeferredKv> {
+        Arc::new(DeferredKv {
+            inner,
+            node: node.to_string(),
+            state: Mutex::new(State::default()),
+            changed: parking_lot::Condvar::new(),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    /// Commit what is due now (what the flusher does every [`FLUSH_EVERY`]).
+    pub fn flush_due(&self) -> KvResult<()> {
+        self.flush(Flush::Due)
+    }
+
+    /// Whether a directory made now may be delegated here (under [`HELD_MAX`]).
+    pub fn may_delegate(&self) -> bool {
+        self.state.lock().held.len() < HELD_MAX
+    }
+
+    /// Whether `ino` was made here in a directory delegated here and is
+    /// still this node's alone.
+    pub fn is_born(&self, ino: Ino) -> bool {
+        self.state.lock().born_in_holding(ino).is_some()
+    }
+
+    /// A file made here was published (or its writing ended): its changes
+    /// are no longer held back.
+    pub fn settle(&self, ino: Ino) {
+        let mut st = self.state.lock();
+        if let Some(b) = st.born.get_mut(&ino) {
+            b.writing = false;
+        }
+    }
+
+    /// Changes acknowledged and not committed yet, and directories delegated here.
+    pub fn backlog(&self) -> (usize, usize, u64) {
+        let st = self.state.lock();
+        (st.queue.len(), st.held.len(), st.dropped)
+    }
+
+    /// Commit every change acknowledged so far.
+    pub fn flush_all(&self) -> KvResult<()> {
+        let through = self.state.lock().seq;
+        self.flush(Flush::Through(through))
+    }
+
+    /// Give up the delegation of `dir`: commit what is queued, then drop
+    /// its record (if it is this node's). Returns a revision at or after
+    /// which the engine holds every change this node made there.
+    pub fn release(&self, dir: Ino) -> KvResult<i64> {
+        if let Some(h) = self.state.lock().held.get_mut(&dir) {
+            h.state = Delegation::Releasing;
+        }
+        self.notify();
+        let r = self.release_record(dir);
+        if r.is_ok() {
+            let mut st = self.state.lock();
+            st.held.remove(&dir);
+            st.born.retain(|_, b| b.dir != dir);
+        }
+        r
+    }
+
+    fn release_record(&self, dir: Ino) -> KvResult<i64> {
+        let key = schema::delegation(dir);
+        let mut attempt = 0u32;
+        loop {
+            self.flush_all()?;
+            let mut txn = self.inner.write_txn()?;
+            let mine = txn.get(&key)?.is_some_and(|v| v == self.node.as_bytes());
+            if !mine {
+                drop(txn);
+                let (_, versioned) = self.inner.fresh_read_txn()?.get_versioned(&key)?;
+                return Ok(versioned.map_or(0, |v| v.at));
+            }
+            txn.delete(&key);
+            match txn.commit_at(Durability::Buffered) {
+                Ok(rev) => return Ok(rev.unwrap_or(0)),
+                Err(KvError::Conflict) if attempt < 16 => attempt += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Give up every delegation held here (unmount).
+    pub fn release_all(&self) -> KvResult<()> {
+        let dirs: Vec<Ino> = self.state.lock().held.keys().copied().collect();
+        for dir in dirs {
+            self.release(dir)?;
+        }
+        self.flush_all()
+    }
+
+    /// Stop the flusher (what is queued stays; call [`DeferredKv::release_all`] first).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.notify();
+    }
+
+    fn notify(&self) {
+        self.changed.notify_all();
+    }
+
+    /// Commit queued changes: those `what` asks for, in order, many to a
+    /// transaction. Returns once they are committed (or dropped, for a
+    /// delegation lost).
+    fn flush(&self, what: Flush) -> KvResult<()> {
+        loop {
+            let batch = {
+                let mut st = self.state.lock();
+                while st.flushing {
+                    st.wait(&self.changed);
+                }
+                let batch = pick(&st, what, &self.limit());
+                if batch.ops.is_empty() {
+                    return Ok(());
+                }
+                st.flushing = true;
+                batch
+            };
+            let sent = self.send(&batch);
+            let mut st = self.state.lock();
+            st.flushing = false;
+            let r = match sent {
+                Ok(Sent::Committed(rev)) => {
+                    committed(&mut st, &batch, rev);
+                    Ok(())
+                }
+                Ok(Sent::Lost(dirs)) => {
+                    fence(&mut st, &dirs, &self.node);
+                    Ok(())
+                }
+                Err(KvError::Conflict) => Ok(()),
+                Err(e) => Err(e),
+            };
+            drop(st);
+            self.notify();
+            r?;
+        }
+    }
+
+    fn limit(&self) -> usize {
+        self.inner.txn_limit().map_or(usize::MAX, |l| l.saturating_sub(28).clamp(8, FLUSH_KEYS))
+    }
+
+    /// Send one batch: compare the delegations it relies on, write its keys.
+    fn send(&self, batch: &Batch) -> KvResult<Sent> {
+        let mut txn = self.inner.write_txn()?;
+        let mut lost = Vec::new();
+        for dir in &batch.compare {
+            match txn.get(&schema::delegation(*dir))? {
+                Some(v) if v == self.node.as_bytes() => {}
+                _ => lost.push(*dir),
+            }
+        }
+        if !lost.is_empty() {
+            return Ok(Sent::Lost(lost));
+        }
+        for (k, v) in &batch.writes {
+            match v {
+                Some(v) => txn.put(k, v),
+                None => txn.delete(k),
+            }
+        }
+        for k in &batch.absent {
+            txn.known_absent(k);
+        }
+        for p in &batch.empty {
+            txn.known_empty(p);
+        }
+        Ok(Sent::Committed(txn.commit_at(Durability::Buffered)?.unwrap_or(0)))
+    }
+
+    /// Whether `key` holds an acknowledged change, or belongs to an inode
+    /// whose records exist only here.
+    fn look(&self, key: &[u8]) -> Look {
+        let st = self.state.lock();
+        if let Some(p) = st.overlay.get(key) {
+            return Look::Pending(p.value.clone(), p.seq);
+        }
+        match schema::subject(key) {
+            Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) if st.unborn(ino) => Look::Unborn,
+            _ => Look::Engine,
+        }
+    }
+
+    /// Decide what becomes of a finished transaction (see [`Fate`]).
+    fn fate(&self, t: &DeferredTxn<'_>) -> Fate {
+        let mut st = self.state.lock();
+        // What changed under it since it read.
+        let stale = st.epoch != t.epoch
+            || t.reads.iter().any(|(k, seq)| st.overlay.get(k).map_or(0, |p| p.seq) != *seq)
+            || t.scans.iter().any(|(s, e, seen)| st.in_overlay(s, e) != *seen)
+            || t.touched().any(|k| st.sending.contains_key(k));
+        if stale {
+            return Fate::Conflict;
+        }
+        // Inodes it makes, with the delegated directory they are named in.
+        let named_in: Vec<Ino> = t
+            .writes
+            .iter()
+            .filter(|(_, v)| v.is_some())
+            .filter_map(|(k, _)| match schema::subject(k) {
+                Subject::Names(dir) if st.holding(dir) => Some(dir),
+                _ => None,
+            })
+            .collect();
+        let new: Vec<(Ino, Ino)> = match named_in.first() {
+            Some(dir) => t.new_inodes.iter().map(|i| (*i, *dir)).collect(),
+            None => Vec::new(),
+        };
+        let owners: Vec<Own> = t
+            .touched()
+            .map(|k| st.own(&self.node, k, &new))
+            .chain(t.scans.iter().map(|(s, e, _)| match schema::range_subject(s, e) {
+                Subject::Other => Own::No,
+                _ => st.own(&self.node, s, &new),
+            }))
+            .collect();
+        let deferrable = t.ranges.is_empty()
+            && !owners.contains(&Own::No)
+            && owners.iter().any(|o| matches!(o, Own::Dir(_) | Own::Born(..)))
+            && t.writes.len() <= self.limit();
+        if !deferrable {
+            let queued = t.leaned
+                || t.touched().any(|k| st.overlay.contains_key(k))
+                || t.scans
+                    .iter()
+                    .map(|(s, e, _)| (s, e))
+                    .chain(t.ranges.iter().map(|(s, e)| (s, e)))
+                    .any(|(s, e)| !st.in_overlay(s, e).is_empty());
+            if queued {
+                return Fate::FlushFirst;
+            }
+            let mine: Vec<Vec<u8>> =
+                t.writes.keys().filter(|k| st.own(&self.node, k, &[]) != Own::No).cloned().collect();
+            if !mine.is_empty() {
+                st.epoch += 1;
+                for k in &mine {
+                    *st.sending.entry(k.clone()).or_default() += 1;
+                }
+            }
+            return Fate::Send(mine);
+        }
+        if st.queue.len() >= QUEUE_MAX {
+            return Fate::Full;
+        }
+        st.seq += 1;
+        let seq = st.seq;
+        let mut dirs: Vec<Ino> = Vec::new();
+        let mut files: Vec<Ino> = Vec::new();
+        for o in &owners {
+            match *o {
+                Own::Dir(d) => dirs.push(d),
+                Own::Born(ino, d) => {
+                    dirs.push(d);
+                    files.push(ino);
+                }
+                _ => {}
+            }
+        }
+        dirs.sort_unstable();
+        dirs.dedup();
+        files.sort_unstable();
+        files.dedup();
+        let now = Instant::now();
+        for d in &dirs {
+            if let Some(h) = st.held.get_mut(d) {
+                h.used = now;
+            }
+        }
+        let writes: Vec<Write> = t.writes.iter().map(|(k, v)| (k.clone(), v.clone().map(Arc::new))).collect();
+        for (k, v) in &writes {
+            st.overlay.insert(k.clone(), Pending { value: v.clone(), seq });
+        }
+        for (ino, dir) in &new {
+            let writing = writes.iter().any(|(k, v)| v.is_some() && *k == schema::unsealed(*ino));
+            st.born.insert(*ino, Born { dir: *dir, writing, since: now });
+        }
+        for (k, v) in &writes {
+            held_now(&mut st, &self.node, k, v.as_deref().map(Vec::as_slice), None);
+        }
+        // A file whose lease mark goes stops being written.
+        for f in &files {
+            if writes.iter().any(|(k, v)| v.is_none() && *k == schema::unsealed(*f)) {
+                if let Some(b) = st.born.get_mut(f) {
+                    b.writing = false;
+                }
+            }
+        }
+        st.queue.push_back(Arc::new(Op {
+            seq,
+            writes,
+            dirs,
+            born: new.iter().map(|(i, _)| *i).collect(),
+            files,
+            absent: t.absent.clone(),
+            empty: t.empty.clone(),
+        }));
+        Fate::Queued(seq)
+    }
+
+    /// After a sent transaction that wrote keys of this node's alone.
+    fn sent(&self, mine: &[Vec<u8>], writes: &PendingWrites, rev: Option<i64>) {
+        let delegations = writes.keys().any(|k| k.len() == 9 && k.starts_with(&schema::delegations()));
+        if mine.is_empty() && !delegations {
+            return;
+        }
+        let mut st = self.state.lock();
+        for k in mine {
+            if let Some(n) = st.sending.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    st.sending.remove(k);
+                }
+            }
+        }
+        if !mine.is_empty() {
+            st.epoch += 1;
+        }
+        if let Some(rev) = rev {
+            for (k, v) in writes {
+                held_now(&mut st, &self.node, k, v.as_deref(), Some(rev));
+                // Written past the overlay: another path may reach it now
+                // (a link elsewhere): no longer this node's alone.
+                if let Subject::Inode(ino) | Subject::File(ino) = schema::subject(k) {
+                    if !st.holding(ino) {
+                        st.born.remove(&ino);
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.notify();
+    }
+}
+
+/// A delegation record written (`value` this node: born; `None`: gone),
+/// at `rev` when committed.
+fn held_now(st: &mut State, node: &str, key: &[u8], value: Option<&[u8]>, rev: Option<i64>) {
+    if !key.starts_with(&schema::delegations()) || key.len() != 9 {
+        return;
+    }
+    let dir = schema::key_ino(key);
+    match value {
+        Some(v) if v == node.as_bytes() => {
+            let h =
+                st.held.entry(dir).or_insert(Held { state: Delegation::Holding, version: None, used: Instant::now() });
+            if rev.is_some() {
+                h.version = rev;
+            }
+        }
+        _ => {
+            if rev.is_some() {
+                st.held.remove(&dir);
+                st.born.retain(|_, b| b.dir != dir);
+            }
+        }
+    }
+}
+
+/// A batch of queued changes, as one transaction will carry them.
+struct Batch {
+    ops: Vec<u64>,
+    /// Each key's value from the batch's last change of it, with that change's sequence number.
+    writes: Vec<Write>,
+    seqs: Vec<u64>,
+    compare: Vec<Ino>,
+    absent: Vec<Vec<u8>>,
+    empty: Vec<Vec<u8>>,
+}
+
+enum Sent {
+    Committed(i64),
+    /// These delegations are no longer this node's.
+    Lost(Vec<Ino>),
+}
+
+/// What [`DeferredKv::look`] found of a key.
+enum Look {
+    Pending(Option<Arc<Vec<u8>>>, u64),
+    /// A record of an inode made here whose create has not committed: none.
+    Unborn,
+    Engine,
+}
+
+/// What becomes of a finished transaction.
+enum Fate {
+    /// Acknowledged, queued with this sequence number.
+    Queued(u64),
+    /// Something it read changed meanwhile: run it again.
+    Conflict,
+    /// It touches keys with queued changes: flush them, then run it again.
+    FlushFirst,
+    /// The queue is full: wait for the flusher, then run it again.
+    Full,
+    /// Send it as usual; these keys of this node's alone it writes.
+    Send(Vec<Vec<u8>>),
+}
+
+/// The next batch: queued changes in order, skipping those held back (for
+/// [`Flush::Due`]), while the keys fit one transaction.
+fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
+    let mut b = Batch {
+        ops: Vec::new(),
+        writes: Vec::new(),
+        seqs: Vec::new(),
+        compare: Vec::new(),
+        absent: Vec::new(),
+        empty: Vec::new(),
+    };
+    let mut at: HashMap<Vec<u8>, usize> = HashMap::new();
+    let mut compare: HashSet<Ino> = HashSet::new();
+    // Directories born in this batch: no record to compare yet.
+    let mut born_here: HashSet<Ino> = HashSet::new();
+    for op in &st.queue {
+        let take = match what {
+            Flush::Through(seq) => op.seq <= seq,
+            Flush::Due => !st.held_back(op),
+        };
+        if !take {
+            if matches!(what, Flush::Through(_)) {
+                break;
+            }
+            continue;
+        }
+        let new_keys = op.writes.iter().filter(|(k, _)| !at.contains_key(k)).count();
+        if !b.ops.is_empty() && at.len() + new_keys > *limit {
+            break;
+        }
+        for (k, v) in &op.writes {
+            // A later change of the key already committed: it stays.
+            if st.overlay.get(k).is_none_or(|p| p.seq < op.seq) {
+                continue;
+            }
+            match at.get(k) {
+                Some(&i) => {
+                    b.writes[i].1 = v.clone();
+                    b.seqs[i] = op.seq;
+                }
+                None => {
+                    at.insert(k.clone(), b.writes.len());
+                    b.writes.push((k.clone(), v.clone()));
+                    b.seqs.push(op.seq);
+                }
+            }
+        }
+        for (k, v) in &op.writes {
+            if v.is_some() && k.len() == 9 && k.starts_with(&schema::delegations()) {
+                born_here.insert(schema::key_ino(k));
+            }
+        }
+        for d in &op.dirs {
+            if !born_here.contains(d) && st.held.get(d).is_some_and(|h| h.version.is_some()) {
+                compare.insert(*d);
+            }
+        }
+        b.absent.extend(op.absent.iter().cloned());
+        b.empty.extend(op.empty.iter().cloned());
+        b.ops.push(op.seq);
+    }
+    b.compare = compare.into_iter().collect();
+    b
+}
+
+/// A batch committed at `rev`: its changes leave the queue, and the
+/// overlay keeps only keys a later change still has queued.
+fn committed(st: &mut State, b: &Batch, rev: i64) {
+    st.queue.retain(|op| !b.ops.contains(&op.seq));
+    for ((k, v), seq) in b.writes.iter().zip(&b.seqs) {
+        if st.overlay.get(k).is_some_and(|p| p.seq == *seq) {
+            st.overlay.remove(k);
+        }
+        if k.starts_with(&schema::delegations()) && k.len() == 9 {
+            let dir = schema::key_ino(k);
+            match v {
+                Some(_) => {
+                    if let Some(h) = st.held.get_mut(&dir) {
+                        h.version = Some(rev);
+                    }
+                }
+                None => {
+                    st.held.remove(&dir);
+                    st.born.retain(|_, b| b.dir != dir);
+                }
+            }
+        }
+    }
+}
+
+/// Delegations lost to another node: what was acknowledged there and not
+/// committed is dropped (the crash semantics of a node cut off).
+fn fence(st: &mut State, dirs: &[Ino], node: &str) {
+    let doomed: Vec<Arc<Op>> = st.queue.iter().filter(|op| op.dirs.iter().any(|d| dirs.contains(d))).cloned().collect();
+    for op in &doomed {
+        for (k, _) in &op.writes {
+            if st.overlay.get(k).is_some_and(|p| p.seq == op.seq) {
+                st.overlay.remove(k);
+            }
+        }
+    }
+    st.queue.retain(|op| !op.dirs.iter().any(|d| dirs.contains(d)));
+    for d in dirs {
+        st.held.remove(d);
+    }
+    st.born.retain(|_, b| !dirs.contains(&b.dir));
+    st.dropped += doomed.len() as u64;
+    tracing::error!(
+        node,
+        dirs = ?dirs,
+        changes = doomed.len(),
+        "another node took over directories delegated here (this node was cut off past its membership \
+         lease): changes acknowledged there and not yet committed are dropped"
+    );
+}
+
+/// The flusher: commits what is due every [`FLUSH_EVERY`], and gives up
+/// delegations idle for [`IDLE`].
+fn flusher(kv: Weak<DeferredKv>) {
+    let mut backoff = FLUSH_EVERY;
+    loop {
+        let Some(kv) = kv.upgrade() else { return };
+        if kv.stop.load(Ordering::Acquire) {
+            return;
+        }
+        {
+            let mut st = kv.state.lock();
+            if st.queue.is_empty() {
+                st.wait_for(&kv.changed, Duration::from_secs(1));
+            }
+        }
+        std::thread::sleep(backoff);
+        match kv.flush(Flush::Due) {
+            Ok(()) => backoff = FLUSH_EVERY,
+            Err(e) => {
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                tracing::warn!(error = %e, "could not commit acknowledged namespace changes yet; retrying");
+            }
+        }
+        let idle: Vec<Ino> = {
+            let st = kv.state.lock();
+            st.held
+                .iter()
+                .filter(|(d, h)| {
+                    h.state == Delegation::Holding
+                        && h.used.elapsed() >= IDLE
+                        && !st.queue.iter().any(|op| op.dirs.contains(d))
+                })
+                .map(|(d, _)| *d)
+                .collect()
+        };
+        for dir in idle {
+            if let Err(e) = kv.release(dir) {
+                tracing::warn!(dir, error = %e, "could not give up an idle directory delegation");
+            }
+        }
+    }
+}
+
+/// A read view: the overlay over the engine's.
+struct DeferredRead<'a> {
+    kv: &'a DeferredKv,
+    inner: Box<dyn KvRead + 'a>,
+}
+
+impl KvRead for DeferredRead<'_> {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        Ok(self.get_versioned(key)?.0)
+    }
+    fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
+        match self.kv.look(key) {
+            Look::Pending(v, _) => Ok((v.map(|v| v.as_ref().clone()), None)),
+            Look::Unborn => Ok((None, None)),
+            Look::Engine => self.inner.get_versioned(key),
+        }
+    }
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        let over = self.kv.overlay_in(start, end);
+        let extra = over.values().filter(|v| v.is_none()).count();
+        let base = self.inner.scan(start, end, limit.saturating_add(extra))?;
+        Ok(crate::kv::merge_pending(base, &over, start, end, limit))
+    }
+    fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        let mut out: Vec<Option<crate::kv::Found>> = vec![None; keys.len()];
+        let mut ask = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            match self.kv.look(k) {
+                Look::Pending(v, _) => out[i] = Some((v.map(|v| v.as_ref().clone()), None)),
+                Look::Unborn => out[i] = Some((None, None)),
+                Look::Engine => ask.push(i),
+            }
+        }
+        let asked: Vec<Vec<u8>> = ask.iter().map(|i| keys[*i].clone()).collect();
+        for (i, found) in ask.into_iter().zip(self.inner.get_many_versioned(&asked)?) {
+            out[i] = Some(found);
+        }
+        Ok(out.into_iter().map(|o| o.expect("every key answered")).collect())
+    }
+}
+
+impl DeferredKv {
+    /// The overlay's changes in `[start, end)`.
+    fn overlay_in(&self, start: &[u8], end: &[u8]) -> PendingWrites {
+        let st = self.state.lock();
+        st.overlay
+            .range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
+            .map(|(k, p)| (k.clone(), p.value.as_ref().map(|v| v.as_ref().clone())))
+            .collect()
+    }
+}
+
+/// A read-write transaction: reads see the overlay; the commit queues it
+/// when every key is this node's alone, or sends it.
+struct DeferredTxn<'a> {
+    kv: &'a DeferredKv,
+    inner: Box<dyn KvWrite + 'a>,
+    epoch: u64,
+    /// Keys read, with the overlay's sequence number of each (0: none).
+    reads: Vec<(Vec<u8>, u64)>,
+    /// Ranges scanned, with the overlay's keys in each.
+    scans: Vec<Scanned>,
+    writes: PendingWrites,
+    ranges: Vec<(Vec<u8>, Vec<u8>)>,
+    new_inodes: Vec<Ino>,
+    absent: Vec<Vec<u8>>,
+    empty: Vec<Vec<u8>>,
+    /// Some read was answered by the overlay alone (an acknowledged change,
+    /// or the absence of records of an inode made here and not flushed):
+    /// sent as is, the engine could not compare it.
+    leaned: bool,
+}
+
+impl DeferredTxn<'_> {
+    /// Every key it read or writes.
+    fn touched(&self) -> impl Iterator<Item = &Vec<u8>> {
+        self.reads.iter().map(|(k, _)| k).chain(self.writes.keys())
+    }
+
+    fn range_deleted(&self, key: &[u8]) -> bool {
+        self.ranges.iter().any(|(s, e)| key >= s.as_slice() && key < e.as_slice())
+    }
+}
+
+impl KvRead for DeferredTxn<'_> {
+    fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        if let Some(v) = self.writes.get(key) {
+            return Ok(v.clone());
+        }
+        if self.range_deleted(key) {
+            return self.inner.get(key);
+        }
+        match self.kv.look(key) {
+            Look::Pending(v, seq) => {
+                self.reads.push((key.to_vec(), seq));
+                self.leaned = true;
+                Ok(v.map(|v| v.as_ref().clone()))
+            }
+            Look::Unborn => {
+                self.reads.push((key.to_vec(), 0));
+                self.leaned = true;
+                Ok(None)
+            }
+            Look::Engine => {
+                self.reads.push((key.to_vec(), 0));
+                self.inner.get(key)
+            }
+        }
+    }
+    fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+        let (seen, unborn) = {
+            let st = self.kv.state.lock();
+            let unborn = match schema::range_subject(start, end) {
+                Subject::Names(i) | Subject::Inode(i) | Subject::File(i) => st.unborn(i),
+                _ => false,
+            };
+            (st.in_overlay(start, end), unborn)
+        };
+        let mut layered = self.kv.overlay_in(start, end);
+        for (k, v) in self.writes.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end))) {
+            layered.insert(k.clone(), v.clone());
+        }
+        self.leaned |= unborn || !seen.is_empty();
+        self.scans.push((start.to_vec(), end.to_vec(), seen));
+        // The engine holds nothing of an inode made here and not flushed.
+        let base = match unborn {
+            true => Vec::new(),
+            false => {
+                let extra = layered.values().filter(|v| v.is_none()).count();
+                self.inner.scan(start, end, limit.saturating_add(extra))?
+            }
+        };
+        Ok(crate::kv::merge_pending(base, &layered, start, end, limit))
+    }
+}
+
+impl KvWrite for DeferredTxn<'_> {
+    fn put(&mut self, key: &[u8], value: &[u8]) {
+        self.writes.insert(key.to_vec(), Some(value.to_vec()));
+        self.inner.put(key, value);
+    }
+    fn delete(&mut self, key: &[u8]) {
+        self.writes.insert(key.to_vec(), None);
+        self.inner.delete(key);
+    }
+    fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
+        self.writes.retain(|k, _| !(k.as_slice() >= start && k.as_slice() < end));
+        self.ranges.push((start.to_vec(), end.to_vec()));
+        self.inner.delete_range(start, end)
+    }
+    fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
+        self.writes.retain(|k, _| !(k.as_slice() >= start && k.as_slice() < end));
+        self.ranges.push((start.to_vec(), end.to_vec()));
+        self.inner.delete_range_taking(start, end, into)
+    }
+    fn assume(&mut self, key: &[u8], version: i64) -> bool {
+        self.inner.assume(key, version)
+    }
+    fn known_absent(&mut self, key: &[u8]) {
+        self.absent.push(key.to_vec());
+        self.inner.known_absent(key);
+    }
+    fn known_empty(&mut self, prefix: &[u8]) {
+        self.empty.push(prefix.to_vec());
+        self.inner.known_empty(prefix);
+    }
+    fn new_inode(&mut self, ino: u64) {
+        self.new_inodes.push(ino);
+        self.inner.new_inode(ino);
+    }
+    fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
+        self.commit_at(durability).map(|_| ())
+    }
+    fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
+        let kv = self.kv;
+        if self.writes.is_empty() && self.ranges.is_empty() {
+            return self.inner.commit_at(durability);
+        }
+        if durability == Durability::Durable && !kv.state.lock().queue.is_empty() {
+            // fsync's promise: what was acknowledged before is durable too.
+            // What this transaction read of the overlay is stale after it.
+            drop(self);
+            kv.flush_all()?;
+            return Err(KvError::Conflict);
+        }
+        match kv.fate(&self) {
+            Fate::Queued(seq) => {
+                drop(self);
+                kv.notify();
+                if durability == Durability::Durable {
+                    kv.flush(Flush::Through(seq))?;
+                }
+                Ok(None)
+            }
+            Fate::Conflict => Err(KvError::Conflict),
+            Fate::FlushFirst => {
+                drop(self);
+                kv.flush_all()?;
+                Err(KvError::Conflict)
+            }
+            Fate::Full => {
+                drop(self);
+                kv.notify();
+                let mut st = kv.state.lock();
+                while st.queue.len() >= QUEUE_MAX {
+                    st.wait_for(&kv.changed, FLUSH_EVERY);
+                }
+                Err(KvError::Conflict)
+            }
+            Fate::Send(mine) => {
+                let this = *self;
+                let writes = this.writes;
+                let r = this.inner.commit_at(durability);
+                let rev = match &r {
+                    Ok(rev) => Some(rev.unwrap_or(0)),
+                    Err(_) => None,
+                };
+                kv.sent(&mine, &writes, rev);
+                r
+            }
+        }
+    }
+}
+
+impl KvEngine for DeferredKv {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        Ok(Box::new(DeferredRead { kv: self, inner: self.inner.read_txn()? }))
+    }
+    fn fresh_read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        Ok(Box::new(DeferredRead { kv: self, inner: self.inner.fresh_read_txn()? }))
+    }
+    fn txn_limit(&self) -> Option<usize> {
+        self.inner.txn_limit()
+    }
+    fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+        let epoch = self.state.lock().epoch;
+        Ok(Box::new(DeferredTxn {
+            kv: self,
+            inner: self.inner.write_txn()?,
+            epoch,
+            reads: Vec::new(),
+            scans: Vec::new(),
+            writes: PendingWrites::new(),
+            ranges: Vec::new(),
+            new_inodes: Vec::new(),
+            absent: Vec::new(),
+            empty: Vec::new(),
+            leaned: false,
+        }))
+    }
+    fn sync(&self) -> KvResult<()> {
+        self.flush_all()?;
+        self.inner.sync()
+    }
+    fn membership(&self) -> Option<&dyn crate::membership::Membership> {
+        self.inner.membership()
+    }
+    fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
+        self.inner.watch(on_change)
+    }
+    fn forget_below(&self, prefixes: &[Vec<u8>], rev: i64) {
+        self.inner.forget_below(prefixes, rev)
+    }
+}
+
+impl Drop for DeferredKv {
+    fn drop(&mut self) {
+        let queued = self.state.get_mut().queue.len();
+        if queued > 0 {
+            tracing::warn!(
+                queued,
+                "namespace changes acknowledged and never committed (the mount ended without a flush)"
+            );
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! Changes acknowledged before they commit (`--nowsync`, `kv_deferred.rs`),
+//! between two in-process nodes over one shared memory store: what the
+//! holder of a delegation acknowledged is read nowhere else until it
+//! commits; another node's read of the directory has it commit first; a
+//! node that stops without committing loses whole changes only; a node
+//! that lost its delegation commits nothing more there.
+
+use std::sync::Arc;
+
+use converged_metadata::kv_deferred::DeferredKv;
+use converged_metadata::membership::NodeInfo;
+use converged_metadata::types::*;
+use converged_metadata::{schema, KvEngine, MemKv, MetaError, Namespace, Seal};
+
+struct Node {
+    ns: Arc<Namespace>,
+    deferred: Option<Arc<DeferredKv>>,
+}
+
+fn info(id: &str) -> NodeInfo {
+    NodeInfo {
+        id: id.into(),
+        addr: String::new(),
+        capacity: 1,
+        free: 1,
+        labels: Default::default(),
+        started: Timespec::now(),
+        heartbeat: Timespec::now(),
+    }
+}
+
+/// Node `id` of the cluster over `store`, deferring (`nowsync`) or not.
+fn node(store: &MemKv, id: &str, nowsync: bool) -> Node {
+    node_with(store, id, nowsync, false)
+}
+
+/// [`node`], with the flusher running (`flushing`) or not.
+fn node_with(store: &MemKv, id: &str, nowsync: bool, flushing: bool) -> Node {
+    let handle = store.node_handle();
+    handle.membership().unwrap().register(&info(id), std::time::Duration::from_secs(60)).unwrap();
+    let plain: Arc<dyn KvEngine> = Arc::new(handle);
+    let deferred = nowsync.then(|| match flushing {
+        true => DeferredKv::wrap(plain.clone(), id),
+        false => DeferredKv::wrap_manual(plain.clone(), id),
+    });
+    let engine: Arc<dyn KvEngine> = match &deferred {
+        Some(d) => d.clone(),
+        None => plain,
+    };
+    let mut ns = Namespace::open(engine, 0, 0).unwrap().with_node(id);
+    if let Some(d) = &deferred {
+        ns = ns.with_nowsync(d.clone());
+    }
+    Node { ns: Arc::new(ns), deferred }
+}
+
+/// `b` recalls delegations from `a` as the daemon does over the network.
+fn recalls_from(b: &Node, a: &Node) {
+    let a = a.ns.clone();
+    b.ns.set_recall_handler(move |_, dir, holder| {
+        assert_eq!(holder, a.node());
+        a.release_dir(dir)
+    });
+}
+
+fn dir() -> NewNode<'static> {
+    NewNode::plain(FileKind::Directory, 0o755)
+}
+
+fn file() -> NewNode<'static> {
+    NewNode::plain(FileKind::Regular, 0o644)
+}
+
+/// What the store itself holds, past every node's overlay.
+fn committed(store: &MemKv, key: &[u8]) -> Option<Vec<u8>> {
+    store.read_txn().unwrap().get(key).unwrap()
+}
+
+#[test]
+fn a_delegated_directory_is_changed_in_memory_and_read_elsewhere_only_after_a_recall() {
+    let store = MemKv::cluster();
+    let (a, b) = (node(&store, "a", true), node(&store, "b", false));
+    recalls_from(&b, &a);
+    let d = a.ns.mknod(ROOT_INO, b"data", &dir()).unwrap();
+    for i in 0..50 {
+        a.ns.mknod(d.ino, format!("f{i}").as_bytes(), &file()).unwrap();
+    }
+    // Acknowledged, read back here, not in the store.
+    assert_eq!(a.ns.readdir(d.ino).unwrap().len(), 50);
+    assert!(committed(&store, &schema::dentry(ROOT_INO, b"data")).is_some(), "a mkdir in a plain directory is sent");
+    assert!(committed(&store, &schema::dentry(d.ino, b"f0")).is_none(), "creates in a delegated one are not");
+    assert_eq!(a.deferred.as_ref().unwrap().backlog(), (50, 1, 0));
+    // Another node's lookup has it all committed first, and the
+    // directory is a plain one from then on.
+    a.deferred.as_ref().unwrap().flush_all().unwrap();
+    assert!(committed(&store, &schema::delegation(d.ino)).is_some(), "delegated from birth");
+    let found = b.ns.lookup(d.ino, b"f49").unwrap();
+    assert_eq!(found.kind, FileKind::Regular);
+    assert_eq!(b.ns.readdir(d.ino).unwrap().len(), 50);
+    assert!(committed(&store, &schema::delegation(d.ino)).is_none(), "given up on the recall");
+    // The holder's next create there is sent as usual.
+    a.ns.mknod(d.ino, b"after", &file()).unwrap();
+    assert!(committed(&store, &schema::dentry(d.ino, b"after")).is_some());
+}
+
+#[test]
+fn a_lookup_elsewhere_recalls_changes_still_queued() {
+    let store = MemKv::cluster();
+    let (a, b) = (node(&store, "a", true), node(&store, "b", false));
+    recalls_from(&b, &a);
+    let top = a.ns.mknod(ROOT_INO, b"top", &dir()).unwrap();
+    let sub = a.ns.mknod(top.ino, b"sub", &dir()).unwrap();
+    a.ns.mknod(sub.ino, b"x", &file()).unwrap();
+    assert!(committed(&store, &schema::dentry(top.ino, b"sub")).is_none(), "queued, not sent");
+    // b reaches `top` (committed, delegated), recalls it: everything queued
+    // commits, `sub` with it; `sub` is delegated in turn and recalled too.
+    let sub_b = b.ns.lookup(top.ino, b"sub").unwrap();
+    assert_eq!(sub_b.ino, sub.ino);
+    assert!(b.ns.lookup(sub.ino, b"x").is_ok());
+    assert!(committed(&store, &schema::delegation(top.ino)).is_none());
+    assert!(committed(&store, &schema::delegation(sub.ino)).is_none());
+}
+
+#[test]
+fn changes_of_a_node_that_stopped_before_its_flush_are_gone_whole() {
+    let store = MemKv::cluster();
+    let a = node(&store, "a", true);
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    a.deferred.as_ref().unwrap().flush_all().unwrap();
+    let x = a.ns.mknod(d.ino, b"x", &file()).unwrap();
+    a.ns.setattr(x.ino, &SetAttr { mode: Some(0o600), ..Default::default() }).unwrap();
+    // The daemon dies (kill -9): its overlay and queue go with it.
+    drop(a);
+    let b = node(&store, "b", false);
+    assert!(matches!(b.ns.lookup(d.ino, b"x"), Err(MetaError::NotFound)));
+    assert!(committed(&store, &schema::inode(x.ino)).is_none(), "no record of the lost create");
+    assert_eq!(b.ns.getattr(d.ino).unwrap().nlink, 2);
+}
+
+#[test]
+fn a_file_being_written_is_held_back_until_it_is_published() {
+    let store = MemKv::cluster();
+    let a = node(&store, "a", true);
+    let deferred = a.deferred.clone().unwrap();
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    deferred.flush_all().unwrap();
+    let writing = NewNode { unsealed: true, ..file() };
+    let x = a.ns.mknod(d.ino, b"x", &writing).unwrap();
+    let y = a.ns.mknod(d.ino, b"y", &file()).unwrap();
+    deferred.flush_due().unwrap();
+    assert!(committed(&store, &schema::dentry(d.ino, b"y")).is_some(), "a file made closed commits when due");
+    assert!(committed(&store, &schema::dentry(d.ino, b"x")).is_none(), "a file being written waits");
+    assert!(a.ns.is_deferred(x.ino) && a.ns.is_deferred(y.ino));
+    // Its publish: the create and the layout commit together.
+    let seal = Seal {
+        size: 5,
+        mtime: Timespec::now(),
+        chunks: vec![(0, ChunkRecord { version: 1, len: 5, replicas: vec!["a".into()], block_crcs: vec![1] })],
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+        attrs: None,
+    };
+    a.ns.seal(x.ino, &seal, converged_metadata::Durability::Buffered).unwrap();
+    deferred.flush_due().unwrap();
+    assert!(committed(&store, &schema::dentry(d.ino, b"x")).is_some());
+    assert!(committed(&store, &schema::chunk(x.ino, 0)).is_some());
+    assert_eq!(deferred.backlog().0, 0);
+}
+
+#[test]
+fn a_node_that_lost_its_delegation_commits_nothing_more_there() {
+    let store = MemKv::cluster();
+    let (a, b) = (node(&store, "a", true), node(&store, "b", false));
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    a.deferred.as_ref().unwrap().flush_all().unwrap();
+    a.ns.mknod(d.ino, b"mine", &file()).unwrap();
+    // a is cut off past its lease: b finds it dead and takes the directory over.
+    b.ns.drop_delegation(d.ino, "a").unwrap();
+    b.ns.mknod(d.ino, b"theirs", &file()).unwrap();
+    // a comes back and flushes: fenced, nothing of it lands.
+    a.deferred.as_ref().unwrap().flush_all().unwrap();
+    assert!(committed(&store, &schema::dentry(d.ino, b"mine")).is_none());
+    assert_eq!(a.deferred.as_ref().unwrap().backlog(), (0, 0, 1));
+    let names: Vec<Vec<u8>> = b.ns.readdir(d.ino).unwrap().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, vec![b"theirs".to_vec()]);
+    // And a reads what is committed again.
+    assert!(matches!(a.ns.lookup(d.ino, b"mine"), Err(MetaError::NotFound)));
+}
+
+#[test]
+fn a_change_that_reads_beyond_the_delegation_waits_for_what_is_queued() {
+    let store = MemKv::cluster();
+    let a = node(&store, "a", true);
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    let x = a.ns.mknod(d.ino, b"x", &file()).unwrap();
+    // A rename out of the delegated directory into the root (a plain one):
+    // sent, after the queue it depends on.
+    a.ns.rename(d.ino, b"x", ROOT_INO, b"x2", RenameMode::Replace).unwrap();
+    assert_eq!(a.deferred.as_ref().unwrap().backlog().0, 0);
+    assert_eq!(committed(&store, &schema::dentry(ROOT_INO, b"x2")).map(|_| ()), Some(()));
+    assert!(committed(&store, &schema::dentry(d.ino, b"x")).is_none());
+    assert_eq!(a.ns.lookup(ROOT_INO, b"x2").unwrap().ino, x.ino);
+}
+
+#[test]
+fn threads_changing_one_delegated_directory_while_the_flusher_runs_lose_nothing() {
+    let store = MemKv::cluster();
+    let a = node_with(&store, "a", true, true);
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let ns = &a.ns;
+            s.spawn(move || {
+                for i in 0..100 {
+                    let x = ns.mknod(d.ino, format!("t{t}-{i}").as_bytes(), &file()).unwrap();
+                    if i % 10 == 0 {
+                        ns.setattr(x.ino, &SetAttr { mode: Some(0o600), ..Default::default() }).unwrap();
+                        ns.mknod(d.ino, format!("dir{t}-{i}").as_bytes(), &dir()).unwrap();
+                    }
+                    if i % 25 == 0 {
+                        ns.unlink(d.ino, format!("t{t}-{i}").as_bytes()).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    a.deferred.as_ref().unwrap().flush_all().unwrap();
+    let plain = node(&store, "c", false);
+    let names = plain.ns.readdir(d.ino).unwrap();
+    assert_eq!(names.len(), 8 * (100 + 10 - 4));
+    assert_eq!(plain.ns.getattr(d.ino).unwrap().nlink, 2 + 8 * 10, "every mkdir counted once");
+    let x = plain.ns.lookup(d.ino, b"t3-10").unwrap();
+    assert_eq!(x.perm, 0o600);
+}
