@@ -544,6 +544,9 @@ pub struct LocalHooks {
     /// by the metadata (see `Core::peer_may_write`).
     pub may_write: WriteCheck,
     pub may_delete: Box<dyn Fn(u64) -> Answer + Send + Sync>,
+    /// Commit what this node acknowledged in a directory and give its
+    /// delegation up (a peer is about to read it): the revision.
+    pub recall: Box<dyn Fn(u64) -> Result<i64, converged_transport::ServiceError> + Send + Sync>,
 }
 
 /// Serves this node's chunks to peers over the transport. It answers for
@@ -630,6 +633,12 @@ impl converged_transport::ChunkService for PeerChunks {
     fn stage(&self, ino: u64, chunk: u32) -> Result<(), converged_transport::ServiceError> {
         match self.hooks.get() {
             Some(h) => (h.stage)(ino, chunk),
+            None => Err(starting()),
+        }
+    }
+    fn recall(&self, dir: u64) -> Result<i64, converged_transport::ServiceError> {
+        match self.hooks.get() {
+            Some(h) => (h.recall)(dir),
             None => Err(starting()),
         }
     }

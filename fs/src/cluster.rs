@@ -54,6 +54,10 @@ pub struct ClusterConfig {
     pub peer_timeout: Duration,
 }
 
+/// How long a recall keeps asking a holder that is alive but does not
+/// answer (longer than any membership lease, after which it is dead).
+const RECALL_PATIENCE: Duration = Duration::from_secs(90);
+
 pub struct Cluster {
     cfg: ClusterConfig,
     rt: tokio::runtime::Runtime,
@@ -608,6 +612,45 @@ impl Cluster {
             }
         }
         Err(last.unwrap_or_else(|| FsError::Peer("no reachable replica".into())))
+    }
+
+    /// Have node `holder` commit what it acknowledged in directory `dir`
+    /// and give its delegation up (`--nowsync`), before this node reads or
+    /// changes the directory's names. A holder found dead (its membership
+    /// lease gone) loses the delegation here: its unflushed changes died
+    /// with it. One alive but unreachable (cut off) is asked again until
+    /// it answers or its lease runs out. Returns a revision at or after
+    /// which the metadata holds the directory's changes.
+    pub fn recall(
+        &self,
+        ns: &converged_metadata::Namespace,
+        dir: u64,
+        holder: &str,
+    ) -> converged_metadata::MetaResult<i64> {
+        let deadline = Instant::now() + RECALL_PATIENCE;
+        loop {
+            let members = self.members_now().map_err(|e| converged_metadata::MetaError::Delegated {
+                dir,
+                holder: format!("{holder} (membership unreadable: {e})"),
+            })?;
+            let alive = members.iter().find(|m| m.alive && m.info.id == holder);
+            let Some(peer) = alive.and_then(|m| Self::peer(&m.info)) else {
+                tracing::warn!(dir, holder, "taking over the delegation of a directory from a dead node");
+                return ns.drop_delegation(dir, holder);
+            };
+            let _t = latency::timer(Area::Peer, "recall");
+            match self.block_on(self.transport.recall(&peer, dir, self.call_deadline())) {
+                Ok(rev) => return Ok(rev),
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!(dir, holder, error = %e, "recall not answered yet; asking again");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => {
+                    tracing::warn!(dir, holder, error = %e, "a directory's delegation could not be recalled");
+                    return Err(converged_metadata::MetaError::Delegated { dir, holder: holder.into() });
+                }
+            }
+        }
     }
 
     /// Run `fut` on the transport runtime and wait for it.

@@ -138,6 +138,16 @@ pub struct MountArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=8))]
     pub replicas: Option<u32>,
 
+    /// Acknowledge namespace changes in the directories this node makes before they reach
+    /// etcd (as CephFS's `nowsync`): such a directory is delegated to this node, creates,
+    /// attribute changes and the metadata of first publishes there are committed a few
+    /// milliseconds later, many per etcd transaction. fsync of the file or the directory, and
+    /// any other node's lookup or listing there, commit them first. After a crash or kill -9,
+    /// a file made and not fsynced is gone or whole, never a name without its bytes. Needs an
+    /// etcd volume; a read-only mount ignores it.
+    #[arg(long)]
+    pub nowsync: bool,
+
     /// When fsync and close return: `replicated` once every replica is on stable storage,
     /// `local` once the local copy is (replicas follow in the background).
     #[arg(long, value_enum, default_value = "replicated")]
@@ -340,6 +350,9 @@ fn finish_check(args: &MountArgs, mountpoint: PathBuf, data_dir: PathBuf) -> any
     }
     if !(args.attr_timeout.is_finite() && (0.0..=3600.0).contains(&args.attr_timeout)) {
         bail!("--attr-timeout must be between 0 and 3600 seconds, got {}", args.attr_timeout);
+    }
+    if args.nowsync && !matches!(meta, MetaUri::Etcd { .. }) {
+        bail!("--nowsync defers commits to a shared etcd volume; {meta_str} is a single node's (use etcd://...)");
     }
     Ok(Checked { mountpoint, data_dir, meta, meta_str })
 }

@@ -287,6 +287,14 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     } else {
         engine
     };
+    // --nowsync: changes in directories delegated here are acknowledged
+    // before they commit (see metadata/src/kv_deferred.rs).
+    let deferred = (args.nowsync && !args.read_only)
+        .then(|| converged_metadata::kv_deferred::DeferredKv::wrap(engine.clone(), &node_id(args)));
+    let engine: Arc<dyn converged_metadata::KvEngine> = match &deferred {
+        Some(d) => d.clone(),
+        None => engine,
+    };
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
     let tier = match &args.object_store {
@@ -326,6 +334,9 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     crate::identity::settle(&c.data_dir, found, &ns, &ask)?;
     if tier.is_some() {
         ns = ns.with_tier();
+    }
+    if let Some(d) = deferred {
+        ns = ns.with_nowsync(d);
     }
     let core = Arc::new(Core::start(
         ns,

@@ -92,6 +92,9 @@ struct Born {
     since: Instant,
 }
 
+/// Records as a range held them (key, value).
+type Records = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A key and what a change leaves in it (`None`: deleted).
 type Write = (Vec<u8>, Option<Arc<Vec<u8>>>);
 
@@ -447,17 +450,23 @@ impl DeferredKv {
                 _ => st.own(&self.node, s, &new),
             }))
             .collect();
-        let deferrable = t.ranges.is_empty()
+        let ranges_owned = t.ranges.iter().all(|d| {
+            d.records.is_some()
+                && schema::range_subject(&d.start, &d.end) != Subject::Other
+                && st.own(&self.node, &d.start, &new) != Own::No
+        });
+        let deferrable = ranges_owned
             && !owners.contains(&Own::No)
             && owners.iter().any(|o| matches!(o, Own::Dir(_) | Own::Born(..)))
-            && t.writes.len() <= self.limit();
+            && t.writes.len() + t.ranges.iter().map(|d| d.records.as_ref().map_or(0, Vec::len)).sum::<usize>()
+                <= self.limit();
         if !deferrable {
             let queued = t.leaned
                 || t.touched().any(|k| st.overlay.contains_key(k))
                 || t.scans
                     .iter()
                     .map(|(s, e, _)| (s, e))
-                    .chain(t.ranges.iter().map(|(s, e)| (s, e)))
+                    .chain(t.ranges.iter().map(|d| (&d.start, &d.end)))
                     .any(|(s, e)| !st.in_overlay(s, e).is_empty());
             if queued {
                 return Fate::FlushFirst;
@@ -499,7 +508,18 @@ impl DeferredKv {
                 h.used = now;
             }
         }
-        let writes: Vec<Write> = t.writes.iter().map(|(k, v)| (k.clone(), v.clone().map(Arc::new))).collect();
+        // A range delete is acknowledged as deletes of the records it held.
+        let mut all = t.writes.clone();
+        for d in &t.ranges {
+            let records = d.records.as_deref().unwrap_or_default();
+            if let Some(into) = &d.into {
+                *into.lock() = records.to_vec();
+            }
+            for (k, _) in records {
+                all.entry(k.clone()).or_insert(None);
+            }
+        }
+        let writes: Vec<Write> = all.into_iter().map(|(k, v)| (k, v.map(Arc::new))).collect();
         for (k, v) in &writes {
             st.overlay.insert(k.clone(), Pending { value: v.clone(), seq });
         }
@@ -850,7 +870,7 @@ struct DeferredTxn<'a> {
     /// Ranges scanned, with the overlay's keys in each.
     scans: Vec<Scanned>,
     writes: PendingWrites,
-    ranges: Vec<(Vec<u8>, Vec<u8>)>,
+    ranges: Vec<Deleted>,
     new_inodes: Vec<Ino>,
     absent: Vec<Vec<u8>>,
     empty: Vec<Vec<u8>>,
@@ -867,8 +887,48 @@ impl DeferredTxn<'_> {
     }
 
     fn range_deleted(&self, key: &[u8]) -> bool {
-        self.ranges.iter().any(|(s, e)| key >= s.as_slice() && key < e.as_slice())
+        self.ranges.iter().any(|d| key >= d.start.as_slice() && key < d.end.as_slice())
     }
+
+    /// The records a range delete of `[start, end)` removes, when the range
+    /// is this node's alone (a file's layout made here): the delete can then
+    /// be acknowledged as deletes of those keys. None for any other range.
+    fn expand(&mut self, start: &[u8], end: &[u8]) -> KvResult<Option<Records>> {
+        let (owned, unborn, seen) = {
+            let st = self.kv.state.lock();
+            let owned =
+                schema::range_subject(start, end) != Subject::Other && st.own(&self.kv.node, start, &[]) != Own::No;
+            let unborn = match schema::range_subject(start, end) {
+                Subject::Names(i) | Subject::Inode(i) | Subject::File(i) => st.unborn(i),
+                _ => false,
+            };
+            (owned, unborn, st.in_overlay(start, end))
+        };
+        if !owned {
+            return Ok(None);
+        }
+        let base = match unborn {
+            true => Vec::new(),
+            false => self.inner.scan(start, end, usize::MAX >> 1)?,
+        };
+        let mut layered = self.kv.overlay_in(start, end);
+        for (k, v) in self.writes.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end))) {
+            layered.insert(k.clone(), v.clone());
+        }
+        self.leaned |= unborn || !seen.is_empty();
+        self.scans.push((start.to_vec(), end.to_vec(), seen));
+        Ok(Some(crate::kv::merge_pending(base, &layered, start, end, usize::MAX)))
+    }
+}
+
+/// A range a transaction deletes; with the records it holds when the
+/// range is this node's alone (see [`DeferredTxn::expand`]), and where a
+/// caller takes them.
+struct Deleted {
+    start: Vec<u8>,
+    end: Vec<u8>,
+    records: Option<Records>,
+    into: Option<crate::kv::Taken>,
 }
 
 impl KvRead for DeferredTxn<'_> {
@@ -933,13 +993,15 @@ impl KvWrite for DeferredTxn<'_> {
         self.inner.delete(key);
     }
     fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
+        let records = self.expand(start, end)?;
         self.writes.retain(|k, _| !(k.as_slice() >= start && k.as_slice() < end));
-        self.ranges.push((start.to_vec(), end.to_vec()));
+        self.ranges.push(Deleted { start: start.to_vec(), end: end.to_vec(), records, into: None });
         self.inner.delete_range(start, end)
     }
     fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
+        let records = self.expand(start, end)?;
         self.writes.retain(|k, _| !(k.as_slice() >= start && k.as_slice() < end));
-        self.ranges.push((start.to_vec(), end.to_vec()));
+        self.ranges.push(Deleted { start: start.to_vec(), end: end.to_vec(), records, into: Some(into.clone()) });
         self.inner.delete_range_taking(start, end, into)
     }
     fn assume(&mut self, key: &[u8], version: i64) -> bool {

@@ -233,3 +233,31 @@ fn threads_changing_one_delegated_directory_while_the_flusher_runs_lose_nothing(
     let x = plain.ns.lookup(d.ino, b"t3-10").unwrap();
     assert_eq!(x.perm, 0o600);
 }
+
+#[test]
+fn a_file_made_and_removed_before_the_flush_leaves_nothing_behind() {
+    let store = MemKv::cluster();
+    let a = node(&store, "a", true);
+    let deferred = a.deferred.clone().unwrap();
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    deferred.flush_all().unwrap();
+    let before = deferred.backlog().0;
+    let x = a.ns.mknod(d.ino, b"tmp", &NewNode { unsealed: true, ..file() }).unwrap();
+    let seal = Seal {
+        size: 3,
+        mtime: Timespec::now(),
+        chunks: vec![(0, ChunkRecord { version: 1, len: 3, replicas: vec!["a".into()], block_crcs: vec![7] })],
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+        attrs: None,
+    };
+    a.ns.seal(x.ino, &seal, converged_metadata::Durability::Buffered).unwrap();
+    let gone = a.ns.unlink_purging(d.ino, b"tmp", &|_| true, None).unwrap();
+    assert_eq!(gone.ino, x.ino);
+    assert!(deferred.backlog().0 > before, "the create, its publish and the unlink were all acknowledged here");
+    deferred.flush_all().unwrap();
+    for key in [schema::inode(x.ino), schema::chunk(x.ino, 0), schema::dentry(d.ino, b"tmp"), schema::unsealed(x.ino)] {
+        assert!(committed(&store, &key).is_none(), "{key:?} left behind");
+    }
+}

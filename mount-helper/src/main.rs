@@ -31,7 +31,7 @@ fn ignored(opt: &str) -> bool {
 
 const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_dir=DIR[,meta=URI][,new_node][,ro][,meta_wait=2m][,verify_reads][,threads=N]
                                                  [,attr_timeout=S][,log_file=F][,node_id=ID][,allow_suid][,allow_dev][,noexec][,noatime|relatime|strictatime][,nodiratime]
-                                                 [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local][,repair_delay=5m]
+                                                 [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local][,nowsync][,repair_delay=5m]
                                                  [,etcd_ca=F,etcd_cert=F,etcd_key=F][,etcd_user=U,etcd_password_file=F]
                                                  [,object_store=URI,s3_endpoint=URL,backfill_delay=5s,evict_high=90,evict_low=80]
                                                  [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S]]
@@ -126,6 +126,7 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
                 out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()])
             }
             "keep_deleted_objects" => out.push("--keep-deleted-objects".into()),
+            "nowsync" => out.push("--nowsync".into()),
             // Commas separate mount options, so labels are joined with `+` here.
             "labels" => out.extend(["--labels".into(), need(value)?.replace('+', ",").into()]),
             _ if ignored(opt) => {}

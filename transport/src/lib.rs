@@ -126,6 +126,13 @@ pub trait ChunkService: Send + Sync + 'static {
         let _ = (ino, chunk);
         Err(ServiceError { errno: libc::EOPNOTSUPP, msg: "this node does not stage".into() })
     }
+    /// Commit what this node acknowledged in directory `dir` and give up
+    /// its delegation; returns a revision at or after which the metadata
+    /// holds it all. A node that defers nothing still drops its record.
+    fn recall(&self, dir: u64) -> Result<i64, ServiceError> {
+        let _ = dir;
+        Err(ServiceError { errno: libc::EOPNOTSUPP, msg: "this node holds no delegations".into() })
+    }
 }
 
 /// A service failure, carried back to the caller as an errno and a message.

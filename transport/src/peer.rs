@@ -73,6 +73,9 @@ pub trait PeerTransport: Send + Sync + 'static {
         chunk: u32,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>>;
+    /// Have `peer` commit what it acknowledged in directory `dir` and give
+    /// up its delegation, within `timeout`; returns the revision it answers.
+    fn recall<'a>(&'a self, peer: &'a Peer, dir: u64, timeout: Duration) -> BoxFuture<'a, Result<i64, TransportError>>;
     /// Stop: close connections, refuse further calls.
     fn close(&self);
 }
@@ -131,6 +134,9 @@ impl PeerTransport for crate::QuicTransport {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(crate::QuicTransport::stage(self, peer, ino, chunk, timeout))
+    }
+    fn recall<'a>(&'a self, peer: &'a Peer, dir: u64, timeout: Duration) -> BoxFuture<'a, Result<i64, TransportError>> {
+        Box::pin(crate::QuicTransport::recall(self, peer, dir, timeout))
     }
     fn close(&self) {
         crate::QuicTransport::close(self)

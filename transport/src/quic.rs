@@ -229,6 +229,13 @@ impl QuicTransport {
         self.call_within(peer, Request::Stage { ino, chunk }, Bytes::new(), timeout).await.map(|_| ())
     }
 
+    pub async fn recall(&self, peer: &Peer, dir: u64, timeout: Duration) -> Result<i64, TransportError> {
+        match self.call_within(peer, Request::Recall { dir }, Bytes::new(), timeout).await?.0 {
+            Response::Released { revision } => Ok(revision),
+            other => Err(stream_err(peer, format!("unexpected answer {other:?}"))),
+        }
+    }
+
     /// Close every connection and stop accepting.
     pub fn close(&self) {
         self.endpoint.close(0u32.into(), b"shutdown");
@@ -461,6 +468,12 @@ async fn answer(
         }
         Request::Stage { ino, chunk } => {
             blocking(Box::new(move || service.stage(ino, chunk).map(|()| (Response::Done, Vec::new())))).await
+        }
+        Request::Recall { dir } => {
+            blocking(Box::new(move || {
+                service.recall(dir).map(|revision| (Response::Released { revision }, Vec::new()))
+            }))
+            .await
         }
     }
 }

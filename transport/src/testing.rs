@@ -106,6 +106,14 @@ impl PeerTransport for MemTransport {
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move { self.call(peer, |s| s.stage(ino, chunk)) })
     }
+    fn recall<'a>(
+        &'a self,
+        peer: &'a Peer,
+        dir: u64,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Result<i64, TransportError>> {
+        Box::pin(async move { self.call(peer, |s| s.recall(dir)) })
+    }
     fn close(&self) {}
 }
 
@@ -223,6 +231,12 @@ impl<T: PeerTransport> PeerTransport for FaultyTransport<T> {
         Box::pin(async move {
             self.fail(peer).await?;
             self.inner.stage(peer, ino, chunk, timeout).await
+        })
+    }
+    fn recall<'a>(&'a self, peer: &'a Peer, dir: u64, timeout: Duration) -> BoxFuture<'a, Result<i64, TransportError>> {
+        Box::pin(async move {
+            self.fail(peer).await?;
+            self.inner.recall(peer, dir, timeout).await
         })
     }
     fn close(&self) {

@@ -58,6 +58,12 @@ pub enum Request {
         ino: u64,
         versions: Vec<(u32, u64)>,
     },
+    /// Commit what the receiving node acknowledged in directory `dir` and
+    /// give up its delegation of it (`--nowsync`): the sender is about to
+    /// read or change the directory's names.
+    Recall {
+        dir: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +79,11 @@ pub enum Response {
     Error {
         errno: i32,
         msg: String,
+    },
+    /// A [`Request::Recall`] done: the metadata holds every change of the
+    /// directory at or after this revision.
+    Released {
+        revision: i64,
     },
 }
 

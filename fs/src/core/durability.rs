@@ -59,6 +59,9 @@ impl Core {
         let held: std::collections::BTreeSet<Ino> = self.cfg.kernel_open.iter().map(|k| k.ino).collect();
         let writing: std::collections::BTreeSet<Ino> =
             self.cfg.kernel_open.iter().filter(|k| k.writable).map(|k| k.ino).collect();
+        // Delegations a crashed daemon of this node held: what it had not
+        // committed died with it; the directories become plain ones.
+        self.ns.release_delegations()?;
         let orphans: Vec<Ino> = self.ns.orphans()?.into_iter().filter(|ino| !held.contains(ino)).collect();
         for ino in &orphans {
             self.ns.purge(*ino)?;

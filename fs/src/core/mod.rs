@@ -378,8 +378,13 @@ impl Core {
     /// from them when this node does not hold them.
     pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
         cluster.set_control(self.control.clone());
-        let (weak, weak2, weak3, weak4) =
-            (Arc::downgrade(self), Arc::downgrade(self), Arc::downgrade(self), Arc::downgrade(self));
+        let (weak, weak2, weak3, weak4, weak5) = (
+            Arc::downgrade(self),
+            Arc::downgrade(self),
+            Arc::downgrade(self),
+            Arc::downgrade(self),
+            Arc::downgrade(self),
+        );
         cluster.set_hooks(crate::chunkstore::LocalHooks {
             stage: Box::new(move |ino, chunk| {
                 let core = weak.upgrade().ok_or_else(stopping)?;
@@ -395,7 +400,14 @@ impl Core {
                 Some(core) => core.peer_may_delete(ino),
                 None => Err(stopping()),
             }),
+            recall: Box::new(move |dir| {
+                let core = weak5.upgrade().ok_or_else(stopping)?;
+                core.recall_dir(dir)
+                    .map_err(|e| converged_transport::ServiceError { errno: e.errno(), msg: e.to_string() })
+            }),
         });
+        let c = cluster.clone();
+        self.ns.set_recall_handler(move |ns, dir, holder| c.recall(ns, dir, holder));
         let _ = self.cluster.set(cluster);
         self.under_replicated.1.notify_one();
     }
@@ -428,6 +440,13 @@ impl Core {
             if rec.version == c.version && rec.replicas.iter().any(|r| caller.is(r)) {
                 return Ok(());
             }
+        }
+        // A file its sender made in a directory delegated to it (--nowsync)
+        // and has not committed yet: no record names it, read past the
+        // cache. Its versions here are the sender's alone; one that no
+        // record comes to name is removed after its grace (versions.rs).
+        if !self.ns.exists_fresh(c.ino).map_err(meta)? {
+            return Ok(());
         }
         Err(converged_transport::ServiceError {
             errno: libc::EACCES,
@@ -1050,8 +1069,19 @@ impl Core {
         left
     }
 
+    /// A peer is about to read or change directory `dir`: commit what this
+    /// node acknowledged there and give up its delegation (`--nowsync`).
+    pub(crate) fn recall_dir(&self, dir: Ino) -> FsResult<i64> {
+        Ok(self.ns.release_dir(dir)?)
+    }
+
     /// Flush the namespace to stable storage (unmount).
     pub fn shutdown(&self) {
+        // What was acknowledged before it committed (--nowsync) commits now,
+        // and the directories delegated here become plain ones.
+        if let Err(e) = self.ns.release_delegations() {
+            tracing::error!(error = %e, "could not commit acknowledged namespace changes at unmount");
+        }
         // Spares not used by a regular file would be strays at the next mount.
         let spares = {
             let mut spares = self.spares.lock();

@@ -250,6 +250,11 @@ impl Namespace {
         Ok((inode, chunks))
     }
 
+    /// Whether `ino` has an inode record, read past any node-local cache.
+    pub fn exists_fresh(&self, ino: Ino) -> MetaResult<bool> {
+        Ok(self.kv.fresh_read_txn()?.get(&schema::inode(ino))?.is_some())
+    }
+
     /// One chunk record, if the file has one for `index`.
     pub fn chunk(&self, ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
         self.read(|txn| read_chunk(txn, ino, index))
