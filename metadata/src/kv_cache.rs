@@ -360,13 +360,17 @@ impl KvRead for CachedRead<'_> {
         }
         self.kv.read_through(self.inner.as_mut(), key)
     }
-    /// The engine's version where the record is read from it (and kept);
-    /// a cached record's own.
+    /// [`KvRead::get`] with the version: a cached record's own, none for
+    /// a record a listing says is absent, the engine's where it is read
+    /// (and kept).
     fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
         if cacheable(key) && !self.fresh {
             if let Some(e) = self.kv.cached(key) {
                 let value = e.value.map(|v| v.as_ref().clone());
                 return Ok((value.clone(), Some(Versioned { value, version: e.version, at: e.at })));
+            }
+            if self.kv.absent(key)? {
+                return Ok((None, None));
             }
         }
         let epoch = self.kv.epoch.load(Ordering::Acquire);

@@ -815,7 +815,11 @@ struct DeferredRead<'a> {
 
 impl KvRead for DeferredRead<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        Ok(self.get_versioned(key)?.0)
+        match self.kv.look(key) {
+            Look::Pending(v, _) => Ok(v.map(|v| v.as_ref().clone())),
+            Look::Unborn => Ok(None),
+            Look::Engine => self.inner.get(key),
+        }
     }
     fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
         match self.kv.look(key) {

@@ -40,7 +40,7 @@
 //!    [`write::WriteState`] (`Leasing`, `Publishing`, `Sealing`) and no lock
 //!    held; others wait on `OpenInode::changed`, holding nothing.
 //! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
-//!    `doomed`, `session_ends`, `spares`, `under_replicated`, `flush_now`,
+//!    `doomed`, `session_ends`, `owed`, `spares`, `under_replicated`, `flush_now`,
 //!    `last_repair`, `removed`, the tier's tables, the cluster's member list
 //!    (read from etcd with no lock held), and three that the change feed
 //!    also takes, under the node cache's subscriber list, which takes
@@ -263,6 +263,10 @@ pub struct Core {
     /// Reports the state of the daemon's background workers, for `status`
     /// (the core knows nothing of who runs them).
     workers: OnceLock<Box<dyn Fn() -> String + Send + Sync>>,
+    /// Files made here under --nowsync whose close did not publish them
+    /// (leaf lock): their last release does, or a recall, an fsyncdir or
+    /// an unmount before it (see `write.rs`, `Core::close`).
+    owed: Mutex<std::collections::BTreeSet<Ino>>,
 }
 
 /// Backing files kept ready ahead of creates, made new.
@@ -317,6 +321,7 @@ impl Core {
             me: OnceLock::new(),
             seals: attr::SealCounters::default(),
             workers: OnceLock::new(),
+            owed: Mutex::default(),
             stats: CoreStats::default(),
             life: OnceLock::new(),
         };
@@ -433,19 +438,18 @@ impl Core {
         if self.peer_leases.holder_is(c.ino, |holder| caller.is(holder)) {
             return Ok(());
         }
-        if self.ns.lease_holder(c.ino).map_err(meta)?.is_some_and(|holder| caller.is(&holder)) {
+        let (holder, chunk, exists) = self.ns.write_facts(c.ino, c.index).map_err(meta)?;
+        if holder.is_some_and(|holder| caller.is(&holder)) {
             return Ok(());
         }
-        if let Some(rec) = self.ns.chunk(c.ino, c.index).map_err(meta)? {
-            if rec.version == c.version && rec.replicas.iter().any(|r| caller.is(r)) {
-                return Ok(());
-            }
+        if chunk.is_some_and(|rec| rec.version == c.version && rec.replicas.iter().any(|r| caller.is(r))) {
+            return Ok(());
         }
         // A file its sender made in a directory delegated to it (--nowsync)
         // and has not committed yet: no record names it, read past the
         // cache. Its versions here are the sender's alone; one that no
         // record comes to name is removed after its grace (versions.rs).
-        if !self.ns.exists_fresh(c.ino).map_err(meta)? {
+        if !exists {
             return Ok(());
         }
         Err(converged_transport::ServiceError {
@@ -944,6 +948,8 @@ impl Core {
     }
 
     pub fn fsyncdir(&self) -> FsResult<()> {
+        // Names made durable carry the bytes their closes acknowledged.
+        self.publish_owed();
         self.make_durable()
     }
 
@@ -1072,6 +1078,7 @@ impl Core {
     /// A peer is about to read or change directory `dir`: commit what this
     /// node acknowledged there and give up its delegation (`--nowsync`).
     pub(crate) fn recall_dir(&self, dir: Ino) -> FsResult<i64> {
+        self.publish_owed();
         Ok(self.ns.release_dir(dir)?)
     }
 

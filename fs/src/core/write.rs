@@ -581,6 +581,9 @@ impl Core {
                 (SealEnd::Sealed, Err(lease_lost()))
             }
         };
+        if result.is_ok() {
+            self.owed.lock().remove(&ino);
+        }
         let mut st = oi.state();
         st.write.end_seal(end);
         st.forget_layout();
@@ -835,10 +838,30 @@ impl Core {
             return Ok(false);
         }
         let (ino, writable, oi) = self.open.handle(fh)?;
+        if writable && self.ns.is_deferred(ino) {
+            // --nowsync: a file made here in a directory delegated here is
+            // seen by no other node before the directory is recalled, which
+            // publishes it first (as do fsync, fsyncdir and unmount); its
+            // last release publishes it otherwise. close(2) need not wait.
+            self.owed.lock().insert(ino);
+            return Ok(true);
+        }
         if writable {
             self.publish(ino, &oi, Durability::Buffered)?;
         }
         Ok(true)
+    }
+
+    /// Publish every file whose close was not waited for (--nowsync): a
+    /// node is about to read their directory, or its names become durable.
+    pub(super) fn publish_owed(&self) {
+        let owed = std::mem::take(&mut *self.owed.lock());
+        for ino in owed {
+            let Some(oi) = self.open.get(ino) else { continue };
+            if let Err(e) = self.publish(ino, &oi, Durability::Buffered) {
+                tracing::warn!(ino, error = %e, "could not publish a file closed under --nowsync");
+            }
+        }
     }
 
     /// Seal what a writer has written so far without giving up the write

@@ -250,9 +250,19 @@ impl Namespace {
         Ok((inode, chunks))
     }
 
-    /// Whether `ino` has an inode record, read past any node-local cache.
-    pub fn exists_fresh(&self, ino: Ino) -> MetaResult<bool> {
-        Ok(self.kv.fresh_read_txn()?.get(&schema::inode(ino))?.is_some())
+    /// What decides whether a peer may store a version of chunk `index` of
+    /// `ino` here, in one read past any node-local cache: the holder of the
+    /// file's write lease, the chunk's record, and whether the inode has a
+    /// record at all.
+    pub fn write_facts(&self, ino: Ino, index: u32) -> MetaResult<(Option<String>, Option<ChunkRecord>, bool)> {
+        let keys = [schema::unsealed(ino), schema::chunk(ino, index), schema::inode(ino)];
+        let found = self.kv.fresh_read_txn()?.get_many_versioned(&keys)?;
+        let holder = found[0].0.as_deref().map(|v| String::from_utf8_lossy(parse_lease_mark(v).0).into_owned());
+        let chunk = match &found[1].0 {
+            Some(v) => Some(decode::<ChunkRecord>(&keys[1], v)?),
+            None => None,
+        };
+        Ok((holder, chunk, found[2].0.is_some()))
     }
 
     /// One chunk record, if the file has one for `index`.
