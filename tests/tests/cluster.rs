@@ -385,3 +385,24 @@ fn files_unlinked_on_one_node_while_another_writes_them_close_cleanly() {
         assert_eq!(fs::read_dir(n.path("scratch")).unwrap().count(), 0, "scratch empty on {}", n.mnt.display());
     }
 }
+
+/// A reader node that learned a file's size before its writer's fsync
+/// (a listing, a stat) reads every byte the fsync published: the copy the
+/// writer pushed to it is installed at the size the publish recorded, not
+/// at the size it had cached (it read zeros, as a checksum mismatch, EIO).
+#[test]
+fn a_file_fsynced_while_open_reads_whole_where_its_old_size_was_cached() {
+    let Some(c) = Cluster::start(2, &[]) else { return };
+    let (a, b) = (c.node(0), c.node(1));
+    fs::create_dir(a.path("logs")).unwrap();
+    for i in 0..12 {
+        let name = format!("logs/run{i}.log");
+        let mut f = fs::File::create(a.path(&name)).unwrap();
+        let line = pattern(100 + i * 7, i as u64);
+        f.write_all(&line).unwrap();
+        assert_eq!(fs::metadata(b.path(&name)).unwrap().len(), 0, "{name}: empty until published");
+        f.sync_all().unwrap();
+        same(&fs::read(b.path(&name)).unwrap(), &line, &name);
+        drop(f);
+    }
+}

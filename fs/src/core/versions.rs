@@ -70,8 +70,11 @@ impl Core {
         if versions.is_empty() {
             return Ok(Settled { changed: 0, pending: false });
         }
-        let inode = match self.ns.getattr(ino) {
-            Ok(i) => i,
+        // The size and the records from one read past the cache: a size
+        // cached from before the publish that recorded these versions would
+        // cut an installed chunk short.
+        let (inode, records) = match self.ns.layout(ino) {
+            Ok(l) => l,
             Err(MetaError::NotFound) => {
                 // Purged: every version goes with it.
                 self.store.remove(ino)?;
@@ -79,7 +82,7 @@ impl Core {
             }
             Err(e) => return Err(e.into()),
         };
-        let records: std::collections::HashMap<u32, ChunkRecord> = self.ns.chunks(ino)?.into_iter().collect();
+        let records: std::collections::HashMap<u32, ChunkRecord> = records.into_iter().collect();
         let cs = inode.chunk_size.max(1) as u64;
         // Passthrough reads the backing file only when every chunk is here.
         let install = for_open && self.passthrough() && records.values().all(|r| self.is_local(r));
