@@ -318,15 +318,17 @@ impl Namespace {
     /// record was gone already).
     pub fn drop_delegation(&self, dir: Ino, holder: &str) -> MetaResult<i64> {
         let key = schema::delegation(dir);
-        let rev = self.write(Durability::Buffered, |txn| {
-            let theirs = txn.get(&key)?.is_some_and(|v| v == holder.as_bytes());
-            if theirs {
-                txn.delete(&key);
+        self.write(Durability::Buffered, |txn| {
+            match txn.get(&key)? {
+                Some(v) if v != holder.as_bytes() => {}
+                // Deleted also when the read found none: a cache that had
+                // not heard of the record yet fails the commit's compare,
+                // and the retry reads the engine.
+                _ => txn.delete(&key),
             }
-            Ok(theirs)
+            Ok(())
         })?;
-        // The revision comes from a fresh read either way: at or after the delete.
-        let _ = rev;
+        // A revision at or after the delete, from a read past the cache.
         let (_, versioned) = self.kv.fresh_read_txn()?.get_versioned(&key)?;
         Ok(versioned.map_or(0, |v| v.at))
     }
