@@ -590,3 +590,85 @@ fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
         bytes.len()
     );
 }
+
+/// `--nowsync`: n1 acknowledges the creates and closes of a directory it
+/// made before they commit. A power cut of n1 (its disk loses what its
+/// page cache held, its daemon what it had not flushed) leaves every file
+/// of that directory gone or whole, on both nodes, never a name without
+/// the bytes its close acknowledged; the files fsynced, and those of a
+/// directory fsynced, whole.
+#[test]
+fn power_cut_under_nowsync_leaves_each_unsynced_file_gone_or_whole() {
+    assert!(Path::new("/dev/loop-control").exists(), "this test needs loop devices (/dev/loop-control)");
+    let Some(mut c) = cluster::Cluster::start(2, &["--nowsync"]) else { return };
+    let root = tempfile::Builder::new().prefix("converged-powerloss").tempdir_in("/var/tmp").expect("tempdir");
+    let img = root.path().join("disk.img");
+    let cut = root.path().join("disk-at-power-cut.img");
+    let disk = root.path().join("disk");
+    let disk_after = root.path().join("disk-after");
+    for d in [&disk, &disk_after] {
+        fs::create_dir(d).unwrap();
+    }
+    File::create(&img).unwrap().set_len(IMAGE_SIZE).unwrap();
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
+    let extra = c.nodes[0].extra.clone();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mnt = c.nodes[0].mnt.clone();
+    c.nodes[0].umount();
+    let sysctls = Sysctls::hold_writeback();
+    let mut ext4 = Ext4::mount(&img, &disk);
+    let data = disk.join("data");
+    run(Command::new("cp").arg("-a").arg(&c.nodes[0].data).arg(&data));
+    // SAFETY: syncfs on an open directory fd.
+    assert_eq!(unsafe { libc::syncfs(File::open(&data).unwrap().as_raw_fd()) }, 0);
+    let mut n1 = Converged::mount(&mnt, &data, &extra);
+
+    let file = |i: usize| (format!("set/part{i:04}"), pattern(1 + i * 53 % 20_000, i as u64 + 7));
+    fs::create_dir(mnt.join("set")).unwrap();
+    let fsynced = pattern(200_000, 77);
+    write_file(&mnt.join("set/fsynced.bin"), &fsynced, true);
+    // A first batch, then the directory fsynced: those names and bytes are durable.
+    for i in 0..50 {
+        let (name, bytes) = file(i);
+        write_file(&mnt.join(name), &bytes, false);
+    }
+    File::open(mnt.join("set")).unwrap().sync_all().unwrap();
+    // Then closes that nothing makes durable, and the power cut at once.
+    let n = 300;
+    for i in 50..n {
+        let (name, bytes) = file(i);
+        write_file(&mnt.join(name), &bytes, false);
+    }
+    n1.freeze();
+    run(Command::new("cp").arg("--sparse=always").arg(&img).arg(&cut));
+    n1.kill();
+    drop(sysctls);
+    ext4.umount();
+
+    let mut ext4_after = Ext4::mount(&cut, &disk_after);
+    let mut n1_after = Converged::mount(&mnt, &disk_after.join("data"), &extra);
+    let mut gone = 0;
+    for (node, at) in [("n1", mnt.clone()), ("n2", c.node(1).mnt.clone())] {
+        assert_eq!(read_all(&at.join("set/fsynced.bin")).as_deref(), Ok(&fsynced[..]), "{node}: the fsynced file");
+        for i in 0..n {
+            let (name, bytes) = file(i);
+            match read_all(&at.join(&name)) {
+                Ok(got) => assert!(
+                    got == bytes,
+                    "{node}: {name} reads {} bytes, not the {} its close acknowledged",
+                    got.len(),
+                    bytes.len()
+                ),
+                Err(e) if i < 50 => panic!("{node}: {name}, closed before the directory's fsync: {e}"),
+                Err(e) => {
+                    assert!(e.contains("No such file"), "{node}: {name}: {e}");
+                    gone += (node == "n1") as usize;
+                }
+            }
+        }
+    }
+    eprintln!("{gone} of {} files closed after the last fsync were lost with the power", n - 50);
+    assert!(gone > 0, "the cut came after every change had committed: nothing was acknowledged ahead");
+    n1_after.umount();
+    ext4_after.umount();
+}
