@@ -2,7 +2,8 @@
 # Metadata benchmark: what unpacking, writing and listing a dataset is made
 # of, on the raw disk (ext4), a single-node converged mount (embedded redb)
 # and a 2-node converged cluster on etcd (`converged dev-cluster --nodes 2`),
-# in one run; with PEERS=1 also on MooseFS and GlusterFS started from
+# in one run, the cluster also with --nowsync (creates acknowledged before
+# they commit, in directories the node made); with PEERS=1 also on MooseFS and GlusterFS started from
 # ../shared/peers (when that directory and its packages are there).
 #
 #   sudo bench/metadata.sh
@@ -21,7 +22,9 @@
 #   own count, charged to the FUSE operations that made them)
 #   etcd's own ceiling on this host: one-put transactions, and transactions
 #   the shape of a create (3 compares, 4 puts), from 1 and 16 clients
-#   untar of TREE small files (1-4 KiB) in 100 directories, `ls -lR` of it
+#   untar of TREE small files (1-4 KiB) in 100 directories, the same followed
+#   by an fsync of the directory it went into (what makes an untar durable
+#   under --nowsync; on ext4 it syncs only that directory), `ls -lR` of it
 #   from the other node, and `rm -rf` of it: wall seconds
 #
 # Environment (defaults in brackets):
@@ -74,11 +77,13 @@ RAW=$BENCH_DIR/raw
 ONE=$BENCH_DIR/one
 ZERO=$BENCH_DIR/zero
 DEV=$BENCH_DIR/dev
+NW=$BENCH_DIR/nowsync
 OUT=$BENCH_DIR/out
 N1=$DEV/n1/mnt
 N2=$DEV/n2/mnt
 
 DEV_PID=
+NW_PID=
 PEERS_UP=()
 cleanup() {
     local rc=$?
@@ -87,43 +92,57 @@ cleanup() {
     for m in "$ONE/mnt" "$ZERO/mnt"; do
         grep -q " $m " /proc/mounts && "$CONVERGED" umount "$m"
     done
-    if [[ -n $DEV_PID ]] && kill -0 "$DEV_PID" 2>/dev/null; then
-        kill -TERM "$DEV_PID"
-        wait "$DEV_PID"
-    fi
+    for pid in $DEV_PID $NW_PID; do
+        if kill -0 "$pid" 2>/dev/null; then
+            kill -TERM "$pid"
+            wait "$pid"
+        fi
+    done
     for p in "${PEERS_UP[@]}"; do "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1; done
-    rm -rf "$RAW" "$ONE" "$ZERO" "$DEV"
+    rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW"
     exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$OUT"
+rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$OUT"
 mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$OUT"
 
 log "single-node mounts (embedded metadata): default, and --attr-timeout 0"
 "$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data"
 "$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0
 
-log "dev-cluster (2 nodes, one etcd member) in $DEV"
-mkfifo "$OUT/dev.out"
-"$CONVERGED" dev-cluster --nodes 2 --dir "$DEV" > "$OUT/dev.out" 2>"$OUT/dev.err" &
-DEV_PID=$!
-exec 3<"$OUT/dev.out"
-ENDPOINT=
-while IFS= read -r -u 3 line; do
-    echo "   $line" >&2
-    [[ $line == metadata:* ]] && ENDPOINT=$(sed -E 's#.*etcd://([^/]+)/.*#\1#' <<<"$line")
-    [[ $line == "dev-cluster ready"* ]] && break
-done
-kill -0 "$DEV_PID" 2>/dev/null || die "dev-cluster failed: $(cat "$OUT/dev.err")"
-[[ -n $ENDPOINT ]] || die "dev-cluster did not name its etcd endpoint"
-cat <&3 >/dev/null &
+start_cluster() { # DIR NAME [mount options...]: sets STARTED_PID and STARTED_ENDPOINT
+    local dir=$1 name=$2
+    shift 2
+    local opts=()
+    for o in "$@"; do opts+=("--mount-opt=$o"); done
+    log "dev-cluster $name (2 nodes, one etcd member) in $dir"
+    mkfifo "$OUT/$name.out"
+    "$CONVERGED" dev-cluster --nodes 2 --dir "$dir" "${opts[@]}" > "$OUT/$name.out" 2>"$OUT/$name.err" &
+    local pid=$! endpoint=
+    STARTED_PID=$pid
+    exec 3<"$OUT/$name.out"
+    while IFS= read -r -u 3 line; do
+        echo "   $line" >&2
+        [[ $line == metadata:* ]] && endpoint=$(sed -E 's#.*etcd://([^/]+)/.*#\1#' <<<"$line")
+        [[ $line == "dev-cluster ready"* ]] && break
+    done
+    kill -0 "$pid" 2>/dev/null || die "dev-cluster $name failed: $(cat "$OUT/$name.err")"
+    [[ -n $endpoint ]] || die "dev-cluster $name did not name its etcd endpoint"
+    cat <&3 >/dev/null &
+    exec 3<&-
+    STARTED_ENDPOINT=$endpoint
+}
+start_cluster "$DEV" dev
+DEV_PID=$STARTED_PID ENDPOINT=$STARTED_ENDPOINT
+start_cluster "$NW" nowsync --nowsync
+NW_PID=$STARTED_PID
 
-TARGETS=(raw one cluster)
-declare -A DIR=([raw]=$RAW [one]=$ONE/mnt [cluster]=$N1)
-declare -A STATS=([raw]="" [one]=$ONE/mnt [cluster]=$N1)
+TARGETS=(raw one cluster nowsync)
+declare -A DIR=([raw]=$RAW [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
+declare -A STATS=([raw]="" [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
 if [[ $PEERS == 1 ]]; then
     for p in moosefs gluster; do
         if [[ -x $PEERS_DIR/peer_$p.sh ]] && "$PEERS_DIR/peer_$p.sh" start >"$OUT/$p.log" 2>&1; then
@@ -164,9 +183,12 @@ for t in "${TARGETS[@]}"; do
     sync
     log "$t: untar, ls -lR, rm -rf"
     s=$(date +%s.%N); tar -xf "$OUT/tree.tar" -C "$d"; e=$(date +%s.%N)
+    python3 -c 'import os, sys; os.fsync(os.open(sys.argv[1], os.O_RDONLY))' "$d"; f=$(date +%s.%N)
     echo "untar $(awk "BEGIN { print $e - $s }")" > "$OUT/$t-tree.txt"
+    echo "untar_fsync $(awk "BEGIN { print $f - $s }")" >> "$OUT/$t-tree.txt"
     listing=$d
     [[ $t == cluster ]] && listing=$N2/bench-tree
+    [[ $t == nowsync ]] && listing=$NW/n2/mnt/bench-tree
     s=$(date +%s.%N); ls -lR "$listing" > /dev/null; e=$(date +%s.%N)
     echo "ls $(awk "BEGIN { print $e - $s }")" >> "$OUT/$t-tree.txt"
     s=$(date +%s.%N); rm -rf "$d"; e=$(date +%s.%N)
@@ -185,7 +207,8 @@ REPORT=$OUT/table.txt
 import json, re, sys
 
 out, targets = sys.argv[1], sys.argv[2].split()
-names = {"raw": "ext4", "one": "1 node", "cluster": "2 nodes/etcd", "moosefs": "MooseFS", "gluster": "GlusterFS"}
+names = {"raw": "ext4", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "2 nodes,nowsync",
+         "moosefs": "MooseFS", "gluster": "GlusterFS"}
 
 def load(t, tag):
     try:
@@ -232,15 +255,17 @@ z = load("zero", "p1")
 if z:
     print(f"{'stat, attr-timeout 0 (1 node)':<34}{'':>15}{z['first_stat']['ops_s']:>15,.0f}")
 print()
-c1, c16 = load("cluster", "p1"), load("cluster", "spread")
-if c1 and c16:
-    print("2 nodes on etcd against etcd's ceiling (one-put transactions):")
-    print(f"  create, 1 process      {c1['create']['ops_s'] / e1[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
-    print(f"  create, 16 processes   {c16['create']['ops_s'] / e16[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
-    print(f"  unlink, 1 process      {c1['unlink']['ops_s'] / e1[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
-    print()
+for target, label in (("cluster", "2 nodes on etcd"), ("nowsync", "2 nodes on etcd with --nowsync")):
+    c1, c16 = load(target, "p1"), load(target, "spread")
+    if c1 and c16:
+        print(f"{label} against etcd's ceiling (one-put transactions):")
+        print(f"  create, 1 process      {c1['create']['ops_s'] / e1[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
+        print(f"  create, 16 processes   {c16['create']['ops_s'] / e16[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
+        print(f"  unlink, 1 process      {c1['unlink']['ops_s'] / e1[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
+        print()
 print(f"{'tree of small files, seconds':<34}" + "".join(f"{names[t]:>15}" for t in targets))
-for what, label in (("untar", "untar"), ("ls", "ls -lR (other node)"), ("rm", "rm -rf")):
+for what, label in (("untar", "untar"), ("untar_fsync", "untar, then fsync(dir)"), ("ls", "ls -lR (other node)"),
+                    ("rm", "rm -rf")):
     line = f"{label:<34}"
     for t in targets:
         vals = dict(l.split() for l in open(f"{out}/{t}-tree.txt"))

@@ -48,7 +48,7 @@ use crate::types::Ino;
 
 /// How long an acknowledged change waits for the flusher at most (unless
 /// held back with its file).
-pub const FLUSH_EVERY: Duration = Duration::from_millis(10);
+pub const FLUSH_EVERY: Duration = Duration::from_millis(25);
 /// How long a file made here is held back at most while it is written.
 pub const HOLD_MAX: Duration = Duration::from_secs(1);
 /// Most changes queued; a change past it waits for the flusher.
@@ -90,6 +90,10 @@ struct Born {
     /// changes are held back (see [`HOLD_MAX`]).
     writing: bool,
     since: Instant,
+    /// Its records the flusher committed, as committed: since no other
+    /// node reaches the inode, the engine holds exactly these, and reads of
+    /// its records are answered from here.
+    committed: BTreeMap<Vec<u8>, Arc<Vec<u8>>>,
 }
 
 /// Records as a range held them (key, value).
@@ -115,8 +119,6 @@ struct Op {
     writes: Vec<Write>,
     /// Delegated directories it relies on: each flush compares their records.
     dirs: Vec<Ino>,
-    /// Inodes it makes.
-    born: Vec<Ino>,
     /// Files made here whose records it writes: held back with them.
     files: Vec<Ino>,
     /// Cache hints for the commit that carries it.
@@ -176,12 +178,26 @@ impl State {
         }
     }
 
-    /// Whether records of `ino` exist only in the overlay: made here and
-    /// not flushed, so the engine holds none of them.
-    fn unborn(&self, ino: Ino) -> bool {
-        self.born.contains_key(&ino)
-            && self.queue.iter().any(|op| op.born.contains(&ino))
-            && self.born_in_holding(ino).is_some()
+    /// What this node knows the engine holds of `ino`'s records, when it
+    /// knows it all: an inode made here, still this node's alone.
+    fn known(&self, ino: Ino) -> Option<&BTreeMap<Vec<u8>, Arc<Vec<u8>>>> {
+        self.born_in_holding(ino)?;
+        self.born.get(&ino).map(|b| &b.committed)
+    }
+
+    /// The engine's records of `[start, end)` when they are known here.
+    fn known_range(&self, start: &[u8], end: &[u8]) -> Option<Records> {
+        let ino = match schema::range_subject(start, end) {
+            Subject::Names(i) | Subject::Inode(i) | Subject::File(i) => i,
+            _ => return None,
+        };
+        let known = self.known(ino)?;
+        Some(
+            known
+                .range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
+                .map(|(k, v)| (k.clone(), v.as_ref().clone()))
+                .collect(),
+        )
     }
 
     fn in_overlay(&self, start: &[u8], end: &[u8]) -> Vec<(Vec<u8>, u64)> {
@@ -405,16 +421,21 @@ impl DeferredKv {
     }
 
     /// Whether `key` holds an acknowledged change, or belongs to an inode
-    /// whose records exist only here.
-    fn look(&self, key: &[u8]) -> Look {
+    /// whose records this node knows (unless `plain`: the engine's answer
+    /// is wanted, for a transaction that will be sent).
+    fn look(&self, key: &[u8], plain: bool) -> Look {
         let st = self.state.lock();
         if let Some(p) = st.overlay.get(key) {
             return Look::Pending(p.value.clone(), p.seq);
         }
-        match schema::subject(key) {
-            Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) if st.unborn(ino) => Look::Unborn,
-            _ => Look::Engine,
+        if !plain {
+            if let Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) = schema::subject(key) {
+                if let Some(known) = st.known(ino) {
+                    return Look::Known(known.get(key).map(|v| v.as_ref().clone()));
+                }
+            }
         }
+        Look::Engine
     }
 
     /// Decide what becomes of a finished transaction (see [`Fate`]).
@@ -461,7 +482,7 @@ impl DeferredKv {
             && t.writes.len() + t.ranges.iter().map(|d| d.records.as_ref().map_or(0, Vec::len)).sum::<usize>()
                 <= self.limit();
         if !deferrable {
-            let queued = t.leaned
+            let queued = t.pending_read
                 || t.touched().any(|k| st.overlay.contains_key(k))
                 || t.scans
                     .iter()
@@ -470,6 +491,9 @@ impl DeferredKv {
                     .any(|(s, e)| !st.in_overlay(s, e).is_empty());
             if queued {
                 return Fate::FlushFirst;
+            }
+            if t.memory_read {
+                return Fate::Plain;
             }
             let mine: Vec<Vec<u8>> =
                 t.writes.keys().filter(|k| st.own(&self.node, k, &[]) != Own::No).cloned().collect();
@@ -525,7 +549,7 @@ impl DeferredKv {
         }
         for (ino, dir) in &new {
             let writing = writes.iter().any(|(k, v)| v.is_some() && *k == schema::unsealed(*ino));
-            st.born.insert(*ino, Born { dir: *dir, writing, since: now });
+            st.born.insert(*ino, Born { dir: *dir, writing, since: now, committed: BTreeMap::new() });
         }
         for (k, v) in &writes {
             held_now(&mut st, &self.node, k, v.as_deref().map(Vec::as_slice), None);
@@ -538,15 +562,7 @@ impl DeferredKv {
                 }
             }
         }
-        st.queue.push_back(Arc::new(Op {
-            seq,
-            writes,
-            dirs,
-            born: new.iter().map(|(i, _)| *i).collect(),
-            files,
-            absent: t.absent.clone(),
-            empty: t.empty.clone(),
-        }));
+        st.queue.push_back(Arc::new(Op { seq, writes, dirs, files, absent: t.absent.clone(), empty: t.empty.clone() }));
         Fate::Queued(seq)
     }
 
@@ -629,8 +645,8 @@ enum Sent {
 /// What [`DeferredKv::look`] found of a key.
 enum Look {
     Pending(Option<Arc<Vec<u8>>>, u64),
-    /// A record of an inode made here whose create has not committed: none.
-    Unborn,
+    /// A record of an inode made here, as committed (or none).
+    Known(Option<Vec<u8>>),
     Engine,
 }
 
@@ -642,6 +658,9 @@ enum Fate {
     Conflict,
     /// It touches keys with queued changes: flush them, then run it again.
     FlushFirst,
+    /// It must be sent, and read records answered from memory: run it
+    /// again reading them from the engine, so the commit compares them.
+    Plain,
     /// The queue is full: wait for the flusher, then run it again.
     Full,
     /// Send it as usual; these keys of this node's alone it writes.
@@ -720,6 +739,14 @@ fn committed(st: &mut State, b: &Batch, rev: i64) {
     for ((k, v), seq) in b.writes.iter().zip(&b.seqs) {
         if st.overlay.get(k).is_some_and(|p| p.seq == *seq) {
             st.overlay.remove(k);
+        }
+        if let Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) = schema::subject(k) {
+            if let Some(born) = st.born.get_mut(&ino) {
+                match v {
+                    Some(v) => born.committed.insert(k.clone(), v.clone()),
+                    None => born.committed.remove(k),
+                };
+            }
         }
         if k.starts_with(&schema::delegations()) && k.len() == 9 {
             let dir = schema::key_ino(k);
@@ -807,6 +834,13 @@ fn flusher(kv: Weak<DeferredKv>) {
     }
 }
 
+thread_local! {
+    /// The next write transaction of this thread reads the engine, not
+    /// memory: it runs again after [`Fate::FlushFirst`] or [`Fate::Plain`],
+    /// and will be sent.
+    static PLAIN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// A read view: the overlay over the engine's.
 struct DeferredRead<'a> {
     kv: &'a DeferredKv,
@@ -815,32 +849,38 @@ struct DeferredRead<'a> {
 
 impl KvRead for DeferredRead<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        match self.kv.look(key) {
+        match self.kv.look(key, false) {
             Look::Pending(v, _) => Ok(v.map(|v| v.as_ref().clone())),
-            Look::Unborn => Ok(None),
+            Look::Known(v) => Ok(v),
             Look::Engine => self.inner.get(key),
         }
     }
     fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
-        match self.kv.look(key) {
+        match self.kv.look(key, false) {
             Look::Pending(v, _) => Ok((v.map(|v| v.as_ref().clone()), None)),
-            Look::Unborn => Ok((None, None)),
+            Look::Known(v) => Ok((v, None)),
             Look::Engine => self.inner.get_versioned(key),
         }
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let over = self.kv.overlay_in(start, end);
-        let extra = over.values().filter(|v| v.is_none()).count();
-        let base = self.inner.scan(start, end, limit.saturating_add(extra))?;
+        let known = self.kv.state.lock().known_range(start, end);
+        let base = match known {
+            Some(records) => records,
+            None => {
+                let extra = over.values().filter(|v| v.is_none()).count();
+                self.inner.scan(start, end, limit.saturating_add(extra))?
+            }
+        };
         Ok(crate::kv::merge_pending(base, &over, start, end, limit))
     }
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
         let mut out: Vec<Option<crate::kv::Found>> = vec![None; keys.len()];
         let mut ask = Vec::new();
         for (i, k) in keys.iter().enumerate() {
-            match self.kv.look(k) {
+            match self.kv.look(k, false) {
                 Look::Pending(v, _) => out[i] = Some((v.map(|v| v.as_ref().clone()), None)),
-                Look::Unborn => out[i] = Some((None, None)),
+                Look::Known(v) => out[i] = Some((v, None)),
                 Look::Engine => ask.push(i),
             }
         }
@@ -878,10 +918,14 @@ struct DeferredTxn<'a> {
     new_inodes: Vec<Ino>,
     absent: Vec<Vec<u8>>,
     empty: Vec<Vec<u8>>,
-    /// Some read was answered by the overlay alone (an acknowledged change,
-    /// or the absence of records of an inode made here and not flushed):
-    /// sent as is, the engine could not compare it.
-    leaned: bool,
+    /// Some read was answered by an acknowledged change: sent, this
+    /// transaction would rest on what the engine does not hold yet.
+    pending_read: bool,
+    /// Some read was answered by what this node knows the engine holds (an
+    /// inode made here): sent, the engine would not compare it.
+    memory_read: bool,
+    /// Ask the engine, not memory (see [`Fate::Plain`]).
+    plain: bool,
 }
 
 impl DeferredTxn<'_> {
@@ -898,28 +942,26 @@ impl DeferredTxn<'_> {
     /// is this node's alone (a file's layout made here): the delete can then
     /// be acknowledged as deletes of those keys. None for any other range.
     fn expand(&mut self, start: &[u8], end: &[u8]) -> KvResult<Option<Records>> {
-        let (owned, unborn, seen) = {
+        let (owned, known, seen) = {
             let st = self.kv.state.lock();
             let owned =
                 schema::range_subject(start, end) != Subject::Other && st.own(&self.kv.node, start, &[]) != Own::No;
-            let unborn = match schema::range_subject(start, end) {
-                Subject::Names(i) | Subject::Inode(i) | Subject::File(i) => st.unborn(i),
-                _ => false,
-            };
-            (owned, unborn, st.in_overlay(start, end))
+            let known = if self.plain { None } else { st.known_range(start, end) };
+            (owned, known, st.in_overlay(start, end))
         };
         if !owned {
             return Ok(None);
         }
-        let base = match unborn {
-            true => Vec::new(),
-            false => self.inner.scan(start, end, usize::MAX >> 1)?,
+        self.memory_read |= known.is_some();
+        self.pending_read |= !seen.is_empty();
+        let base = match known {
+            Some(records) => records,
+            None => self.inner.scan(start, end, usize::MAX >> 1)?,
         };
         let mut layered = self.kv.overlay_in(start, end);
         for (k, v) in self.writes.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end))) {
             layered.insert(k.clone(), v.clone());
         }
-        self.leaned |= unborn || !seen.is_empty();
         self.scans.push((start.to_vec(), end.to_vec(), seen));
         Ok(Some(crate::kv::merge_pending(base, &layered, start, end, usize::MAX)))
     }
@@ -943,16 +985,16 @@ impl KvRead for DeferredTxn<'_> {
         if self.range_deleted(key) {
             return self.inner.get(key);
         }
-        match self.kv.look(key) {
+        match self.kv.look(key, self.plain) {
             Look::Pending(v, seq) => {
                 self.reads.push((key.to_vec(), seq));
-                self.leaned = true;
+                self.pending_read = true;
                 Ok(v.map(|v| v.as_ref().clone()))
             }
-            Look::Unborn => {
+            Look::Known(v) => {
                 self.reads.push((key.to_vec(), 0));
-                self.leaned = true;
-                Ok(None)
+                self.memory_read = true;
+                Ok(v)
             }
             Look::Engine => {
                 self.reads.push((key.to_vec(), 0));
@@ -961,24 +1003,21 @@ impl KvRead for DeferredTxn<'_> {
         }
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let (seen, unborn) = {
+        let (seen, known) = {
             let st = self.kv.state.lock();
-            let unborn = match schema::range_subject(start, end) {
-                Subject::Names(i) | Subject::Inode(i) | Subject::File(i) => st.unborn(i),
-                _ => false,
-            };
-            (st.in_overlay(start, end), unborn)
+            let known = if self.plain { None } else { st.known_range(start, end) };
+            (st.in_overlay(start, end), known)
         };
         let mut layered = self.kv.overlay_in(start, end);
         for (k, v) in self.writes.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end))) {
             layered.insert(k.clone(), v.clone());
         }
-        self.leaned |= unborn || !seen.is_empty();
+        self.pending_read |= !seen.is_empty();
+        self.memory_read |= known.is_some();
         self.scans.push((start.to_vec(), end.to_vec(), seen));
-        // The engine holds nothing of an inode made here and not flushed.
-        let base = match unborn {
-            true => Vec::new(),
-            false => {
+        let base = match known {
+            Some(records) => records,
+            None => {
                 let extra = layered.values().filter(|v| v.is_none()).count();
                 self.inner.scan(start, end, limit.saturating_add(extra))?
             }
@@ -1051,6 +1090,11 @@ impl KvWrite for DeferredTxn<'_> {
             Fate::FlushFirst => {
                 drop(self);
                 kv.flush_all()?;
+                PLAIN.with(|p| p.set(true));
+                Err(KvError::Conflict)
+            }
+            Fate::Plain => {
+                PLAIN.with(|p| p.set(true));
                 Err(KvError::Conflict)
             }
             Fate::Full => {
@@ -1103,7 +1147,9 @@ impl KvEngine for DeferredKv {
             new_inodes: Vec::new(),
             absent: Vec::new(),
             empty: Vec::new(),
-            leaned: false,
+            pending_read: false,
+            memory_read: false,
+            plain: PLAIN.with(|p| p.replace(false)),
         }))
     }
     fn sync(&self) -> KvResult<()> {
