@@ -226,8 +226,12 @@ pub struct DeferredKv {
 enum Flush {
     /// What is not held back.
     Due,
-    /// Everything queued up to this sequence number.
+    /// What is not held back, up to this sequence number (a durable
+    /// commit's own change and those before it).
     Through(u64),
+    /// Everything queued, held back or not (a recall, an fsync of a
+    /// directory, an unmount, a transaction that reads queued changes).
+    All,
 }
 
 impl DeferredKv {
@@ -272,25 +276,15 @@ impl DeferredKv {
         self.state.lock().born_in_holding(ino).is_some()
     }
 
-    /// A file made here was published (or its writing ended): its changes
-    /// are no longer held back.
-    pub fn settle(&self, ino: Ino) {
-        let mut st = self.state.lock();
-        if let Some(b) = st.born.get_mut(&ino) {
-            b.writing = false;
-        }
-    }
-
     /// Changes acknowledged and not committed yet, and directories delegated here.
     pub fn backlog(&self) -> (usize, usize, u64) {
         let st = self.state.lock();
         (st.queue.len(), st.held.len(), st.dropped)
     }
 
-    /// Commit every change acknowledged so far.
+    /// Commit every change acknowledged so far, files held back included.
     pub fn flush_all(&self) -> KvResult<()> {
-        let through = self.state.lock().seq;
-        self.flush(Flush::Through(through))
+        self.flush(Flush::All)
     }
 
     /// Give up the delegation of `dir`: commit what is queued, then drop
@@ -420,6 +414,12 @@ impl DeferredKv {
         Ok(Sent::Committed(txn.commit_at(Durability::Buffered)?.unwrap_or(0)))
     }
 
+    /// Whether some queued change is due (not held back).
+    fn has_due(&self) -> bool {
+        let st = self.state.lock();
+        st.queue.iter().any(|op| !st.held_back(op))
+    }
+
     /// Whether `key` holds an acknowledged change, or belongs to an inode
     /// whose records this node knows (unless `plain`: the engine's answer
     /// is wanted, for a transaction that will be sent).
@@ -439,7 +439,7 @@ impl DeferredKv {
     }
 
     /// Decide what becomes of a finished transaction (see [`Fate`]).
-    fn fate(&self, t: &DeferredTxn<'_>) -> Fate {
+    fn fate(&self, t: &DeferredTxn<'_>, durability: Durability) -> Fate {
         let mut st = self.state.lock();
         // What changed under it since it read.
         let stale = st.epoch != t.epoch
@@ -554,9 +554,17 @@ impl DeferredKv {
         for (k, v) in &writes {
             held_now(&mut st, &self.node, k, v.as_deref().map(Vec::as_slice), None);
         }
-        // A file whose lease mark goes stops being written.
+        // A file whose lease mark goes stops being written, and one whose
+        // layout is recorded is published: neither is held back any more,
+        // from this change on (queued with it, never before it).
         for f in &files {
-            if writes.iter().any(|(k, v)| v.is_none() && *k == schema::unsealed(*f)) {
+            // An fsync of the file wants it durable now, whatever it holds.
+            let settles = durability == Durability::Durable
+                || writes.iter().any(|(k, v)| {
+                    (v.is_none() && *k == schema::unsealed(*f))
+                        || (schema::subject(k) == Subject::File(*f) && schema::is_layout(k))
+                });
+            if settles {
                 if let Some(b) = st.born.get_mut(f) {
                     b.writing = false;
                 }
@@ -684,13 +692,11 @@ fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
     let mut born_here: HashSet<Ino> = HashSet::new();
     for op in &st.queue {
         let take = match what {
-            Flush::Through(seq) => op.seq <= seq,
-            Flush::Due => !st.held_back(op),
+            Flush::All => true,
+            Flush::Through(seq) if op.seq > seq => break,
+            Flush::Through(_) | Flush::Due => !st.held_back(op),
         };
         if !take {
-            if matches!(what, Flush::Through(_)) {
-                break;
-            }
             continue;
         }
         let new_keys = op.writes.iter().filter(|(k, _)| !at.contains_key(k)).count();
@@ -1070,14 +1076,16 @@ impl KvWrite for DeferredTxn<'_> {
         if self.writes.is_empty() && self.ranges.is_empty() {
             return self.inner.commit_at(durability);
         }
-        if durability == Durability::Durable && !kv.state.lock().queue.is_empty() {
-            // fsync's promise: what was acknowledged before is durable too.
-            // What this transaction read of the overlay is stale after it.
+        if durability == Durability::Durable && kv.has_due() {
+            // fsync's promise: what was acknowledged before is durable too
+            // (but files still held back: a name without its bytes is not
+            // what any close acknowledged). What this transaction read of
+            // the overlay is stale after it.
             drop(self);
-            kv.flush_all()?;
+            kv.flush(Flush::Due)?;
             return Err(KvError::Conflict);
         }
-        match kv.fate(&self) {
+        match kv.fate(&self, durability) {
             Fate::Queued(seq) => {
                 drop(self);
                 kv.notify();
@@ -1152,8 +1160,10 @@ impl KvEngine for DeferredKv {
             plain: PLAIN.with(|p| p.replace(false)),
         }))
     }
+    /// Commits what is due (files still held back stay queued: see
+    /// [`DeferredKv::flush_all`] for all of it), then syncs the engine.
     fn sync(&self) -> KvResult<()> {
-        self.flush_all()?;
+        self.flush(Flush::Due)?;
         self.inner.sync()
     }
     fn membership(&self) -> Option<&dyn crate::membership::Membership> {

@@ -370,14 +370,6 @@ impl Namespace {
         self.deferred.as_ref().is_some_and(|d| d.is_born(ino))
     }
 
-    /// A file made here was published or its writing ended: its changes
-    /// no longer wait for that.
-    pub(crate) fn settle(&self, ino: Ino) {
-        if let Some(d) = &self.deferred {
-            d.settle(ino);
-        }
-    }
-
     /// Changes acknowledged and not committed, directories delegated here,
     /// and changes dropped for a delegation lost (`status`).
     pub fn deferred_backlog(&self) -> Option<(usize, usize, u64)> {

@@ -373,6 +373,11 @@ pub fn is_unsealed(key: &[u8]) -> bool {
     key.first() == Some(&UNSEALED) && key.len() == 9
 }
 
+/// Whether `key` is a record of a file's layout (`C`, `P`, `Q`).
+pub fn is_layout(key: &[u8]) -> bool {
+    matches!(key.first(), Some(&(CHUNK | PENDING_CHUNK | LAYOUT_COMMIT)))
+}
+
 /// Whether `key` is a record of a layout written in batches (`P`, `Q`).
 pub fn is_batched_layout(key: &[u8]) -> bool {
     matches!(key.first(), Some(&(PENDING_CHUNK | LAYOUT_COMMIT)))

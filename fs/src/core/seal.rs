@@ -86,7 +86,7 @@ impl Core {
     /// before the record (durability=replicated) or after it, in the
     /// background (durability=local). A chunk whose bytes did not change
     /// keeps its record, version and replicas.
-    pub(super) fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, how: SealAs<'_>) -> FsResult<Inode> {
+    pub(super) fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, mut how: SealAs<'_>) -> FsResult<Inode> {
         let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
         let size = md.len();
         let plan = self.plan_seal(inode, size, dirty, &how)?;
@@ -95,6 +95,14 @@ impl Core {
             vouch_for_streamed(c, inode.ino, &mut pass);
         }
         pass.short |= pass.chunks.iter().any(|(_, r)| r.replicas.len() < plan.want);
+        if pass.short && plan.replicate_now.is_some() && !how.data_durable {
+            // Peers did not take every copy: the record rests on this
+            // node's copy more than planned, so it is on stable storage
+            // before it is recorded (a power cut here must not leave the
+            // record naming only a torn copy).
+            file.sync_data().map_err(|e| FsError::io("sync backing file", e))?;
+            how.data_durable = true;
+        }
         self.commit_seal(inode.ino, size, ts_from(md.mtime(), md.mtime_nsec()), pass, how)
     }
 

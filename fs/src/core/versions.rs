@@ -76,9 +76,18 @@ impl Core {
         let (inode, records) = match self.ns.layout(ino) {
             Ok(l) => l,
             Err(MetaError::NotFound) => {
-                // Purged: every version goes with it.
-                self.store.remove(ino)?;
-                return Ok(Settled { changed: versions.len(), pending: false });
+                // Purged (its purge's delete request did not reach this
+                // node), or made under a directory delegation on its
+                // writer's node and not committed yet (--nowsync): kept as
+                // a version never recorded is.
+                let old = |(index, version): &(u32, u64)| {
+                    self.store.version_age(ino, *index, *version).is_none_or(|age| age >= UNCOMMITTED_GRACE)
+                };
+                if versions.iter().all(old) {
+                    self.store.remove(ino)?;
+                    return Ok(Settled { changed: versions.len(), pending: false });
+                }
+                return Ok(Settled { changed: 0, pending: true });
             }
             Err(e) => return Err(e.into()),
         };

@@ -399,9 +399,6 @@ impl Namespace {
     /// module's head).
     pub fn seal(&self, ino: Ino, seal: &Seal, durability: Durability) -> MetaResult<Inode> {
         let r = self.seal_records(ino, seal, durability);
-        // Published (or its writing ended): a file made here under
-        // --nowsync no longer holds its changes back.
-        self.settle(ino);
         if !seal.keep_unsealed && !seal.data_durable {
             // After the commit (also a failed one: it may have applied), so
             // that the flusher's next look finds the mark.
@@ -567,9 +564,6 @@ impl Namespace {
     /// left to record, many in one transaction: files closed while still
     /// empty, and files unchanged since a publish recorded their layout.
     pub fn end_sessions(&self, ends: &[SessionEnd]) -> MetaResult<()> {
-        for end in ends {
-            self.settle(end.ino());
-        }
         // Up to three operations per file (the mark, and a tier record and
         // object key, or a sync-pending mark), under the engine's limit.
         for batch in ends.chunks(self.unsealed_batch().min(ends.len().max(1))) {
