@@ -92,6 +92,10 @@ fn a_killed_node_leaves_each_unsynced_file_gone_or_whole_and_every_fsynced_one()
         let (name, data) = small(i);
         fs::write(c.node(0).path(&format!("out/{name}")), &data).unwrap();
     }
+    // The daemon stops at once (its supervisor then kills it with the
+    // node): what its flusher had not committed by the last close is lost.
+    // SAFETY: kill(2).
+    unsafe { libc::kill(c.node(0).daemon_pid(), libc::SIGSTOP) };
     c.nodes[0].crash();
     let b = c.node(1);
     // b's listing recalls the directory; a is found dead (its membership
