@@ -16,7 +16,7 @@ use converged_metadata::types::{
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::import::invalid_key;
+use crate::core::import::invalid_key;
 use crate::objects::{Location, ObjectTier, StoreOptions};
 
 #[derive(Args, Debug)]

@@ -2,7 +2,6 @@
 //! chunk store and the command line.
 
 pub mod admin;
-pub mod backfill;
 pub mod blocks;
 pub mod chunkstore;
 pub mod cli;
@@ -13,10 +12,8 @@ pub mod core;
 mod daemon;
 pub mod devcluster;
 pub mod error;
-pub mod evict;
 mod fuse;
 mod identity;
-pub mod import;
 pub mod kernel_handles;
 pub mod latency;
 pub mod metrics;
@@ -26,7 +23,6 @@ pub mod objects;
 pub mod placement;
 mod remote;
 pub mod remount;
-pub mod stage;
 pub mod supervise;
 pub mod tier;
 pub mod volume;

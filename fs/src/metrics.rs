@@ -86,7 +86,7 @@ impl Collector for DaemonCollector {
             counter(&mut encoder, name, help, v)?;
         }
         gauge(&mut encoder, "open_files", "Files open on this node", core.open_files() as i64)?;
-        if let Ok((avail, total)) = crate::evict::disk_space(core.data_dir()) {
+        if let Ok((avail, total)) = crate::blocks::disk_space(core.data_dir()) {
             gauge(&mut encoder, "data_disk_bytes", "Size of the data disk", total as i64)?;
             gauge(&mut encoder, "data_disk_free_bytes", "Free space of the data disk", avail as i64)?;
         }

@@ -13,7 +13,7 @@ use crate::error::{FsError, FsResult};
 use crate::tier::Tiering;
 
 /// (available, total) bytes of the filesystem holding `path`.
-pub fn disk_space(path: &std::path::Path) -> FsResult<(u64, u64)> {
+fn disk_space(path: &std::path::Path) -> FsResult<(u64, u64)> {
     crate::blocks::disk_space(path).map_err(|e| FsError::io("statvfs data dir", e))
 }
 
@@ -26,7 +26,7 @@ fn used_fraction(avail: u64, total: u64) -> f64 {
 }
 
 /// Used fraction of the filesystem holding `path`.
-pub fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
+fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
     let (avail, total) = disk_space(path)?;
     Ok(used_fraction(avail, total))
 }

@@ -10,7 +10,7 @@
 use converged_metadata::types::*;
 use converged_metadata::{ImportEntry, MetaError};
 
-use crate::backfill::key_of;
+use super::backfill::key_of;
 use crate::core::Core;
 use crate::error::{FsError, FsResult};
 use crate::objects::Location;

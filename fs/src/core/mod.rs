@@ -24,6 +24,10 @@
 //! - `repair.rs`: copies of dead and draining holders rebuilt elsewhere.
 //! - `sweep.rs`: local copies that no chunk record names, removed.
 //! - `scrub.rs`: local copies read back against their checksums, bad blocks rewritten.
+//! - `backfill.rs`, `evict.rs`, `import.rs`, `stage.rs`: the object tier's
+//!   work on files (uploads and re-keys, eviction under disk pressure,
+//!   objects shown as files, staging onto the SSDs); `tier.rs` (outside
+//!   the core) holds the tier's queue and settings.
 //!
 //! # Lock order
 //!
@@ -68,8 +72,11 @@
 //! waits for one, so no cycle can form through it.
 
 mod attr;
+pub(crate) mod backfill;
 mod dirs;
 mod durability;
+mod evict;
+pub(crate) mod import;
 mod open;
 mod peer_leases;
 mod read;
@@ -79,6 +86,7 @@ mod repair;
 mod replicate;
 mod scrub;
 mod seal;
+mod stage;
 mod sweep;
 mod versions;
 mod write;
