@@ -232,6 +232,16 @@ pub const FAULT_DIE_AFTER_COMMIT: &str = "CONVERGED_FAULT_DIE_AFTER_COMMIT";
 const FH_GENERATION_SHIFT: u32 = 40;
 
 /// Run the daemon in this process until the filesystem is unmounted.
+/// The kernel connection a daemon serves, and what an earlier daemon of
+/// it left (see supervise.rs): the journal of handles, the settled state,
+/// and the handles to adopt.
+struct KernelSide {
+    conn: Connection,
+    journal: Arc<HandleJournal>,
+    settled: Option<Settled>,
+    adopted: Vec<crate::kernel_handles::Recorded>,
+}
+
 pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     // Everything the daemon creates in the data dir (metadata, chunks, the
     // lock, the log) is its own: 0600 files, 0700 directories.
@@ -248,28 +258,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         bail!("fault switch {FAULT_DIE_ON_RESTART} is set: a restarted daemon dies at start");
     }
     let _lock = lock_data_dir(&c.data_dir, Duration::from_secs(10))?;
-    // The kernel connection: this daemon's own, or the supervisor's, new
-    // or taken over from a daemon that died (see supervise.rs).
-    let (conn, journal, settled, adopted) = match args.fuse_fd {
-        None => (Connection::Mount, HandleJournal::create(&c.data_dir, Settled::default())?, None, Vec::new()),
-        Some(fd) => {
-            // SAFETY: the supervisor opened this descriptor for this process.
-            let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-            if args.fuse_generation == 0 {
-                (Connection::Fresh(fd), HandleJournal::create(&c.data_dir, Settled::default())?, None, Vec::new())
-            } else {
-                let (journal, settled, adopted) = HandleJournal::take_over(&c.data_dir)?;
-                tracing::info!(
-                    generation = args.fuse_generation,
-                    last = args.last_exit.as_deref().unwrap_or("?"),
-                    handles = adopted.len(),
-                    "taking over the live FUSE connection"
-                );
-                (Connection::Resume(fd), journal, Some(settled), adopted)
-            }
-        }
-    };
-    let journal = Arc::new(journal);
+    let kernel = kernel_side(args, &c)?;
     let found = crate::identity::inspect(&c.data_dir)?;
     // A read-only reader node of a cluster may have an empty data dir (see `identity::settle`).
     if matches!(found, crate::identity::Found::Empty) && args.require_identity && !args.new_node && !args.read_only {
@@ -279,130 +268,14 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             c.data_dir.display()
         );
     }
-    let engine = open_engine_waiting(&c, args.meta_wait)?;
-    // Shared metadata: a node-local cache of inodes and names, kept honest
-    // by the engine's change feed.
-    let engine = if engine.membership().is_some() {
-        converged_metadata::CachedKv::wrap(engine).context("watch the metadata for other nodes' changes")?
-    } else {
-        engine
-    };
-    // --nowsync: changes in directories delegated here are acknowledged
-    // before they commit (see metadata/src/kv_deferred.rs).
-    let deferred = (args.nowsync && !args.read_only)
-        .then(|| converged_metadata::kv_deferred::DeferredKv::wrap(engine.clone(), &node_id(args)));
-    let engine: Arc<dyn converged_metadata::KvEngine> = match &deferred {
-        Some(d) => d.clone(),
-        None => engine,
-    };
-    // SAFETY: getuid/getgid cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    let tier = match &args.object_store {
-        Some(uri) => {
-            let opts = crate::objects::StoreOptions { s3_endpoint: args.s3_endpoint.clone() };
-            let objects =
-                crate::objects::ObjectTier::open(uri, opts).with_context(|| format!("--object-store {uri}"))?;
-            // Mount even while the store is down: the backlog waits for it.
-            if let Err(e) = objects.probe(objects.home()) {
-                tracing::warn!(error = %e, "object store not reachable yet; backfill will retry");
-            }
-            Some(Arc::new(crate::tier::Tiering::new(
-                objects,
-                crate::tier::TierConfig {
-                    backfill_delay: args.backfill_delay,
-                    keep_deleted: args.keep_deleted_objects,
-                    evict_high: args.evict_high / 100.0,
-                    evict_low: args.evict_low / 100.0,
-                    workers: args.backfill_workers as usize,
-                    copy_limit: args.object_copy_limit,
-                },
-            )))
-        }
-        None => None,
-    };
-    let node = node_id(args);
-    let ask = crate::identity::Ask {
-        node: &node,
-        new_node: args.new_node,
-        read_only: args.read_only,
-        clustered: engine.membership().is_some(),
-        meta: &c.meta_str,
-    };
-    let exists = converged_metadata::volume_exists(&*engine).context("read the volume record")?;
-    crate::identity::before_open(&c.data_dir, &found, exists, &ask)?;
-    let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node);
-    crate::identity::settle(&c.data_dir, found, &ns, &ask)?;
-    if tier.is_some() {
-        ns = ns.with_tier();
-    }
-    if let Some(d) = deferred {
-        ns = ns.with_nowsync(d);
-    }
-    let core = Arc::new(Core::start(
-        ns,
-        CoreConfig {
-            data_dir: c.data_dir.clone(),
-            node_id: node_id(args),
-            verify_reads: args.verify_reads,
-            read_only: args.read_only,
-            atime: if args.read_only { converged_metadata::AtimeRule::Never } else { args.atime.rule() },
-            diratime: !args.nodiratime,
-            meta_file: match &c.meta {
-                MetaUri::Redb(path) => Some(path.clone()),
-                MetaUri::Memory | MetaUri::Etcd { .. } => None,
-            },
-            kernel_open: adopted.iter().map(|r| r.handle).collect(),
-            fh_base: args.fuse_generation << FH_GENERATION_SHIFT,
-        },
-    )?);
-    if let Some(settled) = settled {
-        core.set_passthrough(settled.passthrough);
-    }
-    core.set_daemon_life(crate::core::DaemonLife {
-        started: std::time::SystemTime::now(),
-        restarts: args.fuse_generation,
-        last_exit: args.last_exit.clone(),
-    });
+    let (engine, deferred) = metadata_engine(args, &c)?;
+    let tier = object_tier(args)?;
+    let ns = namespace(args, &c, &engine, deferred, tier.is_some(), found)?;
+    let core = start_core(args, &c, ns, &kernel)?;
     let workers = crate::workers::Supervisor::new();
     let w = Arc::downgrade(&workers);
     core.report_workers_with(move || w.upgrade().map(|w| w.report()).unwrap_or_default());
-    // The peer data plane: this node's chunks, served over QUIC with mutual
-    // TLS, and the replicas and remote reads of its own files.
-    let mut addr = String::new();
-    if let (Some(listen), Some(dir)) = (&args.listen, &args.tls_dir) {
-        let tls = converged_transport::NodeTls::load(dir)?;
-        let node = tls.node.clone();
-        let cluster = crate::cluster::Cluster::start(
-            crate::cluster::ClusterConfig {
-                node: node_id(args),
-                default_replicas: args.replicas.unwrap_or(DEFAULT_CLUSTER_REPLICAS),
-                durability: args.durability,
-                failure_domain: args.failure_domain.clone(),
-                peer_timeout: Duration::from_secs_f64(args.peer_timeout.max(0.1)),
-            },
-            *listen,
-            &tls,
-            engine.clone(),
-            core.chunk_store(),
-        )
-        .with_context(|| format!("listen on {listen}"))?;
-        addr = cluster.local_addr().to_string();
-        tracing::info!(%addr, %node, replicas = cluster.default_replicas(), durability = ?args.durability, "serving chunks to peers");
-        core.attach_cluster(cluster);
-        if !args.read_only {
-            let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
-            workers.start(crate::workers::Repairer::new(Arc::downgrade(&core), repair))?;
-            // The sweep hears which files other nodes changed, and the
-            // workers which control-plane records did.
-            engine.watch(core.sweep_hints().feed(core.node_id().to_string()))?;
-            engine.watch(core.peer_leases().feed())?;
-            engine.watch(core.recorded_copies_feed())?;
-            if engine.watch(core.control().feed())? {
-                core.control().watching();
-            }
-            workers.start(crate::workers::Sweeper::new(Arc::downgrade(&core), args.sweep_grace))?;
-        }
-    }
+    let addr = serve_peers(args, &core, &engine, &workers)?;
     // A read-only node is a reader: it does not register, so placement sends
     // it no copies and no membership lease is taken.
     if !args.read_only {
@@ -425,17 +298,227 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         let bound = crate::metrics::serve(addr, Arc::downgrade(&core)).with_context(|| format!("--metrics {addr}"))?;
         tracing::info!(%bound, "serving Prometheus metrics at /metrics");
     }
-
     if !args.read_only {
-        // Buffered namespace commits become durable within a second (as a local
-        // filesystem's journal commit); fsync makes them durable at once.
-        workers.start(crate::workers::Flusher { core: Arc::downgrade(&core), period: Duration::from_secs(1) })?;
-        workers.start(crate::workers::Spares { core: Arc::downgrade(&core) })?;
-        workers.start(crate::workers::Replicator { core: Arc::downgrade(&core) })?;
-        workers.start(crate::workers::Streamer { core: Arc::downgrade(&core) })?;
-        workers.start(crate::workers::Settler { core: Arc::downgrade(&core) })?;
-        workers.start(crate::workers::Scrubber::new(Arc::downgrade(&core), args.scrub_period))?;
+        start_local_workers(args, &core, &workers)?;
     }
+    mount_and_serve(args, &c, core, &engine, kernel)?;
+    notify_systemd("STOPPING=1");
+    if let Some(m) = engine.membership() {
+        if let Err(e) = m.leave() {
+            tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");
+        }
+    }
+    if let Some(t) = &tier {
+        t.stop();
+    }
+    workers.stop(Duration::from_secs(5));
+    tracing::info!(mountpoint = %c.mountpoint.display(), "unmounted");
+    Ok(())
+}
+
+/// The kernel connection: this daemon's own, or the supervisor's, new or
+/// taken over from a daemon that died (see supervise.rs).
+fn kernel_side(args: &MountArgs, c: &Checked) -> anyhow::Result<KernelSide> {
+    let fresh = |conn| -> anyhow::Result<KernelSide> {
+        let journal = Arc::new(HandleJournal::create(&c.data_dir, Settled::default())?);
+        Ok(KernelSide { conn, journal, settled: None, adopted: Vec::new() })
+    };
+    let Some(fd) = args.fuse_fd else { return fresh(Connection::Mount) };
+    // SAFETY: the supervisor opened this descriptor for this process.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    if args.fuse_generation == 0 {
+        return fresh(Connection::Fresh(fd));
+    }
+    let (journal, settled, adopted) = HandleJournal::take_over(&c.data_dir)?;
+    tracing::info!(
+        generation = args.fuse_generation,
+        last = args.last_exit.as_deref().unwrap_or("?"),
+        handles = adopted.len(),
+        "taking over the live FUSE connection"
+    );
+    Ok(KernelSide { conn: Connection::Resume(fd), journal: Arc::new(journal), settled: Some(settled), adopted })
+}
+
+/// The metadata engine as this node uses it: the engine the URI names; for
+/// a shared one, a node-local cache of inodes and names kept honest by its
+/// change feed; with --nowsync, the deferring layer in front (see
+/// metadata/src/kv_deferred.rs), also returned on its own.
+type Engine = Arc<dyn converged_metadata::KvEngine>;
+type Deferred = Option<Arc<converged_metadata::kv_deferred::DeferredKv>>;
+
+fn metadata_engine(args: &MountArgs, c: &Checked) -> anyhow::Result<(Engine, Deferred)> {
+    let engine = open_engine_waiting(c, args.meta_wait)?;
+    let engine = match engine.membership() {
+        Some(_) => converged_metadata::CachedKv::wrap(engine).context("watch the metadata for other nodes' changes")?,
+        None => engine,
+    };
+    let deferred = (args.nowsync && !args.read_only)
+        .then(|| converged_metadata::kv_deferred::DeferredKv::wrap(engine.clone(), &node_id(args)));
+    let engine: Engine = match &deferred {
+        Some(d) => d.clone(),
+        None => engine,
+    };
+    Ok((engine, deferred))
+}
+
+/// The object tier, when the mount has one (`--object-store`).
+fn object_tier(args: &MountArgs) -> anyhow::Result<Option<Arc<crate::tier::Tiering>>> {
+    let Some(uri) = &args.object_store else { return Ok(None) };
+    let opts = crate::objects::StoreOptions { s3_endpoint: args.s3_endpoint.clone() };
+    let objects = crate::objects::ObjectTier::open(uri, opts).with_context(|| format!("--object-store {uri}"))?;
+    // Mount even while the store is down: the backlog waits for it.
+    if let Err(e) = objects.probe(objects.home()) {
+        tracing::warn!(error = %e, "object store not reachable yet; backfill will retry");
+    }
+    Ok(Some(Arc::new(crate::tier::Tiering::new(
+        objects,
+        crate::tier::TierConfig {
+            backfill_delay: args.backfill_delay,
+            keep_deleted: args.keep_deleted_objects,
+            evict_high: args.evict_high / 100.0,
+            evict_low: args.evict_low / 100.0,
+            workers: args.backfill_workers as usize,
+            copy_limit: args.object_copy_limit,
+        },
+    ))))
+}
+
+/// The volume's namespace for this node, once the data dir's identity
+/// agrees with the volume (see `identity.rs`).
+fn namespace(
+    args: &MountArgs,
+    c: &Checked,
+    engine: &Engine,
+    deferred: Deferred,
+    tiered: bool,
+    found: crate::identity::Found,
+) -> anyhow::Result<Namespace> {
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let node = node_id(args);
+    let ask = crate::identity::Ask {
+        node: &node,
+        new_node: args.new_node,
+        read_only: args.read_only,
+        clustered: engine.membership().is_some(),
+        meta: &c.meta_str,
+    };
+    let exists = converged_metadata::volume_exists(&**engine).context("read the volume record")?;
+    crate::identity::before_open(&c.data_dir, &found, exists, &ask)?;
+    let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node);
+    crate::identity::settle(&c.data_dir, found, &ns, &ask)?;
+    if tiered {
+        ns = ns.with_tier();
+    }
+    if let Some(d) = deferred {
+        ns = ns.with_nowsync(d);
+    }
+    Ok(ns)
+}
+
+/// The filesystem core over `ns` (recovery runs here), serving from the
+/// start the handles an earlier daemon of the connection left.
+fn start_core(args: &MountArgs, c: &Checked, ns: Namespace, kernel: &KernelSide) -> anyhow::Result<Arc<Core>> {
+    let core = Arc::new(Core::start(
+        ns,
+        CoreConfig {
+            data_dir: c.data_dir.clone(),
+            node_id: node_id(args),
+            verify_reads: args.verify_reads,
+            read_only: args.read_only,
+            atime: if args.read_only { converged_metadata::AtimeRule::Never } else { args.atime.rule() },
+            diratime: !args.nodiratime,
+            meta_file: match &c.meta {
+                MetaUri::Redb(path) => Some(path.clone()),
+                MetaUri::Memory | MetaUri::Etcd { .. } => None,
+            },
+            kernel_open: kernel.adopted.iter().map(|r| r.handle).collect(),
+            fh_base: args.fuse_generation << FH_GENERATION_SHIFT,
+        },
+    )?);
+    if let Some(settled) = &kernel.settled {
+        core.set_passthrough(settled.passthrough);
+    }
+    core.set_daemon_life(crate::core::DaemonLife {
+        started: std::time::SystemTime::now(),
+        restarts: args.fuse_generation,
+        last_exit: args.last_exit.clone(),
+    });
+    Ok(core)
+}
+
+/// The peer data plane, with `--listen`: this node's chunks served over
+/// QUIC with mutual TLS, the replicas and remote reads of its own files,
+/// and the workers that act on other nodes' changes (repair, sweep).
+/// Returns the address peers reach it at (empty without one).
+fn serve_peers(
+    args: &MountArgs,
+    core: &Arc<Core>,
+    engine: &Engine,
+    workers: &Arc<crate::workers::Supervisor>,
+) -> anyhow::Result<String> {
+    let (Some(listen), Some(dir)) = (&args.listen, &args.tls_dir) else { return Ok(String::new()) };
+    let tls = converged_transport::NodeTls::load(dir)?;
+    let node = tls.node.clone();
+    let cluster = crate::cluster::Cluster::start(
+        crate::cluster::ClusterConfig {
+            node: node_id(args),
+            default_replicas: args.replicas.unwrap_or(DEFAULT_CLUSTER_REPLICAS),
+            durability: args.durability,
+            failure_domain: args.failure_domain.clone(),
+            peer_timeout: Duration::from_secs_f64(args.peer_timeout.max(0.1)),
+        },
+        *listen,
+        &tls,
+        engine.clone(),
+        core.chunk_store(),
+    )
+    .with_context(|| format!("listen on {listen}"))?;
+    let addr = cluster.local_addr().to_string();
+    tracing::info!(%addr, %node, replicas = cluster.default_replicas(), durability = ?args.durability, "serving chunks to peers");
+    core.attach_cluster(cluster);
+    if !args.read_only {
+        let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
+        workers.start(crate::workers::Repairer::new(Arc::downgrade(core), repair))?;
+        // The sweep hears which files other nodes changed, and the
+        // workers which control-plane records did.
+        engine.watch(core.sweep_hints().feed(core.node_id().to_string()))?;
+        engine.watch(core.peer_leases().feed())?;
+        engine.watch(core.recorded_copies_feed())?;
+        if engine.watch(core.control().feed())? {
+            core.control().watching();
+        }
+        workers.start(crate::workers::Sweeper::new(Arc::downgrade(core), args.sweep_grace))?;
+    }
+    Ok(addr)
+}
+
+/// The workers of a node that writes: the flusher (buffered namespace
+/// commits become durable within a second, as a local filesystem's journal
+/// commit; fsync makes them durable at once), spares, replicator, streamer,
+/// settler, scrubber.
+fn start_local_workers(
+    args: &MountArgs,
+    core: &Arc<Core>,
+    workers: &Arc<crate::workers::Supervisor>,
+) -> anyhow::Result<()> {
+    workers.start(crate::workers::Flusher { core: Arc::downgrade(core), period: Duration::from_secs(1) })?;
+    workers.start(crate::workers::Spares { core: Arc::downgrade(core) })?;
+    workers.start(crate::workers::Replicator { core: Arc::downgrade(core) })?;
+    workers.start(crate::workers::Streamer { core: Arc::downgrade(core) })?;
+    workers.start(crate::workers::Settler { core: Arc::downgrade(core) })?;
+    workers.start(crate::workers::Scrubber::new(Arc::downgrade(core), args.scrub_period))?;
+    Ok(())
+}
+
+/// Mount (or resume the connection), say so, and serve until unmounted.
+fn mount_and_serve(
+    args: &MountArgs,
+    c: &Checked,
+    core: Arc<Core>,
+    engine: &Engine,
+    kernel: KernelSide,
+) -> anyhow::Result<()> {
     let source = args.source.clone().unwrap_or_else(|| format!("converged:{}", c.data_dir.display()));
     let spec = crate::fuse::MountSpec {
         mountpoint: &c.mountpoint,
@@ -455,6 +538,7 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
             .filter(|_| args.fuse_fd.is_some())
             .and_then(|ops| ops.split(',').nth(args.fuse_generation as usize).map(str::to_string)),
     };
+    let KernelSide { conn, journal, adopted, .. } = kernel;
     crate::fuse::serve(core, spec, conn, journal, &adopted, |feed| {
         // Changes other nodes make evict what this kernel caches of them.
         engine.watch(feed)?;
@@ -475,17 +559,6 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
         notify_systemd("READY=1");
         Ok(())
     })?;
-    notify_systemd("STOPPING=1");
-    if let Some(m) = engine.membership() {
-        if let Err(e) = m.leave() {
-            tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");
-        }
-    }
-    if let Some(t) = &tier {
-        t.stop();
-    }
-    workers.stop(Duration::from_secs(5));
-    tracing::info!(mountpoint = %c.mountpoint.display(), "unmounted");
     Ok(())
 }
 
