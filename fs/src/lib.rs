@@ -21,6 +21,8 @@ pub mod metrics;
 pub mod object_faults;
 pub mod objects;
 pub mod placement;
+#[cfg(any(test, feature = "test-util"))]
+pub mod refmodel;
 mod remote;
 pub mod remount;
 pub mod supervise;

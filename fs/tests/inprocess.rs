@@ -3,7 +3,8 @@
 //! - `single_threaded_matches_model`: random sequences of namespace and data
 //!   operations (with handles held open across steps, changes made by
 //!   another node behind the core's back, flushes and remounts), applied to
-//!   the core and to a plain in-memory model; every result (value or errno)
+//!   the core and to the reference model (`converged_fs::refmodel`, which the
+//!   kernel-mount sequences of `tests/tests/refmodel.rs` use too); every result (value or errno)
 //!   must match, and so must the whole tree, every file's bytes (read back
 //!   checksum-verified), hard links, link counts and xattrs, before and
 //!   after a final remount.
@@ -23,13 +24,14 @@
 
 mod harness;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use converged_fs::core::Core;
 use converged_fs::error::{FsError, FsResult};
+use converged_fs::refmodel::{Model, Node};
 use converged_metadata::types::{FileKind, Ino, RenameMode, SetAttr, XattrMode};
 use converged_metadata::MetaError;
 use harness::*;
@@ -299,35 +301,6 @@ fn op_or_remount() -> impl Strategy<Value = Op> {
 // The model
 // ---------------------------------------------------------------------------
 
-/// A node of the model: directories and files have identities (ids never
-/// reused) so hard links, open handles and renamed directories follow them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Node {
-    Dir(usize),
-    File(usize),
-}
-
-impl Node {
-    fn id(self) -> usize {
-        match self {
-            Node::Dir(id) | Node::File(id) => id,
-        }
-    }
-}
-
-/// POSIX as the core implements it (the errno when several apply is the
-/// one the core checks first, which is also what Linux answers).
-#[derive(Default)]
-struct Model {
-    /// Path → node; directories below the root only.
-    tree: BTreeMap<String, Node>,
-    /// File id → bytes. Kept after the last name goes (open handles read it).
-    bytes: HashMap<usize, Vec<u8>>,
-    /// Node id → extended attributes.
-    xattrs: HashMap<usize, BTreeMap<Vec<u8>, Vec<u8>>>,
-    next: usize,
-}
-
 type Errno = i32;
 
 /// What an operation answers: nothing, or bytes read.
@@ -346,209 +319,9 @@ impl fmt::Debug for Val {
     }
 }
 
-fn within(path: &str, ancestor: &str) -> bool {
-    path == ancestor || path.strip_prefix(ancestor).is_some_and(|rest| rest.starts_with('/'))
-}
-
-impl Model {
-    fn new_id(&mut self) -> usize {
-        self.next += 1;
-        self.next
-    }
-
-    /// The directory holding `path` must exist and be a directory.
-    fn parent_ok(&self, path: &str) -> Result<(), Errno> {
-        let (parent, _) = split(path);
-        if parent.is_empty() {
-            return Ok(());
-        }
-        match self.get(parent)? {
-            Node::Dir(_) => Ok(()),
-            Node::File(_) => Err(libc::ENOTDIR),
-        }
-    }
-
-    fn get(&self, path: &str) -> Result<Node, Errno> {
-        self.parent_ok(path)?;
-        self.tree.get(path).copied().ok_or(libc::ENOENT)
-    }
-
-    fn file(&self, path: &str) -> Result<usize, Errno> {
-        match self.get(path)? {
-            Node::File(id) => Ok(id),
-            Node::Dir(_) => Err(libc::EISDIR),
-        }
-    }
-
-    fn is_empty_dir(&self, path: &str) -> bool {
-        !self.tree.keys().any(|k| within(k, path) && k != path)
-    }
-
-    fn write(&mut self, id: usize, offset: u64, data: &[u8]) {
-        if data.is_empty() {
-            return;
-        }
-        let b = self.bytes.get_mut(&id).expect("file has bytes");
-        let end = offset as usize + data.len();
-        if b.len() < end {
-            b.resize(end, 0);
-        }
-        b[offset as usize..end].copy_from_slice(data);
-    }
-
-    /// Remove `from` and everything below it; returns them relative to `from`.
-    fn take_subtree(&mut self, from: &str) -> Vec<(String, Node)> {
-        let keys: Vec<String> = self.tree.keys().filter(|k| within(k, from)).cloned().collect();
-        keys.into_iter().map(|k| (k[from.len()..].to_string(), self.tree.remove(&k).expect("listed"))).collect()
-    }
-
-    fn put_subtree(&mut self, to: &str, nodes: Vec<(String, Node)>) {
-        for (rest, node) in nodes {
-            self.tree.insert(format!("{to}{rest}"), node);
-        }
-    }
-
-    fn create(&mut self, path: &str, data: &Data) -> Result<Val, Errno> {
-        self.parent_ok(path)?;
-        if self.tree.contains_key(path) {
-            return Err(libc::EEXIST);
-        }
-        let id = self.new_id();
-        self.tree.insert(path.to_string(), Node::File(id));
-        self.bytes.insert(id, data.bytes());
-        Ok(Val::Unit)
-    }
-
-    fn put(&mut self, path: &str, data: &Data) -> Result<Val, Errno> {
-        match self.get(path) {
-            Err(libc::ENOENT) => self.create(path, data),
-            Err(e) => Err(e),
-            Ok(Node::Dir(_)) => Err(libc::EISDIR),
-            Ok(Node::File(id)) => {
-                self.bytes.insert(id, data.bytes());
-                Ok(Val::Unit)
-            }
-        }
-    }
-
-    fn mkdir(&mut self, path: &str) -> Result<Val, Errno> {
-        self.parent_ok(path)?;
-        if self.tree.contains_key(path) {
-            return Err(libc::EEXIST);
-        }
-        let id = self.new_id();
-        self.tree.insert(path.to_string(), Node::Dir(id));
-        Ok(Val::Unit)
-    }
-
-    fn unlink(&mut self, path: &str) -> Result<Val, Errno> {
-        self.file(path)?;
-        self.tree.remove(path);
-        Ok(Val::Unit)
-    }
-
-    fn rmdir(&mut self, path: &str) -> Result<Val, Errno> {
-        match self.get(path)? {
-            Node::File(_) => Err(libc::ENOTDIR),
-            Node::Dir(_) if !self.is_empty_dir(path) => Err(libc::ENOTEMPTY),
-            Node::Dir(_) => {
-                self.tree.remove(path);
-                Ok(Val::Unit)
-            }
-        }
-    }
-
-    fn link(&mut self, from: &str, to: &str) -> Result<Val, Errno> {
-        let src = self.get(from)?;
-        self.parent_ok(to)?;
-        let Node::File(id) = src else { return Err(libc::EPERM) };
-        if self.tree.contains_key(to) {
-            return Err(libc::EEXIST);
-        }
-        self.tree.insert(to.to_string(), Node::File(id));
-        Ok(Val::Unit)
-    }
-
-    fn rename(&mut self, from: &str, to: &str, mode: RenameMode) -> Result<Val, Errno> {
-        self.parent_ok(from)?;
-        self.parent_ok(to)?;
-        let src = *self.tree.get(from).ok_or(libc::ENOENT)?;
-        if from == to {
-            return match mode {
-                RenameMode::NoReplace => Err(libc::EEXIST),
-                _ => Ok(Val::Unit),
-            };
-        }
-        let (from_parent, to_parent) = (split(from).0, split(to).0);
-        // A directory cannot move below itself.
-        if matches!(src, Node::Dir(_)) && from_parent != to_parent && within(to_parent, from) {
-            return Err(libc::EINVAL);
-        }
-        let dst = self.tree.get(to).copied();
-        if mode == RenameMode::Exchange {
-            let dst = dst.ok_or(libc::ENOENT)?;
-            if matches!(dst, Node::Dir(_)) && from_parent != to_parent && within(from_parent, to) {
-                return Err(libc::EINVAL);
-            }
-            let a = self.take_subtree(from);
-            let b = self.take_subtree(to);
-            self.put_subtree(to, a);
-            self.put_subtree(from, b);
-            return Ok(Val::Unit);
-        }
-        if let Some(dst) = dst {
-            if mode == RenameMode::NoReplace {
-                return Err(libc::EEXIST);
-            }
-            if dst == src {
-                // Two names of one file: nothing happens.
-                return Ok(Val::Unit);
-            }
-            match (src, dst) {
-                (Node::Dir(_), Node::File(_)) => return Err(libc::ENOTDIR),
-                (Node::File(_), Node::Dir(_)) => return Err(libc::EISDIR),
-                (Node::Dir(_), Node::Dir(_)) if !self.is_empty_dir(to) => return Err(libc::ENOTEMPTY),
-                _ => {}
-            }
-            self.tree.remove(to);
-        }
-        let moved = self.take_subtree(from);
-        self.put_subtree(to, moved);
-        Ok(Val::Unit)
-    }
-
-    fn setxattr(&mut self, path: &str, name: &[u8], value: u8, mode: XattrMode) -> Result<Val, Errno> {
-        let id = self.get(path)?.id();
-        let attrs = self.xattrs.entry(id).or_default();
-        match (mode, attrs.contains_key(name)) {
-            (XattrMode::Create, true) => return Err(libc::EEXIST),
-            (XattrMode::Replace, false) => return Err(libc::ENODATA),
-            _ => {}
-        }
-        attrs.insert(name.to_vec(), vec![value]);
-        Ok(Val::Unit)
-    }
-
-    fn getxattr(&self, path: &str, name: &[u8]) -> Result<Val, Errno> {
-        let id = self.get(path)?.id();
-        self.xattrs.get(&id).and_then(|a| a.get(name)).map(|v| Val::Bytes(v.clone())).ok_or(libc::ENODATA)
-    }
-
-    fn removexattr(&mut self, path: &str, name: &[u8]) -> Result<Val, Errno> {
-        let id = self.get(path)?.id();
-        self.xattrs.get_mut(&id).and_then(|a| a.remove(name)).map(|_| Val::Unit).ok_or(libc::ENODATA)
-    }
-
-    /// Names of each file id in the tree.
-    fn nlinks(&self) -> HashMap<usize, u32> {
-        let mut n = HashMap::new();
-        for node in self.tree.values() {
-            if let Node::File(id) = node {
-                *n.entry(*id).or_default() += 1;
-            }
-        }
-        n
-    }
+/// The model's answer as an operation's: nothing.
+fn unit<T>(r: Result<T, Errno>) -> Result<Val, Errno> {
+    r.map(|_| Val::Unit)
 }
 
 // ---------------------------------------------------------------------------
@@ -576,7 +349,7 @@ struct Runner {
 
 impl Runner {
     fn new(base: &str) -> Self {
-        Runner { base: base.to_string(), model: Model::default(), held: Vec::new(), step: 0 }
+        Runner { base: base.to_string(), model: Model::new(), held: Vec::new(), step: 0 }
     }
 
     fn at(&self, path: &str) -> String {
@@ -591,60 +364,62 @@ impl Runner {
     fn apply(&mut self, core: &Core, other: &OtherNode, op: &Op) -> Result<(), String> {
         self.step += 1;
         let (core_r, model_r): (FsResult<Val>, Result<Val, Errno>) = match op {
-            Op::Create { path, data } => {
-                (create_file(core, &self.at(path), &data.bytes()).map(|_| Val::Unit), self.model.create(path, data))
-            }
-            Op::Put { path, data } => {
-                (put_file(core, &self.at(path), &data.bytes()).map(|()| Val::Unit), self.model.put(path, data))
-            }
+            Op::Create { path, data } => (
+                create_file(core, &self.at(path), &data.bytes()).map(|_| Val::Unit),
+                unit(self.model.create(path, &data.bytes())),
+            ),
+            Op::Put { path, data } => (
+                put_file(core, &self.at(path), &data.bytes()).map(|()| Val::Unit),
+                unit(self.model.put(path, &data.bytes())),
+            ),
             Op::Overwrite { path, offset, data } => {
                 let m =
-                    self.model.file(path).map(|id| self.model.write(id, *offset, &data.bytes())).map(|()| Val::Unit);
+                    self.model.file(path).map(|id| self.model.write_id(id, *offset, &data.bytes())).map(|()| Val::Unit);
                 (write_file(core, &self.at(path), *offset, &data.bytes()).map(|()| Val::Unit), m)
             }
             Op::Append { path, data } => {
                 let m = self.model.file(path).map(|id| {
-                    let end = self.model.bytes[&id].len() as u64;
-                    self.model.write(id, end, &data.bytes());
+                    let end = self.model.bytes(id).len() as u64;
+                    self.model.write_id(id, end, &data.bytes());
                     Val::Unit
                 });
                 (append_file(core, &self.at(path), &data.bytes()).map(|()| Val::Unit), m)
             }
             Op::Truncate { path, size } => {
                 let m = self.model.file(path).map(|id| {
-                    self.model.bytes.get_mut(&id).expect("file").resize(*size as usize, 0);
+                    self.model.truncate_id(id, *size);
                     Val::Unit
                 });
                 (truncate(core, &self.at(path), *size).map(|_| Val::Unit), m)
             }
             Op::Read { path } => {
-                let m = self.model.file(path).map(|id| Val::Bytes(self.model.bytes[&id].clone()));
+                let m = self.model.file(path).map(|id| Val::Bytes(self.model.bytes(id).to_vec()));
                 (read_file(core, &self.at(path)).map(Val::Bytes), m)
             }
-            Op::Unlink { path } => (unlink(core, &self.at(path)).map(|()| Val::Unit), self.model.unlink(path)),
-            Op::Mkdir { path } => (mkdir(core, &self.at(path)).map(|_| Val::Unit), self.model.mkdir(path)),
-            Op::Rmdir { path } => (rmdir(core, &self.at(path)).map(|()| Val::Unit), self.model.rmdir(path)),
+            Op::Unlink { path } => (unlink(core, &self.at(path)).map(|()| Val::Unit), unit(self.model.unlink(path))),
+            Op::Mkdir { path } => (mkdir(core, &self.at(path)).map(|_| Val::Unit), unit(self.model.mkdir(path))),
+            Op::Rmdir { path } => (rmdir(core, &self.at(path)).map(|()| Val::Unit), unit(self.model.rmdir(path))),
             Op::Rename { from, to, mode } => (
                 rename(core, &self.at(from), &self.at(to), *mode).map(|()| Val::Unit),
-                self.model.rename(from, to, *mode),
+                unit(self.model.rename(from, to, *mode)),
             ),
             Op::Link { from, to } => {
-                (link(core, &self.at(from), &self.at(to)).map(|_| Val::Unit), self.model.link(from, to))
+                (link(core, &self.at(from), &self.at(to)).map(|_| Val::Unit), unit(self.model.link(from, to)))
             }
             Op::Fsync { path } => {
                 (fsync_file(core, &self.at(path)).map(|()| Val::Unit), self.model.file(path).map(|_| Val::Unit))
             }
             Op::SetXattr { path, name, value, mode } => (
                 setxattr(core, &self.at(path), XATTR_NAMES[*name], &[*value], *mode).map(|()| Val::Unit),
-                self.model.setxattr(path, XATTR_NAMES[*name], *value, *mode),
+                unit(self.model.setxattr(path, XATTR_NAMES[*name], &[*value], *mode)),
             ),
             Op::GetXattr { path, name } => (
                 getxattr(core, &self.at(path), XATTR_NAMES[*name]).map(Val::Bytes),
-                self.model.getxattr(path, XATTR_NAMES[*name]),
+                self.model.getxattr(path, XATTR_NAMES[*name]).map(Val::Bytes),
             ),
             Op::RemoveXattr { path, name } => (
                 removexattr(core, &self.at(path), XATTR_NAMES[*name]).map(|()| Val::Unit),
-                self.model.removexattr(path, XATTR_NAMES[*name]),
+                unit(self.model.removexattr(path, XATTR_NAMES[*name])),
             ),
             Op::Hold { path, writable } => {
                 if self.held.len() >= MAX_HELD {
@@ -661,24 +436,20 @@ impl Runner {
                 if self.held.len() >= MAX_HELD {
                     return Ok(());
                 }
-                let m = self.model.create(path, &Data { len: 0, seed: 0 });
+                let m = self.model.create(path, b"");
                 let c = resolve_parent(core, &self.at(path))
                     .and_then(|(parent, name)| core.create(parent, name.as_bytes(), &file_node()));
-                if let (Ok(_), Ok((attr, opened))) = (&m, &c) {
-                    let id = match self.model.tree[path.as_str()] {
-                        Node::File(id) => id,
-                        Node::Dir(_) => unreachable!("just created a file"),
-                    };
-                    self.held.push(Held { fh: opened.fh, ino: attr.ino, id, writable: true });
+                if let (Ok(id), Ok((attr, opened))) = (&m, &c) {
+                    self.held.push(Held { fh: opened.fh, ino: attr.ino, id: *id, writable: true });
                 }
-                (c.map(|_| Val::Unit), m)
+                (c.map(|_| Val::Unit), unit(m))
             }
             Op::HeldWrite { slot, offset, data } => {
                 let Some(i) = self.slot(*slot) else { return Ok(()) };
                 let h = &self.held[i];
                 let m = match h.writable {
                     true => {
-                        self.model.write(h.id, *offset, &data.bytes());
+                        self.model.write_id(h.id, *offset, &data.bytes());
                         Ok(Val::Unit)
                     }
                     false => Err(libc::EBADF),
@@ -688,7 +459,7 @@ impl Runner {
             Op::HeldRead { slot } => {
                 let Some(i) = self.slot(*slot) else { return Ok(()) };
                 let h = &self.held[i];
-                (read_all(core, h.fh).map(Val::Bytes), Ok(Val::Bytes(self.model.bytes[&h.id].clone())))
+                (read_all(core, h.fh).map(Val::Bytes), Ok(Val::Bytes(self.model.bytes(h.id).to_vec())))
             }
             Op::HeldTruncate { slot, size } => {
                 let writable: Vec<usize> = (0..self.held.len()).filter(|i| self.held[*i].writable).collect();
@@ -696,7 +467,7 @@ impl Runner {
                     return Ok(());
                 }
                 let h = &self.held[writable[slot % writable.len()]];
-                self.model.bytes.get_mut(&h.id).expect("held file").resize(*size as usize, 0);
+                self.model.truncate_id(h.id, *size);
                 let c = core.setattr(h.ino, &SetAttr { size: Some(*size), ..SetAttr::default() });
                 (c.map(|_| Val::Unit), Ok(Val::Unit))
             }
@@ -711,13 +482,13 @@ impl Runner {
                 (c.map(|()| Val::Unit), Ok(Val::Unit))
             }
             Op::OobRename { from, to } => {
-                let m = self.model.rename(from, to, RenameMode::Replace);
+                let m = unit(self.model.rename(from, to, RenameMode::Replace));
                 let held: BTreeSet<Ino> = self.held.iter().map(|h| h.ino).collect();
                 let c = other.rename(&self.at(from), &self.at(to), RenameMode::Replace, |ino| held.contains(&ino));
                 (c.map(|_| Val::Unit).map_err(FsError::from), m)
             }
             Op::OobUnlink { path } => {
-                let m = self.model.unlink(path);
+                let m = unit(self.model.unlink(path));
                 let held: BTreeSet<Ino> = self.held.iter().map(|h| h.ino).collect();
                 let c = other.unlink(&self.at(path), |ino| held.contains(&ino));
                 (c.map(|_| Val::Unit).map_err(FsError::from), m)
@@ -759,7 +530,7 @@ impl Runner {
         }
         for (f, data) in PRELUDE_FILES {
             create_file(core, &self.at(f), &data.bytes()).map_err(|e| format!("prelude create {f}: {e}"))?;
-            self.model.create(f, &data).expect("model prelude");
+            self.model.create(f, &data.bytes()).expect("model prelude");
         }
         Ok(())
     }
@@ -778,23 +549,24 @@ impl Runner {
     /// paths, kinds, bytes, xattrs, and hard links that share an inode.
     fn check_tree(&self, core: &Core, when: &str) -> Result<Tree, String> {
         let tree = tree(core, &self.base).map_err(|e| format!("{when}: {e}"))?;
-        let paths: BTreeSet<&String> = tree.keys().chain(self.model.tree.keys()).collect();
+        let model_paths: Vec<String> = self.model.paths().map(|(p, _)| p.clone()).collect();
+        let paths: BTreeSet<&String> = tree.keys().chain(&model_paths).collect();
         let mut ino_of_id: HashMap<usize, Ino> = HashMap::new();
         let nlinks = self.model.nlinks();
         let mut diffs = Vec::new();
         for p in paths {
-            let (Some(e), Some(node)) = (tree.get(p), self.model.tree.get(p)) else {
-                diffs.push(format!("{p:?}: core {:?}, model {:?}", tree.get(p), self.model.tree.get(p)));
+            let (Some(e), Some(node)) = (tree.get(p), self.model.node(p)) else {
+                diffs.push(format!("{p:?}: core {:?}, model {:?}", tree.get(p), self.model.node(p)));
                 continue;
             };
-            let want_xattrs = self.model.xattrs.get(&node.id()).cloned().unwrap_or_default();
+            let want_xattrs = self.model.xattrs_of(node.id());
             if e.xattrs != want_xattrs {
                 diffs.push(format!("{p:?}: xattrs {:?}, model {:?}", e.xattrs, want_xattrs));
             }
             match (e.kind, node) {
                 (FileKind::Directory, Node::Dir(_)) => {}
                 (FileKind::Regular, Node::File(id)) => {
-                    let want = &self.model.bytes[id];
+                    let want = self.model.bytes(id);
                     let got = e.data.as_ref().expect("a file's bytes");
                     if got != want {
                         let at = got.iter().zip(want).position(|(x, y)| x != y).unwrap_or(got.len().min(want.len()));
@@ -806,10 +578,10 @@ impl Runner {
                             crc32c::crc32c(want)
                         ));
                     }
-                    if e.nlink != nlinks[id] {
-                        diffs.push(format!("{p:?}: nlink {}, model {}", e.nlink, nlinks[id]));
+                    if e.nlink != nlinks[&id] {
+                        diffs.push(format!("{p:?}: nlink {}, model {}", e.nlink, nlinks[&id]));
                     }
-                    if let Some(ino) = ino_of_id.insert(*id, e.ino) {
+                    if let Some(ino) = ino_of_id.insert(id, e.ino) {
                         if ino != e.ino {
                             diffs.push(format!("{p:?}: ino {} but its hard link has ino {ino}", e.ino));
                         }

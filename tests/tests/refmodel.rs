@@ -1,259 +1,25 @@
 //! Reference-model test: random sequences of namespace and data operations
-//! run on a real mount and on a plain in-memory model. Every operation must
-//! give the same result (success or the same errno), and the trees and bytes
-//! must match, including after remounts.
+//! run on a real mount and on the project's reference model
+//! (`converged_fs::refmodel`, the one the in-process property test uses,
+//! here with the kernel's VFS checks). Every operation must give the same
+//! result (success or the same errno), and the trees and bytes must match,
+//! including after remounts.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+
+use converged_fs::refmodel::{describe, Entry, Model};
+use converged_metadata::types::RenameMode;
 use std::path::Path;
 
 use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-type Ino = u64;
-
-#[derive(Clone, Debug, PartialEq)]
-enum Node {
-    Dir(BTreeMap<String, Ino>),
-    File(Vec<u8>),
-    /// Targets never exist, so following a symlink always finds nothing.
-    Symlink(String),
-}
-
-/// The model: inodes by number; the root is inode 0.
-struct Model {
-    nodes: BTreeMap<Ino, Node>,
-    next: Ino,
-}
-
 type R<T> = Result<T, i32>;
-
-impl Model {
-    fn new() -> Self {
-        Model { nodes: BTreeMap::from([(0, Node::Dir(BTreeMap::new()))]), next: 1 }
-    }
-
-    fn dir(&self, ino: Ino) -> &BTreeMap<String, Ino> {
-        match &self.nodes[&ino] {
-            Node::Dir(d) => d,
-            _ => unreachable!(),
-        }
-    }
-
-    fn dir_mut(&mut self, ino: Ino) -> &mut BTreeMap<String, Ino> {
-        match self.nodes.get_mut(&ino).unwrap() {
-            Node::Dir(d) => d,
-            _ => unreachable!(),
-        }
-    }
-
-    /// Resolve the parent directory of `path` (components are followed).
-    fn parent(&self, path: &str) -> R<(Ino, String)> {
-        let mut parts: Vec<&str> = path.split('/').collect();
-        let name = parts.pop().unwrap().to_string();
-        let mut cur = 0;
-        for p in parts {
-            let Some(&next) = self.dir(cur).get(p) else { return Err(libc::ENOENT) };
-            match &self.nodes[&next] {
-                Node::Dir(_) => cur = next,
-                Node::File(_) => return Err(libc::ENOTDIR),
-                Node::Symlink(_) => return Err(libc::ENOENT),
-            }
-        }
-        Ok((cur, name))
-    }
-
-    fn lookup(&self, path: &str) -> R<Option<Ino>> {
-        let (p, name) = self.parent(path)?;
-        Ok(self.dir(p).get(&name).copied())
-    }
-
-    fn links(&self, ino: Ino) -> usize {
-        self.nodes
-            .values()
-            .filter_map(|n| if let Node::Dir(d) = n { Some(d) } else { None })
-            .flat_map(|d| d.values())
-            .filter(|i| **i == ino)
-            .count()
-    }
-
-    fn new_node(&mut self, n: Node) -> Ino {
-        let ino = self.next;
-        self.next += 1;
-        self.nodes.insert(ino, n);
-        ino
-    }
-
-    fn gc(&mut self, ino: Ino) {
-        if self.links(ino) == 0 {
-            self.nodes.remove(&ino);
-        }
-    }
-
-    fn create(&mut self, path: &str, data: &[u8]) -> R<()> {
-        let (p, name) = self.parent(path)?;
-        if self.dir(p).contains_key(&name) {
-            return Err(libc::EEXIST);
-        }
-        let ino = self.new_node(Node::File(data.to_vec()));
-        self.dir_mut(p).insert(name, ino);
-        Ok(())
-    }
-
-    fn file_for_write(&mut self, path: &str) -> R<&mut Vec<u8>> {
-        let ino = self.lookup(path)?.ok_or(libc::ENOENT)?;
-        match self.nodes.get_mut(&ino).unwrap() {
-            Node::File(d) => Ok(d),
-            Node::Dir(_) => Err(libc::EISDIR),
-            Node::Symlink(_) => Err(libc::ENOENT),
-        }
-    }
-
-    fn write(&mut self, path: &str, off: usize, data: &[u8]) -> R<()> {
-        let f = self.file_for_write(path)?;
-        if f.len() < off + data.len() {
-            f.resize(off + data.len(), 0);
-        }
-        f[off..off + data.len()].copy_from_slice(data);
-        Ok(())
-    }
-
-    fn truncate(&mut self, path: &str, len: usize) -> R<()> {
-        self.file_for_write(path)?.resize(len, 0);
-        Ok(())
-    }
-
-    fn mkdir(&mut self, path: &str) -> R<()> {
-        let (p, name) = self.parent(path)?;
-        if self.dir(p).contains_key(&name) {
-            return Err(libc::EEXIST);
-        }
-        let ino = self.new_node(Node::Dir(BTreeMap::new()));
-        self.dir_mut(p).insert(name, ino);
-        Ok(())
-    }
-
-    fn symlink(&mut self, target: &str, path: &str) -> R<()> {
-        let (p, name) = self.parent(path)?;
-        if self.dir(p).contains_key(&name) {
-            return Err(libc::EEXIST);
-        }
-        let ino = self.new_node(Node::Symlink(target.into()));
-        self.dir_mut(p).insert(name, ino);
-        Ok(())
-    }
-
-    fn unlink(&mut self, path: &str) -> R<()> {
-        let (p, name) = self.parent(path)?;
-        let ino = *self.dir(p).get(&name).ok_or(libc::ENOENT)?;
-        if matches!(self.nodes[&ino], Node::Dir(_)) {
-            return Err(libc::EISDIR);
-        }
-        self.dir_mut(p).remove(&name);
-        self.gc(ino);
-        Ok(())
-    }
-
-    fn rmdir(&mut self, path: &str) -> R<()> {
-        let (p, name) = self.parent(path)?;
-        let ino = *self.dir(p).get(&name).ok_or(libc::ENOENT)?;
-        match &self.nodes[&ino] {
-            Node::Dir(d) if !d.is_empty() => return Err(libc::ENOTEMPTY),
-            Node::Dir(_) => {}
-            _ => return Err(libc::ENOTDIR),
-        }
-        self.dir_mut(p).remove(&name);
-        self.nodes.remove(&ino);
-        Ok(())
-    }
-
-    fn link(&mut self, from: &str, to: &str) -> R<()> {
-        let src = self.lookup(from)?.ok_or(libc::ENOENT)?;
-        let (p, name) = self.parent(to)?;
-        if self.dir(p).contains_key(&name) {
-            return Err(libc::EEXIST);
-        }
-        if matches!(self.nodes[&src], Node::Dir(_)) {
-            return Err(libc::EPERM);
-        }
-        self.dir_mut(p).insert(name, src);
-        Ok(())
-    }
-
-    /// Linux's order of checks for rename(2).
-    fn rename(&mut self, from: &str, to: &str) -> R<()> {
-        let (sp, sname) = self.parent(from)?;
-        let (dp, dname) = self.parent(to)?;
-        let src = *self.dir(sp).get(&sname).ok_or(libc::ENOENT)?;
-        let src_dir = matches!(self.nodes[&src], Node::Dir(_));
-        if from == to {
-            return Ok(());
-        }
-        if to.starts_with(&format!("{from}/")) {
-            return Err(libc::EINVAL);
-        }
-        let dst = self.dir(dp).get(&dname).copied();
-        if from.starts_with(&format!("{to}/")) && dst.is_some() {
-            return Err(libc::ENOTEMPTY);
-        }
-        if let Some(dst) = dst {
-            if dst == src {
-                return Ok(());
-            }
-            match (src_dir, &self.nodes[&dst]) {
-                (true, Node::Dir(d)) if !d.is_empty() => return Err(libc::ENOTEMPTY),
-                (true, Node::Dir(_)) => {}
-                (true, _) => return Err(libc::ENOTDIR),
-                (false, Node::Dir(_)) => return Err(libc::EISDIR),
-                (false, _) => {}
-            }
-        }
-        self.dir_mut(sp).remove(&sname);
-        if let Some(old) = self.dir_mut(dp).insert(dname, src) {
-            self.gc(old);
-        }
-        Ok(())
-    }
-
-    /// path -> description (kind, size and checksum of the bytes, links).
-    fn tree(&self) -> BTreeMap<String, String> {
-        let mut out = BTreeMap::new();
-        let mut stack = vec![(0, String::new())];
-        while let Some((ino, prefix)) = stack.pop() {
-            for (name, child) in self.dir(ino) {
-                let path = format!("{prefix}{name}");
-                let node = match &self.nodes[child] {
-                    Node::Dir(_) => {
-                        stack.push((*child, format!("{path}/")));
-                        Node::Dir(BTreeMap::new())
-                    }
-                    other => other.clone(),
-                };
-                let links = if matches!(node, Node::File(_)) { self.links(*child) } else { 1 };
-                out.insert(path, describe(&node, links));
-            }
-        }
-        out
-    }
-}
-
-/// One line per entry, so a mismatch prints readably.
-fn describe(node: &Node, links: usize) -> String {
-    match node {
-        Node::Dir(_) => "dir".into(),
-        Node::File(d) => format!("file {} bytes fnv {:08x} links {links}", d.len(), crc(d)),
-        Node::Symlink(t) => format!("symlink -> {t}"),
-    }
-}
-
-fn crc(d: &[u8]) -> u32 {
-    // FNV-1a: enough to tell contents apart in a failure message.
-    d.iter().fold(0x811c9dc5u32, |h, b| (h ^ *b as u32).wrapping_mul(0x01000193))
-}
 
 fn real_tree(root: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
@@ -264,15 +30,15 @@ fn real_tree(root: &Path) -> BTreeMap<String, String> {
             let path = e.path();
             let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
             let md = fs::symlink_metadata(&path).unwrap();
-            let entry = if md.is_dir() {
+            let line = if md.is_dir() {
                 stack.push(path);
-                (Node::Dir(BTreeMap::new()), 1)
+                describe(Entry::Dir)
             } else if md.file_type().is_symlink() {
-                (Node::Symlink(fs::read_link(&path).unwrap().to_string_lossy().into_owned()), 1)
+                describe(Entry::Symlink(&fs::read_link(&path).unwrap().to_string_lossy()))
             } else {
-                (Node::File(fs::read(&path).unwrap()), md.nlink() as usize)
+                describe(Entry::File { bytes: &fs::read(&path).unwrap(), links: md.nlink() })
             };
-            out.insert(rel, describe(&entry.0, entry.1));
+            out.insert(rel, line);
         }
     }
     out
@@ -291,7 +57,7 @@ fn random_path(rng: &mut StdRng) -> String {
 
 fn run_sequence(seed: u64, ops: usize, verify_reads: bool) {
     let mut m = if verify_reads { Mount::with_args(&["--verify-reads"]) } else { Mount::new() };
-    let mut model = Model::new();
+    let mut model = Model::through_kernel();
     let mut rng = StdRng::seed_from_u64(seed);
     for step in 0..ops {
         let p = random_path(&mut rng);
@@ -308,7 +74,7 @@ fn run_sequence(seed: u64, ops: usize, verify_reads: bool) {
                         .open(&full)
                         .and_then(|f| f.write_all_at(&data, 0)),
                 );
-                ("create", model.create(&p, &data), got)
+                ("create", model.create(&p, &data).map(|_| ()), got)
             }
             20..=34 => {
                 let off = rng.random_range(0..150_000);
@@ -316,12 +82,12 @@ fn run_sequence(seed: u64, ops: usize, verify_reads: bool) {
                 let got = errno_of(
                     OpenOptions::new().write(true).open(&full).and_then(|f| f.write_all_at(&data, off as u64)),
                 );
-                ("write", model.write(&p, off, &data), got)
+                ("write", model.write(&p, off as u64, &data), got)
             }
             35..=41 => {
                 let len = rng.random_range(0..250_000);
                 let got = errno_of(OpenOptions::new().write(true).open(&full).and_then(|f| f.set_len(len as u64)));
-                ("truncate", model.truncate(&p, len), got)
+                ("truncate", model.truncate(&p, len as u64), got)
             }
             42..=56 => ("mkdir", model.mkdir(&p), errno_of(fs::create_dir(&full))),
             57..=63 => ("rmdir", model.rmdir(&p), errno_of(fs::remove_dir(&full))),
@@ -330,7 +96,7 @@ fn run_sequence(seed: u64, ops: usize, verify_reads: bool) {
                 let to = random_path(&mut rng);
                 let d = format!("rename {p} -> {to}");
                 let got = errno_of(fs::rename(&full, m.path(&to)));
-                return_if_mismatch(seed, step, &d, model.rename(&p, &to), got);
+                return_if_mismatch(seed, step, &d, model.rename(&p, &to, RenameMode::Replace), got);
                 continue;
             }
             88..=93 => {
