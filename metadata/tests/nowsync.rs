@@ -63,6 +63,19 @@ fn recalls_from(b: &Node, a: &Node) {
     });
 }
 
+/// A publish of `size` bytes in one chunk held by node a, ending its writing.
+fn published(size: u32) -> Seal {
+    Seal {
+        size: size as u64,
+        mtime: Timespec::now(),
+        chunks: vec![(0, ChunkRecord { version: 1, len: size, replicas: vec!["a".into()], block_crcs: vec![size] })],
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+        attrs: None,
+    }
+}
+
 fn dir() -> NewNode<'static> {
     NewNode::plain(FileKind::Directory, 0o755)
 }
@@ -152,16 +165,7 @@ fn a_file_being_written_is_held_back_until_it_is_published() {
     assert!(committed(&store, &schema::dentry(d.ino, b"x")).is_none(), "a file being written waits");
     assert!(a.ns.is_deferred(x.ino) && a.ns.is_deferred(y.ino));
     // Its publish: the create and the layout commit together.
-    let seal = Seal {
-        size: 5,
-        mtime: Timespec::now(),
-        chunks: vec![(0, ChunkRecord { version: 1, len: 5, replicas: vec!["a".into()], block_crcs: vec![1] })],
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-        attrs: None,
-    };
-    a.ns.seal(x.ino, &seal, converged_metadata::Durability::Buffered).unwrap();
+    a.ns.seal(x.ino, &published(5), converged_metadata::Durability::Buffered).unwrap();
     deferred.flush_due().unwrap();
     assert!(committed(&store, &schema::dentry(d.ino, b"x")).is_some());
     assert!(committed(&store, &schema::chunk(x.ino, 0)).is_some());
@@ -243,16 +247,7 @@ fn a_file_made_and_removed_before_the_flush_leaves_nothing_behind() {
     deferred.flush_all().unwrap();
     let before = deferred.backlog().0;
     let x = a.ns.mknod(d.ino, b"tmp", &NewNode { unsealed: true, ..file() }).unwrap();
-    let seal = Seal {
-        size: 3,
-        mtime: Timespec::now(),
-        chunks: vec![(0, ChunkRecord { version: 1, len: 3, replicas: vec!["a".into()], block_crcs: vec![7] })],
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-        attrs: None,
-    };
-    a.ns.seal(x.ino, &seal, converged_metadata::Durability::Buffered).unwrap();
+    a.ns.seal(x.ino, &published(3), converged_metadata::Durability::Buffered).unwrap();
     let gone = a.ns.unlink_purging(d.ino, b"tmp", &|_| true, None).unwrap();
     assert_eq!(gone.ino, x.ino);
     assert!(deferred.backlog().0 > before, "the create, its publish and the unlink were all acknowledged here");

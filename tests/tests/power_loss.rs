@@ -497,6 +497,67 @@ fn power_cut_loses_no_fsynced_byte_and_no_file_reads_eio() {
     assert!(failures.is_empty(), "after a power cut:\n  {}", failures.join("\n  "));
 }
 
+/// Node n1 of a cluster moved onto a disk whose write-back is held back:
+/// the same node (its certificate, its data dir copied over), stopped
+/// cleanly first. [`HeldDiskNode::cut`] is its power cut, and
+/// [`HeldDiskNode::mount_after`] mounts it again from what its disk held.
+struct HeldDiskNode {
+    _root: tempfile::TempDir,
+    img: PathBuf,
+    cut: PathBuf,
+    disk_after: PathBuf,
+    sysctls: Option<Sysctls>,
+    ext4: Ext4,
+    data: PathBuf,
+    mnt: PathBuf,
+    extra: Vec<String>,
+    daemon: Converged,
+}
+
+impl HeldDiskNode {
+    fn move_first(c: &mut cluster::Cluster) -> Self {
+        let root = tempfile::Builder::new().prefix("converged-powerloss").tempdir_in("/var/tmp").expect("tempdir");
+        let img = root.path().join("disk.img");
+        let cut = root.path().join("disk-at-power-cut.img");
+        let disk = root.path().join("disk");
+        let disk_after = root.path().join("disk-after");
+        for d in [&disk, &disk_after] {
+            fs::create_dir(d).unwrap();
+        }
+        File::create(&img).unwrap().set_len(IMAGE_SIZE).unwrap();
+        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
+        let extra = c.nodes[0].extra.clone();
+        let mnt = c.nodes[0].mnt.clone();
+        c.nodes[0].umount();
+        let sysctls = Sysctls::hold_writeback();
+        let ext4 = Ext4::mount(&img, &disk);
+        let data = disk.join("data");
+        run(Command::new("cp").arg("-a").arg(&c.nodes[0].data).arg(&data));
+        // SAFETY: syncfs on an open directory fd.
+        assert_eq!(unsafe { libc::syncfs(File::open(&data).unwrap().as_raw_fd()) }, 0);
+        let args: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let daemon = Converged::mount(&mnt, &data, &args);
+        HeldDiskNode { _root: root, img, cut, disk_after, sysctls: Some(sysctls), ext4, data, mnt, extra, daemon }
+    }
+
+    /// The power cut: the daemon frozen, the disk copied as it is (what a
+    /// power cut leaves), the daemon killed.
+    fn cut(&mut self) {
+        self.daemon.freeze();
+        run(Command::new("cp").arg("--sparse=always").arg(&self.img).arg(&self.cut));
+        self.daemon.kill();
+        self.sysctls.take();
+        self.ext4.umount();
+    }
+
+    /// The node mounted again over the data dir of the cut disk (mounted
+    /// by the caller at `disk_after`).
+    fn mount_after(&self) -> Converged {
+        let args: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        Converged::mount(&self.mnt, &self.disk_after.join("data"), &args)
+    }
+}
+
 /// In a cluster, close(2) publishes: the bytes are checksummed, copied to
 /// a peer's stable storage and recorded, and then close returns; the
 /// writing node's own copy may still be in its page cache only. A file
@@ -508,30 +569,8 @@ fn power_cut_loses_no_fsynced_byte_and_no_file_reads_eio() {
 fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
     assert!(Path::new("/dev/loop-control").exists(), "this test needs loop devices (/dev/loop-control)");
     let Some(mut c) = cluster::Cluster::start(2, &[]) else { return };
-    let root = tempfile::Builder::new().prefix("converged-powerloss").tempdir_in("/var/tmp").expect("tempdir");
-    let img = root.path().join("disk.img");
-    let cut = root.path().join("disk-at-power-cut.img");
-    let disk = root.path().join("disk");
-    let disk_after = root.path().join("disk-after");
-    for d in [&disk, &disk_after] {
-        fs::create_dir(d).unwrap();
-    }
-    File::create(&img).unwrap().set_len(IMAGE_SIZE).unwrap();
-    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
-
-    // n1 moves onto a disk whose write-back is held back: the same node
-    // (its certificate, its data dir copied over), stopped cleanly first.
-    let extra = c.nodes[0].extra.clone();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mnt = c.nodes[0].mnt.clone();
-    c.nodes[0].umount();
-    let sysctls = Sysctls::hold_writeback();
-    let mut ext4 = Ext4::mount(&img, &disk);
-    let data = disk.join("data");
-    run(Command::new("cp").arg("-a").arg(&c.nodes[0].data).arg(&data));
-    // SAFETY: syncfs on an open directory fd.
-    assert_eq!(unsafe { libc::syncfs(File::open(&data).unwrap().as_raw_fd()) }, 0);
-    let mut n1 = Converged::mount(&mnt, &data, &extra);
+    let mut n1 = HeldDiskNode::move_first(&mut c);
+    let (mnt, data) = (n1.mnt.clone(), n1.data.clone());
 
     let bytes = pattern(300_000, 40);
     let path = mnt.join("published.bin");
@@ -557,22 +596,17 @@ fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
     assert!(holds(&data.join(&backing), &bytes), "n1's copy should be in its page cache before the cut");
 
     // ---- the power cut of n1 ----
-    n1.freeze();
-    run(Command::new("cp").arg("--sparse=always").arg(&img).arg(&cut));
-    n1.kill();
+    n1.cut();
     let _ = second.kill();
     let _ = second.wait();
-    drop(sysctls);
-    ext4.umount();
-
-    let mut ext4_after = Ext4::mount(&cut, &disk_after);
-    let data_after = disk_after.join("data");
+    let mut ext4_after = Ext4::mount(&n1.cut, &n1.disk_after);
+    let data_after = n1.disk_after.join("data");
     let raw = fs::read(data_after.join(&backing));
     assert!(
         !raw.as_ref().is_ok_and(|b| *b == bytes),
         "n1's copy reached the disk image: write-back was not held back, so this is not a power cut"
     );
-    let mut n1_after = Converged::mount(&mnt, &data_after, &extra);
+    let mut n1_after = n1.mount_after();
     let on_n1 = fs::read(&path);
     let on_n2 = fs::read(c.node(1).mnt.join("published.bin"));
     n1_after.umount();
@@ -601,27 +635,8 @@ fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
 fn power_cut_under_nowsync_leaves_each_unsynced_file_gone_or_whole() {
     assert!(Path::new("/dev/loop-control").exists(), "this test needs loop devices (/dev/loop-control)");
     let Some(mut c) = cluster::Cluster::start(2, &["--nowsync"]) else { return };
-    let root = tempfile::Builder::new().prefix("converged-powerloss").tempdir_in("/var/tmp").expect("tempdir");
-    let img = root.path().join("disk.img");
-    let cut = root.path().join("disk-at-power-cut.img");
-    let disk = root.path().join("disk");
-    let disk_after = root.path().join("disk-after");
-    for d in [&disk, &disk_after] {
-        fs::create_dir(d).unwrap();
-    }
-    File::create(&img).unwrap().set_len(IMAGE_SIZE).unwrap();
-    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&img));
-    let extra = c.nodes[0].extra.clone();
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let mnt = c.nodes[0].mnt.clone();
-    c.nodes[0].umount();
-    let sysctls = Sysctls::hold_writeback();
-    let mut ext4 = Ext4::mount(&img, &disk);
-    let data = disk.join("data");
-    run(Command::new("cp").arg("-a").arg(&c.nodes[0].data).arg(&data));
-    // SAFETY: syncfs on an open directory fd.
-    assert_eq!(unsafe { libc::syncfs(File::open(&data).unwrap().as_raw_fd()) }, 0);
-    let mut n1 = Converged::mount(&mnt, &data, &extra);
+    let mut n1 = HeldDiskNode::move_first(&mut c);
+    let mnt = n1.mnt.clone();
 
     let file = |i: usize| (format!("set/part{i:04}"), pattern(1 + i * 53 % 20_000, i as u64 + 7));
     fs::create_dir(mnt.join("set")).unwrap();
@@ -639,14 +654,9 @@ fn power_cut_under_nowsync_leaves_each_unsynced_file_gone_or_whole() {
         let (name, bytes) = file(i);
         write_file(&mnt.join(name), &bytes, false);
     }
-    n1.freeze();
-    run(Command::new("cp").arg("--sparse=always").arg(&img).arg(&cut));
-    n1.kill();
-    drop(sysctls);
-    ext4.umount();
-
-    let mut ext4_after = Ext4::mount(&cut, &disk_after);
-    let mut n1_after = Converged::mount(&mnt, &disk_after.join("data"), &extra);
+    n1.cut();
+    let mut ext4_after = Ext4::mount(&n1.cut, &n1.disk_after);
+    let mut n1_after = n1.mount_after();
     let mut gone = 0;
     for (node, at) in [("n1", mnt.clone()), ("n2", c.node(1).mnt.clone())] {
         assert_eq!(read_all(&at.join("set/fsynced.bin")).as_deref(), Ok(&fsynced[..]), "{node}: the fsynced file");

@@ -113,6 +113,27 @@ impl Worker for Streamer {
     }
 }
 
+/// One step of a worker that looks once a second: `run` on the core, and
+/// what it did (`did`), or its failure, tried again after `retry`.
+fn each_second<T: PartialEq + Default>(
+    core: &Weak<Core>,
+    what: &str,
+    retry: Duration,
+    run: impl FnOnce(&Core) -> crate::error::FsResult<T>,
+    did: impl FnOnce(T) -> String,
+) -> Step {
+    std::thread::sleep(Duration::from_secs(1));
+    let Some(core) = core.upgrade() else { return Step::Stop };
+    match run(&core) {
+        Ok(n) if n == T::default() => Step::Idle,
+        Ok(n) => Step::Worked(did(n)),
+        Err(e) => {
+            tracing::warn!(error = %e, "{what} failed");
+            Step::Failed(format!("{what}: {e}"), retry)
+        }
+    }
+}
+
 /// Evicts backed chunks when the data disk is above its high watermark.
 pub struct Evictor {
     pub core: Weak<Core>,
@@ -124,16 +145,7 @@ impl Worker for Evictor {
     }
 
     fn step(&mut self) -> Step {
-        std::thread::sleep(Duration::from_secs(1));
-        let Some(core) = self.core.upgrade() else { return Step::Stop };
-        match core.evict_step() {
-            Ok(0) => Step::Idle,
-            Ok(n) => Step::Worked(format!("evicted {n} bytes")),
-            Err(e) => {
-                tracing::warn!(error = %e, "eviction failed");
-                Step::Failed(format!("eviction: {e}"), Duration::from_secs(1))
-            }
-        }
+        each_second(&self.core, "eviction", Duration::from_secs(1), Core::evict_step, |n| format!("evicted {n} bytes"))
     }
 }
 
@@ -177,16 +189,8 @@ impl Worker for Settler {
     }
 
     fn step(&mut self) -> Step {
-        std::thread::sleep(Duration::from_secs(1));
-        let Some(core) = self.core.upgrade() else { return Step::Stop };
-        match core.settle_step() {
-            Ok(0) => Step::Idle,
-            Ok(n) => Step::Worked(format!("settled {n} chunk versions")),
-            Err(e) => {
-                tracing::warn!(error = %e, "settling chunk versions failed");
-                Step::Failed(format!("settle: {e}"), Duration::from_secs(5))
-            }
-        }
+        let did = |n| format!("settled {n} chunk versions");
+        each_second(&self.core, "settling chunk versions", Duration::from_secs(5), Core::settle_step, did)
     }
 }
 
