@@ -1,6 +1,9 @@
-//! Directory handles open on this node. A directory removed (rmdir, or a
-//! rename over it) while a handle is open stays an orphan, as a file does,
-//! and answers fstat until its last handle is released; then it is purged.
+//! Directory handles open on this node, and the listing each holds (a
+//! snapshot of the entries, so that offsets stay stable while the
+//! directory changes underneath a reader). A directory removed (rmdir, or
+//! a rename over it) while a handle is open stays an orphan, as a file
+//! does, and answers fstat until its last handle is released; then it is
+//! purged.
 //!
 //! The slot of a directory is `Open` while handles are open, or `Held` by
 //! the one caller deciding to purge it (a removal, or the last release of an
@@ -25,6 +28,8 @@ enum Slot {
 pub(super) struct OpenDirs {
     slots: DashMap<Ino, Slot>,
     handles: DashMap<u64, Ino>,
+    /// The listing each handle took at its last read from offset 0.
+    listings: DashMap<u64, super::Listing>,
 }
 
 /// A directory no handle is open on, held so: opendirs of it wait until
@@ -64,9 +69,20 @@ impl OpenDirs {
         self.handles.insert(fh, ino);
     }
 
-    /// Release handle `fh`. The last handle of an orphan hands back the
-    /// directory held, for the caller to purge.
+    /// The listing handle `fh` holds, if it took one.
+    pub fn listing(&self, fh: u64) -> Option<super::Listing> {
+        self.listings.get(&fh).map(|l| l.clone())
+    }
+
+    /// Handle `fh` holds `listing` from now on.
+    pub fn keep_listing(&self, fh: u64, listing: super::Listing) {
+        self.listings.insert(fh, listing);
+    }
+
+    /// Release handle `fh` and its listing. The last handle of an orphan
+    /// hands back the directory held, for the caller to purge.
     pub fn close(&self, fh: u64) -> Option<HeldDir<'_>> {
+        self.listings.remove(&fh);
         let (_, ino) = self.handles.remove(&fh)?;
         let dashmap::Entry::Occupied(mut o) = self.slots.entry(ino) else { return None };
         let Slot::Open { handles, orphaned } = o.get_mut() else { return None };

@@ -123,7 +123,7 @@ impl Core {
             match self.seal_file(&inode, &file, &Dirty::All, how) {
                 // Sealed before the cluster is attached: replicas follow in the background.
                 Ok(_) => {
-                    self.under_replicated.0.lock().insert(ino);
+                    self.under_replicated.add([ino], false);
                 }
                 // Another node took the write lease over while this one was
                 // down: what was written here and not published is dropped.

@@ -17,7 +17,10 @@
 //! - `attr.rs`: attributes, and truncation through the write path.
 //! - `durability.rs`: crash recovery at mount, and the flush that makes
 //!   buffered metadata durable only after the bytes it describes.
-//! - `replicate.rs`: topping up under-replicated chunks.
+//! - `replicate.rs`: topping up under-replicated chunks (its queue).
+//! - `spares.rs`: backing files made ahead of creates.
+//! - `peer_policy.rs`: what a peer may have this node do (store a copy,
+//!   drop a file's copies, give up a directory delegation).
 //! - `versions.rs`: chunk versions held beside the backing file, and when
 //!   they are installed into it or removed.
 //! - `reconcile.rs`: a fenced writer's local copy brought back to the layout.
@@ -43,13 +46,19 @@
 //!    writes, commits, hydration) runs with the state in a transitional
 //!    [`write::WriteState`] (`Leasing`, `Publishing`, `Sealing`) and no lock
 //!    held; others wait on `OpenInode::changed`, holding nothing.
-//! 3. Leaf locks, taken alone: `handles` and `dirs` shards, `OpenInode::readahead`,
-//!    `doomed`, `session_ends`, `owed`, `spares`, `under_replicated`, `flush_now`,
+//! 3. Leaf locks, taken alone: `handles` shards and those of `open_dirs`
+//!    (its slots, handles and listings), `OpenInode::readahead`, `doomed`,
+//!    `session_ends`, `owed`, `spares` (`Spares::files`), `under_replicated`
+//!    (`ReplicationQueue::files`), `flush_now`,
 //!    `last_repair`, `removed`, the tier's tables, the cluster's member list
 //!    (read from etcd with no lock held), and three that the change feed
 //!    also takes, under the node cache's subscriber list, which takes
 //!    nothing else: `sweep_hints`, the `peer_leases` shards and the chunk
 //!    store's version index.
+//!
+//! The metadata crate's own locks (the node cache's, the `--nowsync`
+//! layer's state and its flush gate) are leaves of the metadata layer,
+//! taken inside its calls and never held when they return.
 //!
 //! And across the boundaries:
 //! - **No in-memory lock is taken inside a KV transaction closure**: what a
@@ -79,6 +88,7 @@ mod evict;
 pub(crate) mod import;
 mod open;
 mod peer_leases;
+mod peer_policy;
 mod read;
 mod reconcile;
 mod removed;
@@ -86,12 +96,12 @@ mod repair;
 mod replicate;
 mod scrub;
 mod seal;
+mod spares;
 mod stage;
 mod sweep;
 mod versions;
 mod write;
 
-use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -99,7 +109,6 @@ use std::sync::{Arc, OnceLock};
 use converged_metadata::held_locks::Mutex;
 use converged_metadata::types::*;
 use converged_metadata::{acl, MetaError, Namespace, Unlinked};
-use dashmap::DashMap;
 
 use crate::chunkstore::ChunkStore;
 use crate::cluster::Cluster;
@@ -231,9 +240,8 @@ pub struct Core {
     cfg: CoreConfig,
     /// Files open on this node, and the handles on them.
     open: OpenTable,
-    dirs: DashMap<u64, Listing>,
-    /// Directory handles open here: a removed directory stays until its
-    /// last handle is released.
+    /// Directory handles open here and their listings: a removed directory
+    /// stays until its last handle is released.
     open_dirs: dirs::OpenDirs,
     /// Inodes that lost their last name here, for the kernel's questions
     /// until it forgets them.
@@ -242,20 +250,15 @@ pub struct Core {
     /// What waits for the next flush: purged backing files, files closed
     /// empty, and the wake-up of the flusher.
     pending: durability::Pending,
-    /// Backing files made ahead of time for the next inode numbers, so a
-    /// create does not wait for the local filesystem to create one: held
-    /// open when made here, closed when recycled from a purged inode.
-    spares: Mutex<std::collections::HashMap<Ino, Option<File>>>,
+    /// Backing files made ahead of time for the next inode numbers (see `spares.rs`).
+    spares: spares::Spares,
     /// The last repair pass's findings (leaf lock).
     last_repair: Mutex<Option<RepairPass>>,
-    spares_low: parking_lot::Condvar,
-    /// Set at shutdown so no spare is made after.
-    spares_stopped: AtomicBool,
     /// Peers, when this node is part of a cluster.
     cluster: OnceLock<Arc<Cluster>>,
     /// Files whose chunks have fewer copies than their policy asks, for the
     /// replicator (durability=local, or peers that did not answer).
-    under_replicated: (Mutex<std::collections::BTreeSet<Ino>>, parking_lot::Condvar),
+    under_replicated: replicate::ReplicationQueue,
     /// Files whose records changed, for the sweep (see `sweep.rs`).
     sweep_hints: Arc<sweep::SweepHints>,
     /// Write leases other nodes hold, as the change feed told (see `peer_leases.rs`).
@@ -276,15 +279,6 @@ pub struct Core {
     /// an unmount before it (see `write.rs`, `Core::close`).
     owed: Mutex<std::collections::BTreeSet<Ino>>,
 }
-
-/// Backing files kept ready ahead of creates, made new.
-const SPARES: usize = 256;
-/// Spares at most, counting the backing files of purged inodes kept for
-/// the next numbers instead of removed: an unlink storm followed by a
-/// create storm (a rewritten dataset, rotated checkpoints) allocates no
-/// inode in the local filesystem. They are closed files, holding no
-/// descriptor.
-const RECYCLED_SPARES: usize = 16_384;
 
 fn chunk_range(offset: u64, len: u64, chunk_size: u32) -> std::ops::RangeInclusive<u32> {
     let cs = chunk_size.max(1) as u64;
@@ -311,15 +305,12 @@ impl Core {
             store,
             cfg,
             open: OpenTable::starting_at(fh_base),
-            dirs: DashMap::new(),
             open_dirs: dirs::OpenDirs::default(),
             removed: removed::Removed::default(),
             passthrough: AtomicBool::new(false),
             pending: durability::Pending::default(),
-            spares: Mutex::default(),
+            spares: spares::Spares::default(),
             last_repair: Mutex::default(),
-            spares_low: parking_lot::Condvar::new(),
-            spares_stopped: AtomicBool::new(false),
             cluster: OnceLock::new(),
             under_replicated: Default::default(),
             sweep_hints: Default::default(),
@@ -422,81 +413,7 @@ impl Core {
         let c = cluster.clone();
         self.ns.set_recall_handler(move |ns, dir, holder| c.recall(ns, dir, holder));
         let _ = self.cluster.set(cluster);
-        self.under_replicated.1.notify_one();
-    }
-
-    /// Whether a peer may store chunk version `c` here: it holds the file's
-    /// write lease (a writer's replicas), or the chunk record at that
-    /// version names it as a holder (background replication and staging of
-    /// a copy it has). Repair and rebalance pull copies, they do not push.
-    /// A certificate of the cluster alone does not let a node write over
-    /// another node's files.
-    pub(crate) fn peer_may_write(
-        &self,
-        caller: &converged_transport::Caller,
-        c: &converged_transport::ChunkRef,
-    ) -> Result<(), converged_transport::ServiceError> {
-        let meta = |e: converged_metadata::MetaError| converged_transport::ServiceError {
-            errno: libc::EAGAIN,
-            msg: format!("metadata: {e}"),
-        };
-        self.refuse_peers_if_read_only(|| format!("write of chunk {} of inode {}", c.index, c.ino))?;
-        // The change feed's word first: the lease of a file a peer writes
-        // was usually taken long enough ago for its mark to have arrived.
-        if self.peer_leases.holder_is(c.ino, |holder| caller.is(holder)) {
-            return Ok(());
-        }
-        let (holder, chunk, exists) = self.ns.write_facts(c.ino, c.index).map_err(meta)?;
-        if holder.is_some_and(|holder| caller.is(&holder)) {
-            return Ok(());
-        }
-        if chunk.is_some_and(|rec| rec.version == c.version && rec.replicas.iter().any(|r| caller.is(r))) {
-            return Ok(());
-        }
-        // A file its sender made in a directory delegated to it (--nowsync)
-        // and has not committed yet: no record names it, read past the
-        // cache. Its versions here are the sender's alone; one that no
-        // record comes to name is removed after its grace (versions.rs).
-        if !exists {
-            return Ok(());
-        }
-        Err(converged_transport::ServiceError {
-            errno: libc::EACCES,
-            msg: format!(
-                "write of chunk {} v{} of inode {} refused: the sender holds neither the file's write lease nor \
-                 a recorded copy of that version",
-                c.index, c.version, c.ino
-            ),
-        })
-    }
-
-    /// A read-only node changes nothing on its disk for peers: it is not
-    /// registered, so placement never names it, and copies it may still
-    /// hold are dropped by its sweep once it mounts read-write.
-    fn refuse_peers_if_read_only(&self, what: impl Fn() -> String) -> Result<(), converged_transport::ServiceError> {
-        match self.cfg.read_only {
-            false => Ok(()),
-            true => Err(converged_transport::ServiceError {
-                errno: libc::EROFS,
-                msg: format!("{} refused: this node is mounted read-only", what()),
-            }),
-        }
-    }
-
-    /// Whether a peer may have this node drop its copies of `ino`: only
-    /// once the file is gone from the metadata (its purge, which removed
-    /// its chunk records in the same transaction, is committed: the only
-    /// time a node sends a delete). Read past the node-local cache.
-    pub(crate) fn peer_may_delete(&self, ino: Ino) -> Result<(), converged_transport::ServiceError> {
-        self.refuse_peers_if_read_only(|| format!("delete of inode {ino}"))?;
-        match self.ns.layout(ino) {
-            Err(converged_metadata::MetaError::NotFound) => Ok(()),
-            Ok(_) => Err(converged_transport::ServiceError {
-                errno: libc::EACCES,
-                msg: format!("delete of inode {ino} refused: the file still exists"),
-            }),
-            Err(e) => Err(converged_transport::ServiceError { errno: libc::EAGAIN, msg: format!("metadata: {e}") }),
-        }
+        self.under_replicated.wake();
     }
 
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
@@ -613,7 +530,7 @@ impl Core {
     }
 
     pub fn under_replicated_files(&self) -> usize {
-        self.under_replicated.0.lock().len()
+        self.under_replicated.len()
     }
 
     // ---- namespace ----
@@ -880,9 +797,8 @@ impl Core {
 
     // ---- directories ----
 
-    /// Directory handles hold a snapshot of the entries, so offsets stay
-    /// stable while the directory changes underneath a reader.
     /// Open a directory to list: the handle, and whether its atime changed.
+    /// The handle holds a snapshot of the entries (see `dirs.rs`).
     pub fn opendir(&self, ino: Ino) -> FsResult<(u64, bool)> {
         // Counted before the look, so a removal that did not see this
         // handle has purged before the look, which then fails.
@@ -920,19 +836,21 @@ impl Core {
     /// Entries from `offset` on; offset 0 (re)takes the snapshot. Returns
     /// (entry offset, name, dentry); `.` and `..` are offsets 1 and 2.
     pub fn readdir(&self, ino: Ino, fh: u64, offset: u64) -> FsResult<Listing> {
-        if offset == 0 || !self.dirs.contains_key(&fh) {
-            if self.tier.get().is_some() {
-                self.materialize(ino)?;
-            }
-            let dir = self.ns.getattr(ino)?;
-            let mut entries = vec![
-                (b".".to_vec(), Dentry { ino, kind: FileKind::Directory }),
-                (b"..".to_vec(), Dentry { ino: dir.parent, kind: FileKind::Directory }),
-            ];
-            entries.extend(self.ns.readdir(ino)?);
-            self.dirs.insert(fh, Arc::new(entries));
+        if let Some(listing) = self.open_dirs.listing(fh).filter(|_| offset > 0) {
+            return Ok(listing);
         }
-        Ok(self.dirs.get(&fh).map(|e| e.clone()).unwrap_or_default())
+        if self.tier.get().is_some() {
+            self.materialize(ino)?;
+        }
+        let dir = self.ns.getattr(ino)?;
+        let mut entries = vec![
+            (b".".to_vec(), Dentry { ino, kind: FileKind::Directory }),
+            (b"..".to_vec(), Dentry { ino: dir.parent, kind: FileKind::Directory }),
+        ];
+        entries.extend(self.ns.readdir(ino)?);
+        let listing = Arc::new(entries);
+        self.open_dirs.keep_listing(fh, listing.clone());
+        Ok(listing)
     }
 
     /// Read ahead, in one request where the metadata is remote, what a
@@ -946,7 +864,6 @@ impl Core {
     }
 
     pub fn releasedir(&self, fh: u64) {
-        self.dirs.remove(&fh);
         // The last handle of a removed directory: its records go now.
         if let Some(held) = self.open_dirs.close(fh) {
             if let Err(e) = self.purge(held.ino) {
@@ -967,131 +884,6 @@ impl Core {
         crate::blocks::statvfs(&self.cfg.data_dir).map_err(|e| FsError::io("statvfs data dir", e))
     }
 
-    // ---- spares ----
-
-    /// The spare of `ino` when it is held open; a closed one is opened by
-    /// path, as a missing one is created.
-    fn take_spare(&self, ino: Ino) -> Option<File> {
-        let mut spares = self.spares.lock();
-        let spare = spares.remove(&ino);
-        // Running low, or behind: wake the maker.
-        if spare.is_none() || spares.len() < SPARES / 2 {
-            self.spares_low.notify_one();
-        }
-        spare.flatten()
-    }
-
-    /// Wait until creates have used half the spares, or `period` passed.
-    /// Returns false once the core is shutting down.
-    pub(crate) fn wait_for_spares_low(&self, period: std::time::Duration) -> bool {
-        let mut spares = self.spares.lock();
-        spares.wait_for(&self.spares_low, period);
-        !self.spares_stopped.load(Ordering::SeqCst)
-    }
-
-    /// Make backing files for the next inode numbers. Spares for numbers
-    /// already handed out are closed; one is deleted only when its inode
-    /// turned out not to be a regular file, since a regular file may be
-    /// opening its backing file by path at this moment. Returns how many
-    /// it made.
-    pub(crate) fn make_spares(&self) -> usize {
-        let upcoming = self.ns.upcoming_inos(SPARES as u64);
-        let stale: Vec<Ino> = self.spares.lock().keys().copied().filter(|i| *i < upcoming.start).collect();
-        let mut unused = Vec::new();
-        for ino in stale {
-            if self.spares.lock().remove(&ino).is_some()
-                && matches!(self.ns.getattr(ino), Ok(i) if i.kind != FileKind::Regular)
-            {
-                unused.push(ino);
-            }
-        }
-        for ino in self.respare(unused) {
-            let _ = self.store.remove(ino);
-        }
-        let mut made = 0;
-        for ino in upcoming {
-            if self.spares_stopped.load(Ordering::SeqCst) {
-                break;
-            }
-            if self.spares.lock().contains_key(&ino) || self.open.get(ino).is_some() {
-                continue;
-            }
-            if let Some(f) = self.store.create_spare(ino) {
-                // Shutdown sets the flag under this lock before it removes
-                // the spares: one made after that is removed here.
-                let mut spares = self.spares.lock();
-                if self.spares_stopped.load(Ordering::SeqCst) {
-                    drop(spares);
-                    drop(f);
-                    let _ = self.store.remove(ino);
-                    break;
-                }
-                made += 1;
-                spares.insert(ino, Some(f));
-            }
-        }
-        made
-    }
-
-    /// Keep the backing files of `from` (inodes purged, or numbers that
-    /// did not go to a regular file) as the spares of the next numbers that
-    /// have none: each emptied and renamed ([`ChunkStore::recycle`]), so
-    /// that an unlink and a create cost the local filesystem a rename
-    /// instead of an inode freed and another allocated. Returns those it
-    /// did not keep (the spares are full, no number is free, a rename
-    /// failed): the caller removes them.
-    fn respare(&self, from: Vec<Ino>) -> Vec<Ino> {
-        if from.is_empty() {
-            return from;
-        }
-        let upcoming = self.ns.upcoming_inos(RECYCLED_SPARES as u64);
-        let free: Vec<Ino> = {
-            let spares = self.spares.lock();
-            if self.spares_stopped.load(Ordering::SeqCst) {
-                return from;
-            }
-            let room = RECYCLED_SPARES.saturating_sub(spares.len()).min(from.len());
-            upcoming.filter(|i| !spares.contains_key(i)).take(room).collect()
-        };
-        let mut kept = Vec::with_capacity(free.len());
-        let mut left = Vec::new();
-        let mut to = free.into_iter();
-        for ino in from {
-            // A number handed out meanwhile may be opening its backing file
-            // by path: the rename never replaces a file, and an empty file
-            // is what that open would have made.
-            let Some(target) = to.by_ref().find(|t| self.open.get(*t).is_none()) else {
-                left.push(ino);
-                continue;
-            };
-            match self.store.recycle(ino, target) {
-                Ok(()) => kept.push(target),
-                Err(e) => {
-                    tracing::debug!(ino, target, error = %e, "could not recycle a backing file; removing it");
-                    left.push(ino);
-                }
-            }
-        }
-        let mut spares = self.spares.lock();
-        if self.spares_stopped.load(Ordering::SeqCst) {
-            // Shutdown already removed the spares it saw: these go too.
-            drop(spares);
-            for ino in kept {
-                let _ = self.store.remove(ino);
-            }
-            return left;
-        }
-        spares.extend(kept.into_iter().map(|i| (i, None)));
-        left
-    }
-
-    /// A peer is about to read or change directory `dir`: commit what this
-    /// node acknowledged there and give up its delegation (`--nowsync`).
-    pub(crate) fn recall_dir(&self, dir: Ino) -> FsResult<i64> {
-        self.publish_owed();
-        Ok(self.ns.release_dir(dir)?)
-    }
-
     /// Flush the namespace to stable storage (unmount).
     pub fn shutdown(&self) {
         // What was acknowledged before it committed (--nowsync) commits now,
@@ -1100,11 +892,7 @@ impl Core {
             tracing::error!(error = %e, "could not commit acknowledged namespace changes at unmount");
         }
         // Spares not used by a regular file would be strays at the next mount.
-        let spares = {
-            let mut spares = self.spares.lock();
-            self.spares_stopped.store(true, Ordering::SeqCst);
-            std::mem::take(&mut *spares)
-        };
+        let spares = self.spares.stop();
         // Numbers from here on were never handed out: no need to ask.
         let next = self.ns.upcoming_inos(1).start;
         for (ino, _) in spares {

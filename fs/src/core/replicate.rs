@@ -8,10 +8,54 @@ use std::time::Duration;
 use converged_metadata::types::*;
 use converged_metadata::MetaError;
 
+use converged_metadata::held_locks::Mutex;
+
 use super::Core;
 use crate::chunkstore::read_exact_at;
 use crate::error::{FsError, FsResult};
 use crate::remote;
+
+/// Files whose chunks have fewer copies than their policy asks, for the
+/// replicator. Its lock is a leaf: taken to add or take files, and by the
+/// replicator to wait for some, never across a copy.
+#[derive(Default)]
+pub(super) struct ReplicationQueue {
+    files: Mutex<std::collections::BTreeSet<Ino>>,
+    queued: parking_lot::Condvar,
+}
+
+impl ReplicationQueue {
+    /// Queue `files`; with `wake`, the replicator looks at once (else at
+    /// its next look: the cluster is not attached yet).
+    pub(super) fn add(&self, files: impl IntoIterator<Item = Ino>, wake: bool) {
+        self.files.lock().extend(files);
+        if wake {
+            self.queued.notify_one();
+        }
+    }
+
+    /// Have the replicator look now.
+    pub(super) fn wake(&self) {
+        self.queued.notify_one();
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.files.lock().len()
+    }
+
+    /// Every file queued, once some are (waiting at most `period`) and
+    /// `ready` says the replicator can act.
+    fn take(&self, period: Duration, ready: impl Fn() -> bool) -> Option<std::collections::BTreeSet<Ino>> {
+        let mut q = self.files.lock();
+        if q.is_empty() || !ready() {
+            q.wait_for(&self.queued, period);
+        }
+        if !ready() || q.is_empty() {
+            return None;
+        }
+        Some(std::mem::take(&mut *q))
+    }
+}
 
 /// What one replicator step did.
 pub enum Replicated {
@@ -27,15 +71,8 @@ impl Core {
     /// Wait (at most `period`) for files to replicate, then copy the chunks
     /// of each queued file this node is primary of to more peers.
     pub(crate) fn replicate_step(&self, period: Duration) -> Replicated {
-        let batch = {
-            let mut q = self.under_replicated.0.lock();
-            if q.is_empty() || self.cluster.get().is_none() {
-                q.wait_for(&self.under_replicated.1, period);
-            }
-            if self.cluster.get().is_none() || q.is_empty() {
-                return Replicated::Idle;
-            }
-            std::mem::take(&mut *q)
+        let Some(batch) = self.under_replicated.take(period, || self.cluster.get().is_some()) else {
+            return Replicated::Idle;
         };
         let mut done = 0;
         // Files still being written here: tried again once their writers
@@ -53,16 +90,13 @@ impl Core {
                 false
             });
             if !ok {
-                let mut q = self.under_replicated.0.lock();
-                q.insert(ino);
-                q.extend(batch);
-                q.extend(deferred);
+                self.under_replicated.add(std::iter::once(ino).chain(batch).chain(deferred), false);
                 return Replicated::Short(ino);
             }
             done += 1;
         }
         if !deferred.is_empty() {
-            self.under_replicated.0.lock().extend(deferred);
+            self.under_replicated.add(deferred, false);
             if done == 0 {
                 // Only files being written: look again in a while.
                 std::thread::sleep(period);

@@ -319,8 +319,7 @@ impl Core {
             t.enqueue(ino, t.cfg.backfill_delay);
         }
         if pass.short {
-            self.under_replicated.0.lock().insert(ino);
-            self.under_replicated.1.notify_one();
+            self.under_replicated.add([ino], true);
         }
         Ok(sealed)
     }

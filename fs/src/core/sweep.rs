@@ -166,10 +166,7 @@ impl Core {
     /// in one read, its write lease and its tier record. `live`: the live
     /// nodes other than this one.
     fn look(&self, ino: Ino, live: &HashSet<String>) -> FsResult<Look> {
-        if self.open.get(ino).is_some()
-            || self.spares.lock().contains_key(&ino)
-            || self.ns.upcoming_inos(u64::MAX).contains(&ino)
-        {
+        if self.open.get(ino).is_some() || self.spares.holds(ino) || self.ns.upcoming_inos(u64::MAX).contains(&ino) {
             return Ok(Look::Busy);
         }
         let (inode, chunks) = match self.ns.layout(ino) {
