@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use converged_metadata::types::*;
 use converged_metadata::MetaError;
 
-use super::write::set_file_times;
+use super::backing::set_file_times;
 use super::{chunk_range, ts_from, Attr, Core};
 use crate::error::{FsError, FsResult};
 

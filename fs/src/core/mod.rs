@@ -15,6 +15,7 @@
 //! - `read.rs`: the read path; one `locate` step says where each range of a
 //!   file comes from (hole, local copy, peer, object store).
 //! - `attr.rs`: attributes, and truncation through the write path.
+//! - `backing.rs`: the backing file's stamp and times, lseek, copy_file_range.
 //! - `durability.rs`: crash recovery at mount, and the flush that makes
 //!   buffered metadata durable only after the bytes it describes.
 //! - `replicate.rs`: topping up under-replicated chunks (its queue).
@@ -82,6 +83,7 @@
 
 mod attr;
 pub(crate) mod backfill;
+mod backing;
 mod dirs;
 mod durability;
 mod evict;
