@@ -542,25 +542,6 @@ impl Namespace {
     }
 }
 
-/// The record of chunk `index` of `ino` if it is still at `version` (a newer
-/// seal makes whatever was done for the old one stale).
-pub(crate) fn chunk_at_version(
-    txn: &mut (impl KvRead + ?Sized),
-    ino: Ino,
-    index: u32,
-    version: u64,
-) -> MetaResult<Option<ChunkRecord>> {
-    // A batched layout not yet moved to plain records: the caller's update
-    // waits for the move (the seal that made it current finishes it).
-    if crate::ops::layout::layout_moving(txn, ino)? {
-        return Ok(None);
-    }
-    let key = schema::chunk(ino, index);
-    let Some(v) = txn.get(&key)? else { return Ok(None) };
-    let record: ChunkRecord = decode(&key, &v)?;
-    Ok((record.version == version).then_some(record))
-}
-
 /// 128 random bits as hex, from the kernel's generator.
 fn random_id() -> String {
     let mut b = [0u8; 16];

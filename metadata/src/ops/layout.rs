@@ -18,7 +18,7 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
-use crate::namespace::{chunk_at_version, decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
+use crate::namespace::{decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, SetAttr, Timespec};
 
@@ -207,6 +207,25 @@ pub(crate) fn read_chunk(txn: &mut (impl KvRead + ?Sized), ino: Ino, index: u32)
     }
     let key = schema::chunk(ino, index);
     txn.get(&key)?.map(|v| decode(&key, &v)).transpose()
+}
+
+/// The record of chunk `index` of `ino` if it is still at `version` (a newer
+/// seal makes whatever was done for the old one stale).
+pub(crate) fn chunk_at_version(
+    txn: &mut (impl KvRead + ?Sized),
+    ino: Ino,
+    index: u32,
+    version: u64,
+) -> MetaResult<Option<ChunkRecord>> {
+    // A batched layout not yet moved to plain records: the caller's update
+    // waits for the move (the seal that made it current finishes it).
+    if layout_moving(txn, ino)? {
+        return Ok(None);
+    }
+    let key = schema::chunk(ino, index);
+    let Some(v) = txn.get(&key)? else { return Ok(None) };
+    let record: ChunkRecord = decode(&key, &v)?;
+    Ok((record.version == version).then_some(record))
 }
 
 /// Whether a batched layout of `ino` is current and not yet moved to

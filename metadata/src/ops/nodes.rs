@@ -22,7 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvEngine};
-use crate::namespace::{chunk_at_version, decode, encode, Namespace};
+use crate::namespace::{decode, encode, Namespace};
+use crate::ops::layout::chunk_at_version;
 use crate::schema;
 use crate::types::Ino;
 

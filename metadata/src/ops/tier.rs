@@ -5,8 +5,8 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
-use crate::namespace::chunk_at_version;
 use crate::namespace::{check_name, decode, encode, get_dentry, get_inode, put_dentry, put_inode, scan_all, Namespace};
+use crate::ops::layout::chunk_at_version;
 use crate::schema;
 use crate::types::*;
 
