@@ -207,7 +207,7 @@ REPORT=$OUT/table.txt
 import json, re, sys
 
 out, targets = sys.argv[1], sys.argv[2].split()
-names = {"raw": "ext4", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "2 nodes,nowsync",
+names = {"raw": "ext4", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "etcd+nowsync",
          "moosefs": "MooseFS", "gluster": "GlusterFS"}
 
 def load(t, tag):

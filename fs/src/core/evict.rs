@@ -12,11 +12,6 @@ use crate::core::Core;
 use crate::error::{FsError, FsResult};
 use crate::tier::Tiering;
 
-/// (available, total) bytes of the filesystem holding `path`.
-fn disk_space(path: &std::path::Path) -> FsResult<(u64, u64)> {
-    crate::blocks::disk_space(path).map_err(|e| FsError::io("statvfs data dir", e))
-}
-
 /// Used fraction of a filesystem with `avail` of `total` bytes free.
 fn used_fraction(avail: u64, total: u64) -> f64 {
     if total == 0 {
@@ -27,7 +22,7 @@ fn used_fraction(avail: u64, total: u64) -> f64 {
 
 /// Used fraction of the filesystem holding `path`.
 fn disk_usage(path: &std::path::Path) -> FsResult<f64> {
-    let (avail, total) = disk_space(path)?;
+    let (avail, total) = crate::blocks::disk_space(path).map_err(|e| FsError::io("statvfs data dir", e))?;
     Ok(used_fraction(avail, total))
 }
 
@@ -42,7 +37,7 @@ impl Core {
     /// free space than a burst of writes fills before the evictor runs)
     /// writes go through the daemon, which evicts and retries on ENOSPC.
     pub(crate) fn room_for_passthrough_writes(&self, t: &Tiering) -> bool {
-        match disk_space(self.data_dir()) {
+        match crate::blocks::disk_space(self.data_dir()) {
             Ok((avail, total)) => {
                 avail >= PASSTHROUGH_WRITE_HEADROOM && used_fraction(avail, total) <= t.cfg.evict_high
             }
