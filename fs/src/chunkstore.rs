@@ -532,6 +532,8 @@ fn copy_range(src: &File, from: u64, dst: &File, to: u64, len: u64) -> io::Resul
 pub type Answer = Result<(), converged_transport::ServiceError>;
 /// Whether a caller may store a chunk version here.
 pub type WriteCheck = Box<dyn Fn(&Caller, &ChunkRef) -> Answer + Send + Sync>;
+/// [`WriteCheck`] of a file the caller says it made in a delegated directory.
+pub type MadeCheck = Box<dyn Fn(&Caller, &ChunkRef, u64) -> Answer + Send + Sync>;
 
 pub struct LocalHooks {
     /// Fetch chunk `index` of `ino` onto this node and record the copy (a
@@ -543,6 +545,9 @@ pub struct LocalHooks {
     /// Whether a peer may store a chunk version here / drop a file here,
     /// by the metadata (see `Core::peer_may_write`).
     pub may_write: WriteCheck,
+    /// Whether a peer may store a chunk version here of a file it made in
+    /// a directory it says is delegated to it (see `Core::peer_may_write_made`).
+    pub may_write_made: MadeCheck,
     pub may_delete: Box<dyn Fn(u64) -> Answer + Send + Sync>,
     /// Commit what this node acknowledged in a directory and give its
     /// delegation up (a peer is about to read it): the revision.
@@ -614,6 +619,12 @@ impl converged_transport::ChunkService for PeerChunks {
     fn may_write(&self, caller: &Caller, c: &ChunkRef) -> Result<(), converged_transport::ServiceError> {
         match self.hooks.get() {
             Some(h) => (h.may_write)(caller, c),
+            None => Err(starting()),
+        }
+    }
+    fn may_write_made(&self, caller: &Caller, c: &ChunkRef, dir: u64) -> Result<(), converged_transport::ServiceError> {
+        match self.hooks.get() {
+            Some(h) => (h.may_write_made)(caller, c, dir),
             None => Err(starting()),
         }
     }

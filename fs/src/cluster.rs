@@ -54,6 +54,16 @@ pub struct ClusterConfig {
     pub peer_timeout: Duration,
 }
 
+/// How a copy is written on a peer: on its stable storage before the
+/// answer or not (`durable`), and, for a file this node made in a directory
+/// delegated to it and has not committed yet (`--nowsync`), that directory:
+/// the peer checks the delegation rather than the file's records.
+#[derive(Debug, Clone, Copy)]
+pub struct Push {
+    pub durable: bool,
+    pub made_in: Option<u64>,
+}
+
 /// How long a recall keeps asking a holder that is alive but does not
 /// answer (longer than any membership lease, after which it is dead).
 const RECALL_PATIENCE: Duration = Duration::from_secs(90);
@@ -440,7 +450,7 @@ impl Cluster {
         want: usize,
         ranked: Vec<NodeInfo>,
     ) -> Vec<String> {
-        self.push_with(chunk, data, want, ranked, true).await
+        self.push_with(chunk, data, want, ranked, Push { durable: true, made_in: None }).await
     }
 
     /// [`Cluster::push`], with the copies on stable storage when this
@@ -452,7 +462,7 @@ impl Cluster {
         data: Bytes,
         want: usize,
         ranked: Vec<NodeInfo>,
-        durable: bool,
+        how: Push,
     ) -> Vec<String> {
         let (ino, index) = (chunk.ino, chunk.index);
         let mut done = Vec::new();
@@ -467,14 +477,18 @@ impl Cluster {
                     let t = self.transport.clone();
                     let data = data.clone();
                     tokio::spawn(async move {
-                        let r = match Self::peer(&n) {
-                            Some(p) if durable => {
+                        let r = match (Self::peer(&n), how) {
+                            (Some(p), Push { durable, made_in: Some(dir) }) => {
+                                let w = t.write_made(&p, &chunk, &data, durable, dir);
+                                latency::time_async(Area::Peer, "write", w).await
+                            }
+                            (Some(p), Push { durable: true, .. }) => {
                                 latency::time_async(Area::Peer, "write", t.write(&p, &chunk, &data)).await
                             }
-                            Some(p) => {
+                            (Some(p), _) => {
                                 latency::time_async(Area::Peer, "write", t.write_unsynced(&p, &chunk, &data)).await
                             }
-                            None => Err(TransportError::Connect { peer: n.id.clone(), msg: "bad address".into() }),
+                            (None, _) => Err(TransportError::Connect { peer: n.id.clone(), msg: "bad address".into() }),
                         };
                         (n.id, r)
                     })

@@ -23,9 +23,11 @@
 //! flush everything first.
 //!
 //! A file made here is held back while its writer has it open and has not
-//! published it (up to [`HOLD_MAX`]): its create commits with its first
-//! publish, so that after a crash it is gone or whole, never a name without
-//! the bytes its close acknowledged.
+//! published it (up to [`HOLD_MAX`]), and from its close to its publish
+//! (without limit): its create commits with its first publish, so that
+//! after a crash it is gone or whole, never a name without the bytes its
+//! close acknowledged. A file whose create was committed before its close
+//! (held open longer) is published by the close itself.
 //!
 //! What a crash loses: changes acknowledged and not yet flushed (at most
 //! [`FLUSH_EVERY`] of them, or [`HOLD_MAX`] for a file held back), whole
@@ -36,7 +38,7 @@
 //! gate (`State::flushing`), not a lock: one runs at a time, and the others
 //! wait for it on `changed`, holding nothing.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -90,6 +92,10 @@ struct Born {
     /// changes are held back (see [`HOLD_MAX`]).
     writing: bool,
     since: Instant,
+    /// Closed by its writer before anything of it was committed: held back
+    /// until published, however long that takes (its close acknowledged
+    /// bytes that only its publish records).
+    closed: bool,
     /// Its records the flusher committed, as committed: since no other
     /// node reaches the inode, the engine holds exactly these, and reads of
     /// its records are answered from here.
@@ -121,6 +127,12 @@ struct Op {
     dirs: Vec<Ino>,
     /// Files made here whose records it writes: held back with them.
     files: Vec<Ino>,
+    /// Files it makes that are being written: a flush that carries it
+    /// carries the change that settles them (see `settles`) in the same
+    /// transaction, so a crash leaves them gone or whole.
+    opens: Vec<Ino>,
+    /// Files it publishes, stops writing, or makes durable.
+    settles: Vec<Ino>,
     /// Cache hints for the commit that carries it.
     absent: Vec<Vec<u8>>,
     empty: Vec<Vec<u8>>,
@@ -209,7 +221,9 @@ impl State {
 
     /// Whether an op is held back with a file still being written.
     fn held_back(&self, op: &Op) -> bool {
-        op.files.iter().any(|f| self.born.get(f).is_some_and(|b| b.writing && b.since.elapsed() < HOLD_MAX))
+        op.files
+            .iter()
+            .any(|f| self.born.get(f).is_some_and(|b| b.writing && (b.closed || b.since.elapsed() < HOLD_MAX)))
     }
 }
 
@@ -270,10 +284,30 @@ impl DeferredKv {
         self.state.lock().held.len() < HELD_MAX
     }
 
-    /// Whether `ino` was made here in a directory delegated here and is
-    /// still this node's alone.
-    pub fn is_born(&self, ino: Ino) -> bool {
-        self.state.lock().born_in_holding(ino).is_some()
+    /// The directory delegated here that `ino` was made in, while the
+    /// inode is still this node's alone.
+    pub fn made_in(&self, ino: Ino) -> Option<Ino> {
+        self.state.lock().born_in_holding(ino)
+    }
+
+    /// The writer of `ino`, a file made here, closed it. When nothing of
+    /// the file is committed yet, it stays held back until its publish
+    /// (whenever that comes) and this returns true: the close need not
+    /// wait. Otherwise (its create already committed, or it is not a file
+    /// made here) false: the close must publish before it returns, or a
+    /// crash would leave its name without the bytes it acknowledged.
+    pub fn close_unpublished(&self, ino: Ino) -> bool {
+        let mut st = self.state.lock();
+        if st.born_in_holding(ino).is_none() {
+            return false;
+        }
+        match st.born.get_mut(&ino) {
+            Some(b) if b.writing && b.committed.is_empty() => {
+                b.closed = true;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Changes acknowledged and not committed yet, and directories delegated here.
@@ -547,9 +581,13 @@ impl DeferredKv {
         for (k, v) in &writes {
             st.overlay.insert(k.clone(), Pending { value: v.clone(), seq });
         }
+        let mut opens = Vec::new();
         for (ino, dir) in &new {
             let writing = writes.iter().any(|(k, v)| v.is_some() && *k == schema::unsealed(*ino));
-            st.born.insert(*ino, Born { dir: *dir, writing, since: now, committed: BTreeMap::new() });
+            if writing {
+                opens.push(*ino);
+            }
+            st.born.insert(*ino, Born { dir: *dir, writing, since: now, closed: false, committed: BTreeMap::new() });
         }
         for (k, v) in &writes {
             held_now(&mut st, &self.node, k, v.as_deref().map(Vec::as_slice), None);
@@ -557,20 +595,32 @@ impl DeferredKv {
         // A file whose lease mark goes stops being written, and one whose
         // layout is recorded is published: neither is held back any more,
         // from this change on (queued with it, never before it).
+        let mut settles = Vec::new();
         for f in &files {
             // An fsync of the file wants it durable now, whatever it holds.
-            let settles = durability == Durability::Durable
+            let settled = durability == Durability::Durable
                 || writes.iter().any(|(k, v)| {
                     (v.is_none() && *k == schema::unsealed(*f))
                         || (schema::subject(k) == Subject::File(*f) && schema::is_layout(k))
                 });
-            if settles {
+            if settled {
                 if let Some(b) = st.born.get_mut(f) {
                     b.writing = false;
                 }
+                settles.push(*f);
             }
         }
-        st.queue.push_back(Arc::new(Op { seq, writes, dirs, files, absent: t.absent.clone(), empty: t.empty.clone() }));
+        opens.retain(|f| !settles.contains(f));
+        st.queue.push_back(Arc::new(Op {
+            seq,
+            writes,
+            dirs,
+            files,
+            opens,
+            settles,
+            absent: t.absent.clone(),
+            empty: t.empty.clone(),
+        }));
         Fate::Queued(seq)
     }
 
@@ -676,8 +726,62 @@ enum Fate {
 }
 
 /// The next batch: queued changes in order, skipping those held back (for
-/// [`Flush::Due`]), while the keys fit one transaction.
+/// [`Flush::Due`]), while the keys fit one transaction. A change that makes
+/// a file being written goes only with the change that settles it (its
+/// publish, the removal of its lease mark, its fsync) when that is queued:
+/// taken together or not at all, so that no commit leaves the file's name
+/// without the bytes its close acknowledged.
 fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
+    let queue: Vec<&Arc<Op>> = st.queue.iter().collect();
+    // Where each file being written is settled, if that is queued yet.
+    let mut settled_at: HashMap<Ino, usize> = HashMap::new();
+    for (i, op) in queue.iter().enumerate() {
+        for f in &op.settles {
+            settled_at.entry(*f).or_insert(i);
+        }
+    }
+    let takeable = |op: &Op| match what {
+        Flush::All => true,
+        Flush::Through(_) | Flush::Due => !st.held_back(op),
+    };
+    let mut chosen: BTreeSet<usize> = BTreeSet::new();
+    let mut keys: HashSet<&[u8]> = HashSet::new();
+    for (i, op) in queue.iter().enumerate() {
+        if let Flush::Through(seq) = what {
+            if op.seq > seq {
+                break;
+            }
+        }
+        if chosen.contains(&i) || !takeable(op) {
+            continue;
+        }
+        // The change and those settling the files it makes, and theirs.
+        let mut group = vec![i];
+        let mut k = 0;
+        while k < group.len() {
+            for f in &queue[group[k]].opens {
+                if let Some(&j) = settled_at.get(f) {
+                    if !group.contains(&j) && !chosen.contains(&j) {
+                        group.push(j);
+                    }
+                }
+            }
+            k += 1;
+        }
+        if group.iter().any(|&j| !takeable(queue[j])) {
+            continue;
+        }
+        let new_keys: HashSet<&[u8]> = group
+            .iter()
+            .flat_map(|&j| queue[j].writes.iter().map(|(k, _)| k.as_slice()))
+            .filter(|k| !keys.contains(k))
+            .collect();
+        if !chosen.is_empty() && keys.len() + new_keys.len() > *limit {
+            break;
+        }
+        keys.extend(new_keys);
+        chosen.extend(group);
+    }
     let mut b = Batch {
         ops: Vec::new(),
         writes: Vec::new(),
@@ -690,19 +794,7 @@ fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
     let mut compare: HashSet<Ino> = HashSet::new();
     // Directories born in this batch: no record to compare yet.
     let mut born_here: HashSet<Ino> = HashSet::new();
-    for op in &st.queue {
-        let take = match what {
-            Flush::All => true,
-            Flush::Through(seq) if op.seq > seq => break,
-            Flush::Through(_) | Flush::Due => !st.held_back(op),
-        };
-        if !take {
-            continue;
-        }
-        let new_keys = op.writes.iter().filter(|(k, _)| !at.contains_key(k)).count();
-        if !b.ops.is_empty() && at.len() + new_keys > *limit {
-            break;
-        }
+    for op in chosen.into_iter().map(|i| queue[i]) {
         for (k, v) in &op.writes {
             // A later change of the key already committed: it stays.
             if st.overlay.get(k).is_none_or(|p| p.seq < op.seq) {

@@ -31,6 +31,9 @@ pub struct MemKv {
     writer: Arc<Mutex<()>>,
     /// Membership, when the store is shared by several nodes.
     cluster: Option<MemMembers>,
+    /// The most keys one write transaction may carry (etcd's
+    /// `--max-txn-ops`), when set by [`MemKv::with_txn_limit`].
+    txn_limit: Option<usize>,
 }
 
 /// The membership of a shared store, as one node's client sees it.
@@ -53,6 +56,13 @@ impl MemKv {
     /// belong to the node that wrote them.
     pub fn cluster() -> Self {
         MemKv { cluster: Some(MemMembers { leases: Arc::default(), own: Arc::default() }), ..Self::default() }
+    }
+
+    /// The same store, refusing write transactions of more than `ops` keys
+    /// as etcd refuses those past its `--max-txn-ops`: what splits large
+    /// changes into several commits is then exercised.
+    pub fn with_txn_limit(self, ops: usize) -> Self {
+        MemKv { txn_limit: Some(ops), ..self }
     }
 
     /// Another node's client of the same store: the same data and members,
@@ -136,6 +146,7 @@ struct MemWrite<'a> {
     map: &'a Mutex<Map>,
     _writer: MutexGuard<'a, ()>,
     pending: PendingWrites,
+    limit: Option<usize>,
 }
 
 impl KvRead for MemWrite<'_> {
@@ -159,6 +170,12 @@ impl KvWrite for MemWrite<'_> {
         self.pending.insert(key.to_vec(), None);
     }
     fn commit(self: Box<Self>, _durability: Durability) -> KvResult<()> {
+        if let Some(limit) = self.limit.filter(|l| self.pending.len() > *l) {
+            return Err(KvError::backend(format!(
+                "too many operations in txn request: {} past the limit of {limit}",
+                self.pending.len()
+            )));
+        }
         let mut map = self.map.lock();
         for (k, v) in self.pending {
             match v {
@@ -181,7 +198,10 @@ impl KvEngine for MemKv {
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
         let writer = self.writer.lock();
         self.expire_leases();
-        Ok(Box::new(MemWrite { map: &self.map, _writer: writer, pending: BTreeMap::new() }))
+        Ok(Box::new(MemWrite { map: &self.map, _writer: writer, pending: BTreeMap::new(), limit: self.txn_limit }))
+    }
+    fn txn_limit(&self) -> Option<usize> {
+        self.txn_limit
     }
     fn sync(&self) -> KvResult<()> {
         Ok(())

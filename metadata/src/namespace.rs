@@ -367,7 +367,26 @@ impl Namespace {
     /// Whether `ino` is a file made here whose records only this node may
     /// change yet (made under `--nowsync` in a directory delegated here).
     pub fn is_deferred(&self, ino: Ino) -> bool {
-        self.deferred.as_ref().is_some_and(|d| d.is_born(ino))
+        self.made_in(ino).is_some()
+    }
+
+    /// The writer of `ino` closed it: whether its publish may wait for the
+    /// last release (see `DeferredKv::close_unpublished`); false when the
+    /// close must publish before it returns.
+    pub fn close_unpublished(&self, ino: Ino) -> bool {
+        self.deferred.as_ref().is_some_and(|d| d.close_unpublished(ino))
+    }
+
+    /// The directory delegated here that `ino` was made in, while its
+    /// records are this node's alone (see [`Namespace::is_deferred`]).
+    pub fn made_in(&self, ino: Ino) -> Option<Ino> {
+        self.deferred.as_ref().and_then(|d| d.made_in(ino))
+    }
+
+    /// The node holding `dir`'s delegation, as this node's cache knows it.
+    pub fn delegate_of(&self, dir: Ino) -> MetaResult<Option<String>> {
+        let v = self.read(|txn| Ok(txn.get(&schema::delegation(dir))?))?;
+        Ok(v.map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 
     /// Changes acknowledged and not committed, directories delegated here,

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use converged_metadata::kv_deferred::DeferredKv;
+use converged_metadata::kv_fault::{Fault, FaultyKv};
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::types::*;
 use converged_metadata::{schema, KvEngine, MemKv, MetaError, Namespace, Seal};
@@ -255,4 +256,32 @@ fn a_file_made_and_removed_before_the_flush_leaves_nothing_behind() {
     for key in [schema::inode(x.ino), schema::chunk(x.ino, 0), schema::dentry(d.ino, b"tmp"), schema::unsealed(x.ino)] {
         assert!(committed(&store, &key).is_none(), "{key:?} left behind");
     }
+}
+
+#[test]
+fn a_file_made_while_others_queue_commits_with_its_publish_in_one_transaction() {
+    // etcd's limit on one transaction splits a long queue into several
+    // commits; the engine fails every commit after the first, as a node
+    // that dies between two.
+    let store = MemKv::cluster().with_txn_limit(128);
+    let handle = store.node_handle();
+    handle.membership().unwrap().register(&info("a"), std::time::Duration::from_secs(60)).unwrap();
+    let faulty = Arc::new(FaultyKv::new(Arc::new(handle)));
+    let deferred = DeferredKv::wrap_manual(faulty.clone(), "a");
+    let ns = Namespace::open(deferred.clone(), 0, 0).unwrap().with_node("a").with_nowsync(deferred.clone());
+    let d = ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    deferred.flush_all().unwrap();
+    // Made and written, while many files are made and closed beside it;
+    // then published: its create and its publish are far apart in the queue.
+    let x = ns.mknod(d.ino, b"x", &NewNode { unsealed: true, ..file() }).unwrap();
+    for i in 0..60 {
+        ns.mknod(d.ino, format!("f{i}").as_bytes(), &file()).unwrap();
+    }
+    ns.seal(x.ino, &published(5), converged_metadata::Durability::Buffered).unwrap();
+    faulty.fail_after(1, Fault::Unavailable, u32::MAX);
+    assert!(deferred.flush_due().is_err(), "the queue takes more than one commit");
+    assert!(committed(&store, &schema::dentry(d.ino, b"f0")).is_some(), "the first commit went through");
+    let named = committed(&store, &schema::dentry(d.ino, b"x")).is_some();
+    let laid_out = committed(&store, &schema::chunk(x.ino, 0)).is_some();
+    assert_eq!(named, laid_out, "x's name committed without its publish (or the reverse)");
 }

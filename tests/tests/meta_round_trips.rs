@@ -575,8 +575,10 @@ fn written_files_cost_two_commits_each_and_give_up_their_leases_together() {
 
 /// `--nowsync`: files written and closed in a directory the node made cost
 /// it about a commit per six files here (creates, publishes and lease ends
-/// share the flusher's transactions), and removing them fewer; another
-/// node reads every byte at once, and none after the removal. Counted from
+/// share the flusher's transactions), and removing them fewer; the node
+/// taking the copies reads etcd next to nothing for them (it checks the
+/// directory's delegation, not each file's records); another node reads
+/// every byte at once, and none after the removal. Counted from
 /// the writer's own metrics; without --nowsync each file costs two commits
 /// (the test above) and each unlink one.
 #[test]
@@ -589,11 +591,18 @@ fn under_nowsync_files_written_closed_and_removed_share_commits() {
     fs::write(dir.join("warm"), pattern(2048, 0)).unwrap();
     std::thread::sleep(std::time::Duration::from_secs(2));
     let before = etcd_requests(&ports[0]);
+    let peer_before = etcd_requests(&ports[1]);
     for i in 0..WRITTEN {
         fs::write(dir.join(format!("f{i}")), pattern(2048 + i as usize, i + 1)).unwrap();
     }
     std::thread::sleep(std::time::Duration::from_secs(3));
     let written = etcd_requests(&ports[0]);
+    // n2 takes a copy of each file before its create is committed: it
+    // checks n1's delegation of the directory, not each file's records.
+    let peer_after = etcd_requests(&ports[1]);
+    let peer_reads = peer_after.get("read").copied().unwrap_or(0) - peer_before.get("read").copied().unwrap_or(0);
+    eprintln!("n2 read etcd {peer_reads} times while taking copies of {WRITTEN} files made under n1's delegation");
+    assert!(peer_reads <= WRITTEN / 4, "n2 read etcd {peer_reads} times for copies of {WRITTEN} files");
     for i in 0..WRITTEN {
         fs::remove_file(dir.join(format!("f{i}"))).unwrap();
     }

@@ -158,6 +158,11 @@ fn a_cluster_certificate_alone_does_not_let_a_peer_write_or_delete_another_nodes
             "write over n1's version by n2",
         );
         refused(n2.delete(&peer, ino).await, libc::EACCES, "delete of n1's file by n2");
+        // Saying the file was made in a directory delegated to n2 (the
+        // root, which is delegated to nobody) changes nothing.
+        let zeros = bytes::Bytes::from(vec![0u8; data.len()]);
+        let made = n2.write_made(&peer, &forged, &zeros, true, 1).await;
+        refused(made, libc::EACCES, "write of a new version by n2, as made under a delegation");
         // The node the record names may copy its own version (background replication does).
         let n1_again = bind("n1");
         n1_again

@@ -126,6 +126,13 @@ pub trait ChunkService: Send + Sync + 'static {
         let _ = (ino, chunk);
         Err(ServiceError { errno: libc::EOPNOTSUPP, msg: "this node does not stage".into() })
     }
+    /// Whether a caller may store `chunk` here for a file it says it made
+    /// in directory `dir`, delegated to it (a [`wire::Request::WriteMade`]).
+    /// The default holds the write to the usual check.
+    fn may_write_made(&self, caller: &Caller, chunk: &ChunkRef, dir: u64) -> Result<(), ServiceError> {
+        let _ = dir;
+        self.may_write(caller, chunk)
+    }
     /// Commit what this node acknowledged in directory `dir` and give up
     /// its delegation; returns a revision at or after which the metadata
     /// holds it all. A node that defers nothing still drops its record.

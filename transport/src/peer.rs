@@ -73,6 +73,24 @@ pub trait PeerTransport: Send + Sync + 'static {
         chunk: u32,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>>;
+    /// [`PeerTransport::write`] (`durable`) or `write_unsynced` of a chunk
+    /// of a file this node made in directory `dir`, delegated to it, and
+    /// not in the records yet: the peer checks the delegation instead. By
+    /// default a plain write (the peer checks the records).
+    fn write_made<'a>(
+        &'a self,
+        peer: &'a Peer,
+        chunk: &'a ChunkRef,
+        data: &'a Bytes,
+        durable: bool,
+        dir: u64,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        let _ = dir;
+        match durable {
+            true => self.write(peer, chunk, data),
+            false => self.write_unsynced(peer, chunk, data),
+        }
+    }
     /// Have `peer` commit what it acknowledged in directory `dir` and give
     /// up its delegation, within `timeout`; returns the revision it answers.
     fn recall<'a>(&'a self, peer: &'a Peer, dir: u64, timeout: Duration) -> BoxFuture<'a, Result<i64, TransportError>>;
@@ -134,6 +152,16 @@ impl PeerTransport for crate::QuicTransport {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(crate::QuicTransport::stage(self, peer, ino, chunk, timeout))
+    }
+    fn write_made<'a>(
+        &'a self,
+        peer: &'a Peer,
+        chunk: &'a ChunkRef,
+        data: &'a Bytes,
+        durable: bool,
+        dir: u64,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(crate::QuicTransport::write_made(self, peer, chunk, data, durable, dir))
     }
     fn recall<'a>(&'a self, peer: &'a Peer, dir: u64, timeout: Duration) -> BoxFuture<'a, Result<i64, TransportError>> {
         Box::pin(crate::QuicTransport::recall(self, peer, dir, timeout))

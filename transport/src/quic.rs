@@ -200,6 +200,22 @@ impl QuicTransport {
         self.call(peer, Request::WriteUnsynced { chunk: *chunk, len }, data.clone()).await.map(|_| ())
     }
 
+    /// A write of a chunk of a file this node made in directory `dir`
+    /// (delegated to it) and has not committed yet: see [`Request::WriteMade`].
+    pub async fn write_made(
+        &self,
+        peer: &Peer,
+        chunk: &ChunkRef,
+        data: &Bytes,
+        durable: bool,
+        dir: u64,
+    ) -> Result<(), TransportError> {
+        let len = u32::try_from(data.len()).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or_else(|| {
+            TransportError::Protocol { peer: peer.node.clone(), err: WireError::PayloadTooLarge(u32::MAX) }
+        })?;
+        self.call(peer, Request::WriteMade { chunk: *chunk, len, durable, dir }, data.clone()).await.map(|_| ())
+    }
+
     /// Have `peer` put versions of `ino` it received unsynced on stable storage.
     pub async fn sync(&self, peer: &Peer, ino: u64, versions: &[(u32, u64)]) -> Result<(), TransportError> {
         self.call(peer, Request::Sync { ino, versions: versions.to_vec() }, Bytes::new()).await.map(|_| ())
@@ -413,13 +429,22 @@ async fn answer(
             }))
             .await
         }
-        Request::Write { chunk, len } | Request::WriteUnsynced { chunk, len } => {
-            let durable = matches!(req, Request::Write { .. });
+        Request::Write { chunk, len }
+        | Request::WriteUnsynced { chunk, len }
+        | Request::WriteMade { chunk, len, .. } => {
+            let (durable, made_in) = match req {
+                Request::Write { .. } => (true, None),
+                Request::WriteMade { durable, dir, .. } => (durable, Some(dir)),
+                _ => (false, None),
+            };
             // The store writes the pieces as they arrive, on a blocking
             // thread, a bounded queue behind the network.
             let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(RECEIVE_AHEAD);
             let store = tokio::task::spawn_blocking(move || {
-                service.may_write(&caller, &chunk)?;
+                match made_in {
+                    Some(dir) => service.may_write_made(&caller, &chunk, dir)?,
+                    None => service.may_write(&caller, &chunk)?,
+                }
                 service.write_from(&chunk, len as u64, durable, &mut || rx.blocking_recv())?;
                 Ok((Response::Done, Vec::new()))
             });

@@ -64,6 +64,16 @@ pub enum Request {
     Recall {
         dir: u64,
     },
+    /// A whole chunk version, as `Write` (`durable`) or `WriteUnsynced`,
+    /// of a file the sender made in directory `dir`, which is delegated to
+    /// it (`--nowsync`), and whose create it has not committed yet: the
+    /// receiver checks that delegation instead of the file's records.
+    WriteMade {
+        chunk: ChunkRef,
+        len: u32,
+        durable: bool,
+        dir: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,7 +161,10 @@ impl Request {
 
     pub fn check(&self) -> Result<(), WireError> {
         match *self {
-            Request::Read { len, .. } | Request::Write { len, .. } | Request::WriteUnsynced { len, .. }
+            Request::Read { len, .. }
+            | Request::Write { len, .. }
+            | Request::WriteUnsynced { len, .. }
+            | Request::WriteMade { len, .. }
                 if len > MAX_PAYLOAD =>
             {
                 Err(WireError::PayloadTooLarge(len))
@@ -200,6 +213,8 @@ mod tests {
             (chunk(), any::<u64>(), 0..=MAX_PAYLOAD).prop_map(|(chunk, at, len)| Request::Read { chunk, at, len }),
             (chunk(), 0..=MAX_PAYLOAD).prop_map(|(chunk, len)| Request::Write { chunk, len }),
             (chunk(), 0..=MAX_PAYLOAD).prop_map(|(chunk, len)| Request::WriteUnsynced { chunk, len }),
+            (chunk(), 0..=MAX_PAYLOAD, any::<bool>(), any::<u64>())
+                .prop_map(|(chunk, len, durable, dir)| Request::WriteMade { chunk, len, durable, dir }),
             (any::<u64>(), proptest::collection::vec(any::<(u32, u64)>(), 0..8))
                 .prop_map(|(ino, versions)| Request::Sync { ino, versions }),
             any::<u64>().prop_map(|ino| Request::Delete { ino }),

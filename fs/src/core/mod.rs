@@ -384,7 +384,8 @@ impl Core {
     /// from them when this node does not hold them.
     pub fn attach_cluster(self: &Arc<Self>, cluster: Arc<Cluster>) {
         cluster.set_control(self.control.clone());
-        let (weak, weak2, weak3, weak4, weak5) = (
+        let (weak, weak2, weak3, weak4, weak5, weak6) = (
+            Arc::downgrade(self),
             Arc::downgrade(self),
             Arc::downgrade(self),
             Arc::downgrade(self),
@@ -400,6 +401,10 @@ impl Core {
             being_written: Box::new(move |ino| weak2.upgrade().is_some_and(|core| core.rewrites_backing_file(ino))),
             may_write: Box::new(move |caller, chunk| match weak3.upgrade() {
                 Some(core) => core.peer_may_write(caller, chunk),
+                None => Err(stopping()),
+            }),
+            may_write_made: Box::new(move |caller, chunk, dir| match weak6.upgrade() {
+                Some(core) => core.peer_may_write_made(caller, chunk, dir),
                 None => Err(stopping()),
             }),
             may_delete: Box::new(move |ino| match weak4.upgrade() {

@@ -55,6 +55,29 @@ impl Core {
         })
     }
 
+    /// Whether a peer may store chunk version `c` here of a file it made in
+    /// directory `dir` (`--nowsync`) and has not committed yet: `dir` is
+    /// delegated to it, as this node's cache of the records knows (one
+    /// read per directory, not one per file), and this node holds no copy
+    /// of that version already (none is ever replaced this way). Otherwise
+    /// the usual check, by the file's records.
+    pub(crate) fn peer_may_write_made(
+        &self,
+        caller: &converged_transport::Caller,
+        c: &converged_transport::ChunkRef,
+        dir: Ino,
+    ) -> Result<(), converged_transport::ServiceError> {
+        self.refuse_peers_if_read_only(|| format!("write of chunk {} of inode {}", c.index, c.ino))?;
+        let delegate = self
+            .ns
+            .delegate_of(dir)
+            .map_err(|e| converged_transport::ServiceError { errno: libc::EAGAIN, msg: format!("metadata: {e}") })?;
+        if delegate.is_some_and(|holder| caller.is(&holder)) && !self.store.has_version(c.ino, c.index, c.version) {
+            return Ok(());
+        }
+        self.peer_may_write(caller, c)
+    }
+
     /// A read-only node changes nothing on its disk for peers: it is not
     /// registered, so placement never names it, and copies it may still
     /// hold are dropped by its sweep once it mounts read-write.

@@ -21,7 +21,7 @@ use super::open::OpenInode;
 use super::write::{Dirty, Looked, SealAs, StreamJob, Streamed};
 use super::{ts_from, Core};
 use crate::chunkstore::block_crcs;
-use crate::cluster::{Cluster, DurabilityMode};
+use crate::cluster::{Cluster, DurabilityMode, Push};
 use crate::error::{FsError, FsResult};
 
 /// Chunks whose replica writes may be in flight at once while sealing.
@@ -248,7 +248,8 @@ impl Core {
             match (replicate_now, data) {
                 (Some(c), Some(data)) => {
                     let ranked = c.plan(inode.ino, index, &record.replicas);
-                    let push = c.clone().push(chunk, data.clone(), to_peers, ranked);
+                    let how = Push { durable: true, made_in: self.ns.made_in(inode.ino) };
+                    let push = c.clone().push_with(chunk, data.clone(), to_peers, ranked, how);
                     inflight.push_back((chunks.len(), chunk, data, c.spawn(push)));
                 }
                 (None, Some(data)) => self.keep_version(&chunk, &data),
@@ -365,7 +366,8 @@ impl Core {
             let ranked = c.plan(ino, index, &[self.node_id().to_string()]);
             let chunk = ChunkRef { ino, index, version, start };
             // Unsynced: the publish that records it has the holder sync it.
-            let task = c.spawn(c.clone().push_with(chunk, data, want - 1, ranked, false));
+            let how = Push { durable: false, made_in: self.ns.made_in(ino) };
+            let task = c.spawn(c.clone().push_with(chunk, data, want - 1, ranked, how));
             inflight.push((index, version, block_crcs, task));
         }
         for (index, version, block_crcs, task) in inflight {

@@ -769,11 +769,12 @@ impl Core {
             return Ok(false);
         }
         let (ino, writable, oi) = self.open.handle(fh)?;
-        if writable && self.ns.is_deferred(ino) {
-            // --nowsync: a file made here in a directory delegated here is
-            // seen by no other node before the directory is recalled, which
-            // publishes it first (as do fsync, fsyncdir and unmount); its
-            // last release publishes it otherwise. close(2) need not wait.
+        if writable && self.ns.close_unpublished(ino) {
+            // --nowsync: a file made here in a directory delegated here, of
+            // which nothing is committed yet, is seen by no other node
+            // before the directory is recalled, which publishes it first
+            // (as do fsync, fsyncdir and unmount); its last release
+            // publishes it otherwise. close(2) need not wait.
             self.owed.lock().insert(ino);
             return Ok(true);
         }
