@@ -79,7 +79,24 @@ pub trait KvRead {
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<Found>> {
         keys.iter().map(|k| self.get_versioned(k)).collect()
     }
+    /// [`KvRead::scan`] of each of `ranges`, in order, at most `limit`
+    /// keys each: in as few requests as the engine allows (etcd: one
+    /// transaction of range reads per 128 ranges).
+    fn scan_many(&mut self, ranges: &[(Vec<u8>, Vec<u8>)], limit: usize) -> KvResult<Vec<Pairs>> {
+        ranges.iter().map(|(s, e)| self.scan(s, e, limit)).collect()
+    }
+    /// Have a node-local cache in front of the engine learn every key of
+    /// each range the `prefixes` name (an inode's xattrs), all in as few
+    /// requests as the engine allows: a later read of a key there is then
+    /// answered from memory, present or absent. Where nothing caches, it
+    /// does nothing.
+    fn list_ranges(&mut self, _prefixes: &[Vec<u8>]) -> KvResult<()> {
+        Ok(())
+    }
 }
+
+/// Keys and values, in key order.
+pub type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 
 /// A record as [`KvRead::get_versioned`] finds it: its value, and its
 /// version where the engine has versions.

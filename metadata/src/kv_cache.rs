@@ -152,6 +152,11 @@ impl Listings {
         }
     }
 
+    /// Whether `dir`'s listing is held whole and fresh.
+    fn whole(&self, dir: &[u8]) -> bool {
+        self.dirs.lock().get(dir).is_some_and(|l| !l.partial && l.since.elapsed() < CACHE_TTL)
+    }
+
     /// `dir` was found too large to keep whole: not listed again on a miss
     /// until [`CACHE_TTL`] passed.
     fn set_partial(&self, dir: &[u8]) {
@@ -328,13 +333,33 @@ impl CachedKv {
                 let (start, end) = crate::schema::prefix_range(dir);
                 let since = self.listings.changes(dir);
                 let found = self.inner.read_txn()?.scan(&start, &end, LISTING_MAX)?;
-                match found.len() < LISTING_MAX {
-                    true => self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since),
-                    false => self.listings.set_partial(dir),
-                }
+                self.keep_listing(dir, found, since);
                 Ok(self.listings.lookup(key) == Known::Absent)
             }
         }
+    }
+
+    fn keep_listing(&self, dir: &[u8], found: crate::kv::Pairs, since: u64) {
+        match found.len() < LISTING_MAX {
+            true => self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since),
+            false => self.listings.set_partial(dir),
+        }
+    }
+
+    /// [`KvRead::list_ranges`]: the listings of `prefixes` not held
+    /// already, read together as [`CachedKv::absent`] reads one.
+    fn list_ranges(&self, prefixes: &[Vec<u8>]) -> KvResult<()> {
+        let wanted: Vec<(&Vec<u8>, u64)> =
+            prefixes.iter().filter(|p| !self.listings.whole(p)).map(|p| (p, self.listings.changes(p))).collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let ranges: Vec<(Vec<u8>, Vec<u8>)> = wanted.iter().map(|(p, _)| crate::schema::prefix_range(p)).collect();
+        let found = self.inner.read_txn()?.scan_many(&ranges, LISTING_MAX)?;
+        for ((dir, since), found) in wanted.into_iter().zip(found) {
+            self.keep_listing(dir, found, since);
+        }
+        Ok(())
     }
 }
 
@@ -405,6 +430,12 @@ impl KvRead for CachedRead<'_> {
             out[i] = Some((value, versioned));
         }
         Ok(out.into_iter().map(|o| o.expect("every key answered")).collect())
+    }
+    fn list_ranges(&mut self, prefixes: &[Vec<u8>]) -> KvResult<()> {
+        if self.fresh {
+            return Ok(());
+        }
+        self.kv.list_ranges(prefixes)
     }
 }
 

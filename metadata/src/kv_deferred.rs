@@ -988,6 +988,10 @@ impl KvRead for DeferredRead<'_> {
         }
         Ok(out.into_iter().map(|o| o.expect("every key answered")).collect())
     }
+    fn list_ranges(&mut self, prefixes: &[Vec<u8>]) -> KvResult<()> {
+        // The overlay answers its own keys first; the engine's cache the rest.
+        self.inner.list_ranges(prefixes)
+    }
 }
 
 impl DeferredKv {

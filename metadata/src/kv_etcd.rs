@@ -25,8 +25,7 @@ use crate::membership::{Heartbeat, Member, Membership, NodeInfo};
 use crate::round_trips::{self, RoundTrip};
 use crate::schema;
 
-/// Key-value pairs as a scan returns them.
-type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+use crate::kv::Pairs;
 /// A key's value (None: absent) and its mod revision (0: absent).
 type Versions = (Option<Vec<u8>>, i64);
 
@@ -433,6 +432,46 @@ impl EtcdKv {
         Ok((out, rev))
     }
 
+    /// Each of `ranges` at `rev` (0: the latest), at most `limit` keys
+    /// each, in one transaction of range reads per 128 ranges.
+    fn scan_many_at(&self, ranges: &[(Vec<u8>, Vec<u8>)], limit: usize, mut rev: i64) -> KvResult<(Vec<Pairs>, i64)> {
+        let mut out = Vec::with_capacity(ranges.len());
+        let n = self.prefix.len();
+        for batch in ranges.chunks(128) {
+            let ops: Vec<TxnOp> = batch
+                .iter()
+                .map(|(start, end)| {
+                    let opts =
+                        GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
+                    let opts = if rev > 0 { opts.with_revision(rev) } else { opts };
+                    TxnOp::get(self.key(start), Some(opts))
+                })
+                .collect();
+            let mut c = self.client.kv_client();
+            round_trips::count(RoundTrip::Read);
+            let resp = self.run(c.txn(Txn::new().and_then(ops)))?;
+            if rev == 0 {
+                rev = resp.header().map_or(0, |h| h.revision());
+            }
+            for answer in resp.op_responses() {
+                let etcd_client::TxnOpResponse::Get(g) = answer else {
+                    return Err(KvError::Backend {
+                        msg: "etcd: a read transaction answered with a write".into(),
+                        retryable: false,
+                    });
+                };
+                out.push(g.kvs().iter().map(|kv| (kv.key()[n..].to_vec(), kv.value().to_vec())).collect());
+            }
+        }
+        if out.len() != ranges.len() {
+            return Err(KvError::Backend {
+                msg: format!("etcd: {} answers to {} range reads", out.len(), ranges.len()),
+                retryable: false,
+            });
+        }
+        Ok((out, rev))
+    }
+
     fn scan_at(&self, start: &[u8], end: &[u8], limit: usize, rev: i64, serializable: bool) -> KvResult<(Pairs, i64)> {
         let opts = GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
         let resp = self.get_raw(self.key(start), opts, rev, serializable)?;
@@ -470,6 +509,14 @@ impl KvRead for EtcdRead<'_> {
         let (found, at) = self.kv.get_many_at(keys, self.rev)?;
         self.rev = at;
         Ok(found.into_iter().map(|(value, version)| (value.clone(), Some(Versioned { value, version, at }))).collect())
+    }
+    fn scan_many(&mut self, ranges: &[(Vec<u8>, Vec<u8>)], limit: usize) -> KvResult<Vec<Pairs>> {
+        if ranges.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (found, at) = self.kv.scan_many_at(ranges, limit, self.rev)?;
+        self.rev = at;
+        Ok(found)
     }
 }
 

@@ -198,6 +198,20 @@ fn kv_scan_is_ordered_bounded_and_sees_pending_writes(name: &str, kv: Arc<dyn Kv
     let got: Vec<u8> =
         kv.read_txn().unwrap().scan(&[b'k', 4], &[b'k', 8], 10).unwrap().into_iter().map(|(k, _)| k[1]).collect();
     assert_eq!(got, vec![4, 5, 7], "{name}: [start, end)");
+    // Several ranges in one read: each as its own scan answers it, in order.
+    let ranges: Vec<(Vec<u8>, Vec<u8>)> = (0..200u8)
+        .map(|i| match i % 3 {
+            0 => (vec![b'k', 4], vec![b'k', 8]),
+            1 => (vec![b'x'], vec![b'y']),
+            _ => (b"k".to_vec(), b"l".to_vec()),
+        })
+        .collect();
+    let mut r = kv.read_txn().unwrap();
+    let many = r.scan_many(&ranges, 2).unwrap();
+    assert_eq!(many.len(), ranges.len(), "{name}: an answer per range");
+    for ((start, end), got) in ranges.iter().zip(many) {
+        assert_eq!(got, r.scan(start, end, 2).unwrap(), "{name}: scan_many of [{start:?}, {end:?})");
+    }
 }
 
 /// A range delete that takes its records leaves, once committed, exactly

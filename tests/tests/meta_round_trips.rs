@@ -305,6 +305,19 @@ with tarfile.open(sys.argv[1], "w") as t:
     }
     assert_eq!(listed, FILES, "n2 lists every file n1 made");
     within(&n2, &before, 10, &format!("a listing with attributes of {FILES} files on a cold node"));
+    // `ls -l` also asks each file for its ACL xattr: which xattrs each has
+    // was read ahead with the page.
+    let lsdir = n1.join("ls");
+    fs::create_dir(&lsdir).unwrap();
+    for i in 0..FILES {
+        create_excl(&lsdir.join(format!("l{i}"))).unwrap();
+    }
+    eventually(10, "n2 sees n1's directory", || n2.join("ls").is_dir());
+    let before = charged(&n2);
+    let out = std::process::Command::new("ls").arg("-l").arg(n2.join("ls")).output().unwrap();
+    assert!(out.status.success(), "ls -l on n2: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with('-')).count(), FILES as usize);
+    within(&n2, &before, 10, &format!("ls -l of {FILES} files on a cold node"));
     let before = charged(&n2);
     fs::remove_dir_all(&l2).unwrap();
     within(&n2, &before, FILES + 10, &format!("rm -r of {FILES} files on a cold node"));

@@ -40,9 +40,11 @@ impl Namespace {
     /// directory `parent` (names and their inodes) into the node's cache,
     /// in one request per 42 entries on a shared engine (a local one
     /// answers each at once anyway): each name, its inode's attributes,
-    /// and its backfill record (an unlink reads it). `readdirplus` then
-    /// answers from memory, and so do `ls -l`'s stats and `rm -r`'s
-    /// unlinks, which would otherwise each go to etcd on a cold node.
+    /// and its backfill record (an unlink reads it); and, in one more
+    /// request, which xattrs each has. `readdirplus` then answers from
+    /// memory, and so do `ls -l`'s stats and xattr reads (two a file) and
+    /// `rm -r`'s unlinks, which would otherwise each go to etcd on a cold
+    /// node.
     pub fn prefetch_entries(&self, parent: Ino, entries: &[(&[u8], Ino)]) -> MetaResult<()> {
         if !self.clustered || entries.is_empty() {
             return Ok(());
@@ -51,7 +53,11 @@ impl Namespace {
             .iter()
             .flat_map(|(name, ino)| [schema::dentry(parent, name), schema::inode(*ino), schema::tier(*ino)])
             .collect();
-        self.read(|txn| Ok(txn.get_many_versioned(&keys).map(|_| ())?))
+        let xattrs: Vec<Vec<u8>> = entries.iter().map(|(_, ino)| schema::xattrs_of(*ino)).collect();
+        self.read(|txn| {
+            txn.get_many_versioned(&keys)?;
+            Ok(txn.list_ranges(&xattrs)?)
+        })
     }
 
     pub fn readdir(&self, ino: Ino) -> MetaResult<Vec<(Vec<u8>, Dentry)>> {
