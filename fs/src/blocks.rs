@@ -139,6 +139,34 @@ pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()>
     Ok(())
 }
 
+/// `len` bytes of `file` from `offset` (zeros past its end) in a new
+/// buffer that the read fills without its being zeroed first: a peer's
+/// read of a 4 MiB window would otherwise write every byte twice.
+pub fn read_vec_at(file: &File, len: usize, offset: u64) -> io::Result<Vec<u8>> {
+    let mut buf: Vec<u8> = Vec::with_capacity(len);
+    while buf.len() < len {
+        let done = buf.len();
+        let spare = &mut buf.spare_capacity_mut()[..len - done];
+        // SAFETY: pread(2) writes at most `spare.len()` bytes into memory
+        // this buffer owns; only the bytes it reports written are counted.
+        let n = unsafe {
+            libc::pread(file.as_raw_fd(), spare.as_mut_ptr().cast(), spare.len(), (offset + done as u64) as libc::off_t)
+        };
+        match n {
+            0 => buf.resize(len, 0),
+            // SAFETY: pread wrote the `n` bytes after `done`.
+            n if n > 0 => unsafe { buf.set_len(done + n as usize) },
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(buf)
+}
+
 /// `len` bytes of `file` from `offset` (zeros past its end), in a buffer
 /// that goes back to a small pool once every holder dropped it: a chunk on
 /// its way to peers is 64 MiB, and fresh memory costs a page fault at each

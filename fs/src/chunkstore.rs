@@ -594,9 +594,7 @@ impl converged_transport::ChunkService for PeerChunks {
         let size = f.metadata().map_err(service_err)?.len();
         let offset = base + at;
         let len = (len as u64).min(size.saturating_sub(offset)) as usize;
-        let mut buf = vec![0u8; len];
-        read_exact_at(&f, &mut buf, offset).map_err(service_err)?;
-        Ok(buf)
+        crate::blocks::read_vec_at(&f, len, offset).map_err(service_err)
     }
     fn write(&self, c: &ChunkRef, data: &[u8]) -> Result<(), converged_transport::ServiceError> {
         self.store.write_version(c, data, Arrival::Received, true).map_err(service_err)

@@ -157,9 +157,7 @@ impl QuicTransport {
             let resp = Response::decode(&frame).map_err(protocol)?;
             let data = match resp {
                 Response::Data { len } => {
-                    let mut data = vec![0u8; len as usize];
-                    read_payload(&mut recv, &mut data).await.map_err(|e| stream_err(peer, e))?;
-                    data
+                    read_payload(&mut recv, len as usize).await.map_err(|e| stream_err(peer, e))?
                 }
                 Response::Error { errno, ref msg } => {
                     return Err(TransportError::Remote {
@@ -357,20 +355,18 @@ async fn serve_stream(
     }
 }
 
-/// Fill `buf` from the stream, taking quinn's received chunks as they are
-/// (one copy, into `buf`) rather than through its read buffer.
-async fn read_payload(recv: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<(), String> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        match recv.read_chunk(buf.len() - filled, true).await.map_err(|e| e.to_string())? {
-            Some(chunk) => {
-                buf[filled..filled + chunk.bytes.len()].copy_from_slice(&chunk.bytes);
-                filled += chunk.bytes.len();
-            }
-            None => return Err(format!("stream ended after {filled} of {} bytes", buf.len())),
+/// `len` bytes from the stream, taking quinn's received chunks as they are
+/// (one copy, into a buffer not zeroed first) rather than through its read
+/// buffer.
+async fn read_payload(recv: &mut quinn::RecvStream, len: usize) -> Result<Vec<u8>, String> {
+    let mut buf = Vec::with_capacity(len);
+    while buf.len() < len {
+        match recv.read_chunk(len - buf.len(), true).await.map_err(|e| e.to_string())? {
+            Some(chunk) => buf.extend_from_slice(&chunk.bytes),
+            None => return Err(format!("stream ended after {} of {len} bytes", buf.len())),
         }
     }
-    Ok(())
+    Ok(buf)
 }
 
 async fn read_request(recv: &mut quinn::RecvStream) -> Result<Request, String> {
