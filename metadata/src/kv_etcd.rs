@@ -394,59 +394,49 @@ impl EtcdKv {
     /// Get each of `keys` at `rev` (0: latest), in one read-only transaction
     /// per 128 keys (`--max-txn-ops`), all at the revision the first one read at.
     /// Returns (value, mod revision) of each, and that revision.
-    fn get_many_at(&self, keys: &[Vec<u8>], mut rev: i64) -> KvResult<(Vec<Versions>, i64)> {
-        let mut out = Vec::with_capacity(keys.len());
-        for batch in keys.chunks(128) {
-            let ops: Vec<TxnOp> = batch
-                .iter()
-                .map(|k| {
-                    let opts = if rev > 0 { GetOptions::new().with_revision(rev) } else { GetOptions::new() };
-                    TxnOp::get(self.key(k), Some(opts))
-                })
-                .collect();
-            let mut c = self.client.kv_client();
-            round_trips::count(RoundTrip::Read);
-            let resp = self.run(c.txn(Txn::new().and_then(ops)))?;
-            if rev == 0 {
-                rev = resp.header().map_or(0, |h| h.revision());
-            }
-            for answer in resp.op_responses() {
-                let etcd_client::TxnOpResponse::Get(g) = answer else {
-                    return Err(KvError::Backend {
-                        msg: "etcd: a read transaction answered with a write".into(),
-                        retryable: false,
-                    });
-                };
-                out.push(match g.kvs().first() {
-                    Some(kv) => (Some(kv.value().to_vec()), kv.mod_revision()),
-                    None => (None, 0),
-                });
-            }
-        }
-        if out.len() != keys.len() {
-            return Err(KvError::Backend {
-                msg: format!("etcd: {} answers to {} reads", out.len(), keys.len()),
-                retryable: false,
-            });
-        }
-        Ok((out, rev))
+    fn get_many_at(&self, keys: &[Vec<u8>], rev: i64) -> KvResult<(Vec<Versions>, i64)> {
+        let (answers, rev) = self.read_txns(keys.len(), rev, |i, rev| {
+            let opts = if rev > 0 { GetOptions::new().with_revision(rev) } else { GetOptions::new() };
+            TxnOp::get(self.key(&keys[i]), Some(opts))
+        })?;
+        let found = answers
+            .iter()
+            .map(|g| match g.kvs().first() {
+                Some(kv) => (Some(kv.value().to_vec()), kv.mod_revision()),
+                None => (None, 0),
+            })
+            .collect();
+        Ok((found, rev))
     }
 
     /// Each of `ranges` at `rev` (0: the latest), at most `limit` keys
     /// each, in one transaction of range reads per 128 ranges.
-    fn scan_many_at(&self, ranges: &[(Vec<u8>, Vec<u8>)], limit: usize, mut rev: i64) -> KvResult<(Vec<Pairs>, i64)> {
-        let mut out = Vec::with_capacity(ranges.len());
+    fn scan_many_at(&self, ranges: &[(Vec<u8>, Vec<u8>)], limit: usize, rev: i64) -> KvResult<(Vec<Pairs>, i64)> {
+        let (answers, rev) = self.read_txns(ranges.len(), rev, |i, rev| {
+            let (start, end) = &ranges[i];
+            let opts = GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
+            let opts = if rev > 0 { opts.with_revision(rev) } else { opts };
+            TxnOp::get(self.key(start), Some(opts))
+        })?;
         let n = self.prefix.len();
-        for batch in ranges.chunks(128) {
-            let ops: Vec<TxnOp> = batch
-                .iter()
-                .map(|(start, end)| {
-                    let opts =
-                        GetOptions::new().with_range(self.key(end)).with_limit(limit.min(i64::MAX as usize) as i64);
-                    let opts = if rev > 0 { opts.with_revision(rev) } else { opts };
-                    TxnOp::get(self.key(start), Some(opts))
-                })
-                .collect();
+        let found =
+            answers.iter().map(|g| g.kvs().iter().map(|kv| (kv.key()[n..].to_vec(), kv.value().to_vec())).collect());
+        Ok((found.collect(), rev))
+    }
+
+    /// `count` reads (`op(i, rev)` makes the i-th), sent as transactions of
+    /// 128 (`--max-txn-ops`), all at the revision the first one read at
+    /// (`rev`, or the latest when 0). Returns the answers in order, and
+    /// that revision.
+    fn read_txns(
+        &self,
+        count: usize,
+        mut rev: i64,
+        op: impl Fn(usize, i64) -> TxnOp,
+    ) -> KvResult<(Vec<etcd_client::GetResponse>, i64)> {
+        let mut out = Vec::with_capacity(count);
+        for first in (0..count).step_by(128) {
+            let ops: Vec<TxnOp> = (first..count.min(first + 128)).map(|i| op(i, rev)).collect();
             let mut c = self.client.kv_client();
             round_trips::count(RoundTrip::Read);
             let resp = self.run(c.txn(Txn::new().and_then(ops)))?;
@@ -460,12 +450,12 @@ impl EtcdKv {
                         retryable: false,
                     });
                 };
-                out.push(g.kvs().iter().map(|kv| (kv.key()[n..].to_vec(), kv.value().to_vec())).collect());
+                out.push(g);
             }
         }
-        if out.len() != ranges.len() {
+        if out.len() != count {
             return Err(KvError::Backend {
-                msg: format!("etcd: {} answers to {} range reads", out.len(), ranges.len()),
+                msg: format!("etcd: {} answers to {count} reads", out.len()),
                 retryable: false,
             });
         }
