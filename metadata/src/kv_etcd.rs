@@ -153,6 +153,8 @@ struct Lease {
     node: String,
     keeper: etcd_client::LeaseKeeper,
     answers: etcd_client::LeaseKeepAliveStream,
+    /// The record as last written, and when.
+    recorded: (NodeInfo, std::time::Instant),
 }
 
 /// TLS and user options for the client, reading the files `access` names.
@@ -801,7 +803,8 @@ impl Membership for EtcdKv {
         let id = self.run(client.lease_grant(secs, None))?.id();
         let (keeper, answers) = self.run(client.lease_keep_alive(id))?;
         self.put_records(info, id)?;
-        *self.lease.lock() = Some(Lease { id, ttl, node: info.id.clone(), keeper, answers });
+        let recorded = (info.clone(), std::time::Instant::now());
+        *self.lease.lock() = Some(Lease { id, ttl, node: info.id.clone(), keeper, answers, recorded });
         Ok(())
     }
 
@@ -818,9 +821,17 @@ impl Membership for EtcdKv {
         let ttl = lease.ttl;
         match alive {
             Ok(true) => {
+                let (last, when) = &lease.recorded;
+                if !info.worth_recording(last) && when.elapsed() < crate::membership::RECORD_EVERY {
+                    return Ok(Heartbeat::Renewed);
+                }
                 let id = lease.id;
                 drop(guard);
-                self.put_records(info, id).map(|()| Heartbeat::Renewed)
+                self.put_records(info, id)?;
+                if let Some(lease) = self.lease.lock().as_mut().filter(|l| l.id == id) {
+                    lease.recorded = (info.clone(), std::time::Instant::now());
+                }
+                Ok(Heartbeat::Renewed)
             }
             // The lease expired (cut off for longer than its TTL): come back.
             Ok(false) | Err(_) => {

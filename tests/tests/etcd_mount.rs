@@ -49,7 +49,7 @@ fn state_of(status: &str, node: &str) -> Option<String> {
         .lines()
         .find(|l| l.split_whitespace().next() == Some(node))
         .and_then(|l| l.split_whitespace().nth(1))
-        // `dead(12s)`: dead, 12 s since its last heartbeat.
+        // `dead(<=12s)`: dead, at most 12 s since its last record was written.
         .map(|s| s.split('(').next().unwrap_or(s).to_string())
 }
 

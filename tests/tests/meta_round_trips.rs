@@ -425,6 +425,16 @@ fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
             i + 1
         );
         assert!(leases > 0, "n{} kept its lease alive", i + 1);
+        // A heartbeat every third of the 3 s lease the test cluster sets,
+        // each one keepalive: a node's record is not written again while
+        // nothing in it changed (every write of it reaches every node's
+        // watch).
+        let heartbeats = 30 * 3 / 3;
+        assert!(
+            leases <= heartbeats + 3,
+            "n{} made {leases} lease requests in 30 s at rest, for {heartbeats} heartbeats",
+            i + 1
+        );
     }
     // Changes are still heard: the copies of a deleted file leave every
     // node (told at once by n1, and found by the sweeps otherwise).

@@ -115,7 +115,9 @@ pub fn status(meta: &str) -> anyhow::Result<()> {
         let i = &member.info;
         let labels: Vec<String> = i.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         let mut state =
-            if member.alive { "live".to_string() } else { format!("dead({}s)", (now.sec - i.heartbeat.sec).max(0)) };
+            // Its record is written when it changes and every few minutes
+            // (`RECORD_EVERY`): it died at most this long ago.
+            if member.alive { "live".to_string() } else { format!("dead(<={}s)", (now.sec - i.heartbeat.sec).max(0)) };
         if let Some(a) = admin.get(&i.id) {
             state.push_str(&format!("/{}", a.as_str()));
         }
