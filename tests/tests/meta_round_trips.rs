@@ -417,22 +417,23 @@ fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
             b.get(kind).copied().unwrap_or(0) - a.get(kind).copied().unwrap_or(0)
         };
         let asked: Vec<u64> = (0..2).map(|k| spent(k, "read") + spent(k, "commit")).collect();
-        let leases = spent(0, "lease") + spent(1, "lease");
-        eprintln!("n{} at rest: {asked:?} reads and commits in two spells of 15 s, {leases} lease requests", i + 1);
+        let leases: Vec<u64> = (0..2).map(|k| spent(k, "lease")).collect();
+        eprintln!("n{} at rest: {asked:?} reads and commits, {leases:?} lease requests, in two spells of 15 s", i + 1);
         assert!(
             asked.iter().min().copied().unwrap_or(0) <= 5,
             "n{} at rest (holding copies of {HELD} files) kept asking etcd: {asked:?} reads and commits in two spells of 15 s",
             i + 1
         );
-        assert!(leases > 0, "n{} kept its lease alive", i + 1);
+        assert!(leases.iter().all(|n| *n > 0), "n{} kept its lease alive", i + 1);
         // A heartbeat every third of the 3 s lease the test cluster sets,
         // each one keepalive: a node's record is not written again while
         // nothing in it changed (every write of it reaches every node's
-        // watch).
-        let heartbeats = 30 * 3 / 3;
+        // watch). Its free space may move with other tests' writes on the
+        // same disk, and then it is written: in one spell at most, mostly.
+        let heartbeats = 15 * 3 / 3;
         assert!(
-            leases <= heartbeats + 3,
-            "n{} made {leases} lease requests in 30 s at rest, for {heartbeats} heartbeats",
+            leases.iter().min().copied().unwrap_or(0) <= heartbeats + 3,
+            "n{} made {leases:?} lease requests in two spells of 15 s at rest, for {heartbeats} heartbeats each",
             i + 1
         );
     }
