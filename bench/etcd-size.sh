@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# What a volume's records cost etcd's database: files of several sizes made
+# and published through the namespace (metadata/examples/etcd_size.rs) on a
+# one-member etcd of this script's own, its history compacted and its
+# database defragmented after each size. Prints bytes and keys per file,
+# and how many such files one etcd holds at its default 2 GiB quota and at
+# the 8 GiB it suggests as the most.
+#
+#   bench/etcd-size.sh
+#   FILES=5000 SAVE=1 bench/etcd-size.sh     # also write bench/results/etcd-size-<date>.txt
+#
+# Environment (defaults in brackets):
+#   FILES   files per size [2000]
+#   SIZES   bytes per file, space separated [0 110000 67108864 1073741824]
+#   ETCD    the etcd server binary [/usr/bin/etcd]
+#   SAVE    1: also save the output under bench/results/ [0]
+set -euo pipefail
+SCRIPT_DIR=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$SCRIPT_DIR/.." && pwd)
+FILES=${FILES:-2000}
+SIZES=${SIZES:-0 110000 67108864 1073741824}
+ETCD=${ETCD:-/usr/bin/etcd}
+SAVE=${SAVE:-0}
+[[ -x $ETCD ]] || { echo "etcd-size: no etcd at $ETCD (Debian: apt-get install etcd-server)" >&2; exit 1; }
+WORK=$(mktemp -d /var/tmp/converged-etcd-size.XXXXXX)
+port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+CLIENT=$(port)
+PEER=$(port)
+"$ETCD" --data-dir "$WORK/etcd" --listen-client-urls "http://127.0.0.1:$CLIENT" \
+    --advertise-client-urls "http://127.0.0.1:$CLIENT" --listen-peer-urls "http://127.0.0.1:$PEER" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$PEER" --initial-cluster "default=http://127.0.0.1:$PEER" \
+    > "$WORK/etcd.log" 2>&1 &
+ETCD_PID=$!
+trap 'kill $ETCD_PID 2>/dev/null; wait $ETCD_PID 2>/dev/null; rm -rf "$WORK"' EXIT
+(cd "$REPO" && cargo build --release -q -p converged-metadata --example etcd_size)
+for _ in $(seq 50); do
+    curl -sf "http://127.0.0.1:$CLIENT/health" > /dev/null && break
+    sleep 0.2
+done
+OUT=$WORK/out.txt
+{
+    echo "converged etcd database size, $(date '+%Y-%m-%d %H:%M:%S %z')"
+    echo "host $(hostname), $("$ETCD" --version | head -1), converged $(cd "$REPO" && git rev-parse --short HEAD)"
+    for size in $SIZES; do
+        echo
+        "$REPO/target/release/examples/etcd_size" "127.0.0.1:$CLIENT" "$FILES" "$size"
+    done
+} | tee "$OUT"
+if [[ $SAVE == 1 ]]; then
+    mkdir -p "$SCRIPT_DIR/results"
+    dest="$SCRIPT_DIR/results/etcd-size-$(date +%Y-%m-%d-%H%M%S).txt"
+    cp "$OUT" "$dest"
+    echo "saved to $dest"
+fi
