@@ -20,7 +20,7 @@
 //! feed break.
 //!
 //! Locks: `Listings::dirs`, `dropped` and a moka entry's own (held only
-//! inside `and_compute_with`, which reads the epoch) are leaves, each taken
+//! inside `and_compute_with`, which reads its key's epoch) are leaves, each taken
 //! alone and never across a call to the engine; the change feed calls its
 //! subscribers with `subscribers` alone held.
 
@@ -50,9 +50,12 @@ type Cache = moka::sync::Cache<Vec<u8>, Entry>;
 pub struct CachedKv {
     inner: Arc<dyn KvEngine>,
     cache: Cache,
-    /// Bumped by every eviction: a fill whose read or commit saw it change
-    /// is not kept (the eviction may have been of newer news than the fill).
-    epoch: Arc<AtomicU64>,
+    /// Bumped by every eviction, by stripe of the key: a fill whose read or
+    /// commit saw its key's stripe change is not kept (the eviction may have
+    /// been of newer news than the fill). Striped so that other nodes'
+    /// changes of other keys, constant on a busy cluster, do not stop every
+    /// fill.
+    epochs: Arc<Epochs>,
     subscribers: Arc<Mutex<Vec<ChangeFeed>>>,
     /// Ranges this node deleted (an unlinked inode's xattrs), or that
     /// another node changed out of the feed's sight (a recalled
@@ -62,6 +65,49 @@ pub struct CachedKv {
     /// such entry has expired anyway.
     dropped: Mutex<std::collections::BTreeMap<Vec<u8>, DroppedRange>>,
     listings: Arc<Listings>,
+}
+
+/// Eviction counters, one per stripe of keys.
+struct Epochs([AtomicU64; EPOCH_STRIPES]);
+
+const EPOCH_STRIPES: usize = 64;
+
+impl Epochs {
+    fn new() -> Self {
+        Epochs(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+
+    fn index(key: &[u8]) -> usize {
+        let hash = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3));
+        (hash % EPOCH_STRIPES as u64) as usize
+    }
+
+    /// Where `key`'s stripe stands: what a fill of it is given, taken
+    /// before the read.
+    fn of(&self, key: &[u8]) -> u64 {
+        self.0[Self::index(key)].load(Ordering::Acquire)
+    }
+
+    /// Every stripe, as a write transaction begins.
+    fn all(&self) -> [u64; EPOCH_STRIPES] {
+        std::array::from_fn(|i| self.0[i].load(Ordering::Acquire))
+    }
+
+    /// What [`Epochs::all`] said of `key`'s stripe.
+    fn of_in(all: &[u64; EPOCH_STRIPES], key: &[u8]) -> u64 {
+        all[Self::index(key)]
+    }
+
+    /// An eviction of `key` (of everything, for an empty key).
+    fn bump(&self, key: &[u8]) {
+        if key.is_empty() {
+            for e in &self.0 {
+                e.fetch_add(1, Ordering::AcqRel);
+            }
+        } else {
+            self.0[Self::index(key)].fetch_add(1, Ordering::AcqRel);
+        }
+    }
 }
 
 /// A range this node deleted: its end, the commit's revision, and when.
@@ -164,11 +210,11 @@ impl Listings {
         self.dirs.lock().insert(dir.to_vec(), Listing { keys: Default::default(), since, partial: true });
     }
 
-    /// An eviction: bump `epoch`, and drop `key`'s directory and bump its
-    /// stripe (all of them for an empty key), together.
-    fn evict(&self, key: &[u8], epoch: &AtomicU64) {
+    /// An eviction: bump `key`'s epoch, and drop `key`'s directory and
+    /// bump its stripe (all of them for an empty key), together.
+    fn evict(&self, key: &[u8], epochs: &Epochs) {
         let mut dirs = self.dirs.lock();
-        epoch.fetch_add(1, Ordering::AcqRel);
+        epochs.bump(key);
         if key.is_empty() {
             dirs.clear();
             for c in &self.changes {
@@ -228,18 +274,18 @@ impl CachedKv {
     /// change feed, since a cache without one could serve stale records.
     pub fn wrap(inner: Arc<dyn KvEngine>) -> KvResult<Arc<dyn KvEngine>> {
         let cache: Cache = moka::sync::Cache::builder().max_capacity(CAPACITY).time_to_live(CACHE_TTL).build();
-        let epoch = Arc::new(AtomicU64::new(0));
+        let epochs = Arc::new(Epochs::new());
         let subscribers: Arc<Mutex<Vec<ChangeFeed>>> = Arc::default();
         let listings = Arc::new(Listings::default());
         let feed: ChangeFeed = {
-            let (cache, epoch, subscribers) = (cache.clone(), epoch.clone(), subscribers.clone());
+            let (cache, epochs, subscribers) = (cache.clone(), epochs.clone(), subscribers.clone());
             let listings = listings.clone();
             Arc::new(move |key: &[u8], value: Option<&[u8]>| {
                 if key.is_empty() {
-                    listings.evict(key, &epoch);
+                    listings.evict(key, &epochs);
                     cache.invalidate_all();
                 } else if cacheable_in_writes(key) {
-                    listings.evict(key, &epoch);
+                    listings.evict(key, &epochs);
                     cache.invalidate(key);
                 }
                 for s in subscribers.lock().iter() {
@@ -250,7 +296,7 @@ impl CachedKv {
         if !inner.watch(feed)? {
             return Ok(inner);
         }
-        Ok(Arc::new(CachedKv { inner, cache, epoch, subscribers, dropped: Mutex::default(), listings }))
+        Ok(Arc::new(CachedKv { inner, cache, epochs, subscribers, dropped: Mutex::default(), listings }))
     }
 
     /// Keep what a read or a commit learned, unless an eviction happened
@@ -262,7 +308,7 @@ impl CachedKv {
         // removes what it put.
         let mut raced = false;
         self.cache.entry(key.to_vec()).and_compute_with(|old| {
-            if self.epoch.load(Ordering::Acquire) != epoch {
+            if self.epochs.of(key) != epoch {
                 raced = true;
                 return moka::ops::compute::Op::Remove;
             }
@@ -303,13 +349,13 @@ impl CachedKv {
     }
 
     fn evict(&self, key: &[u8]) {
-        self.listings.evict(key, &self.epoch);
+        self.listings.evict(key, &self.epochs);
         self.cache.invalidate(key);
     }
 
     /// Read `key` from the engine in `txn` and keep what it says.
     fn read_through(&self, txn: &mut dyn KvRead, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        let epoch = self.epoch.load(Ordering::Acquire);
+        let epoch = self.epochs.of(key);
         let (v, versioned) = txn.get_versioned(key)?;
         if let Some(Versioned { value, version, at }) = versioned {
             self.fill(key, value, version, at, epoch);
@@ -398,7 +444,7 @@ impl KvRead for CachedRead<'_> {
                 return Ok((None, None));
             }
         }
-        let epoch = self.kv.epoch.load(Ordering::Acquire);
+        let epoch = self.kv.epochs.of(key);
         let (v, versioned) = self.inner.get_versioned(key)?;
         if let (true, Some(Versioned { value, version, at })) = (cacheable(key), &versioned) {
             self.kv.fill(key, value.clone(), *version, *at, epoch);
@@ -421,9 +467,10 @@ impl KvRead for CachedRead<'_> {
                 None => missing.push(i),
             }
         }
-        let epoch = self.kv.epoch.load(Ordering::Acquire);
+        let epochs: Vec<u64> = missing.iter().map(|i| self.kv.epochs.of(&keys[*i])).collect();
         let asked: Vec<Vec<u8>> = missing.iter().map(|i| keys[*i].clone()).collect();
-        for (i, (value, versioned)) in missing.into_iter().zip(self.inner.get_many_versioned(&asked)?) {
+        let found = self.inner.get_many_versioned(&asked)?;
+        for ((i, (value, versioned)), epoch) in missing.into_iter().zip(found).zip(epochs) {
             if let (true, Some(v)) = (cacheable(&keys[i]), &versioned) {
                 self.kv.fill(&keys[i], v.value.clone(), v.version, v.at, epoch);
             }
@@ -453,8 +500,8 @@ struct CachedWrite<'a> {
     /// Cacheable ranges deleted: later reads of this transaction go to
     /// the engine, which lays the ranges over what it holds.
     ranges: Vec<(Vec<u8>, Vec<u8>)>,
-    /// The eviction epoch when the transaction began.
-    epoch: u64,
+    /// The eviction epochs when the transaction began.
+    epochs: [u64; EPOCH_STRIPES],
 }
 
 impl KvRead for CachedWrite<'_> {
@@ -533,8 +580,8 @@ impl KvWrite for CachedWrite<'_> {
     }
     fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
         let this = *self;
-        let (kv, written, assumed, absent, empty_dirs, ranges, epoch) =
-            (this.kv, this.written, this.assumed, this.absent, this.empty_dirs, this.ranges, this.epoch);
+        let (kv, written, assumed, absent, empty_dirs, ranges, epochs) =
+            (this.kv, this.written, this.assumed, this.absent, this.empty_dirs, this.ranges, this.epochs);
         let r = this.inner.commit_at(durability);
         let ranged = !ranges.is_empty();
         match (&r, ranged) {
@@ -545,7 +592,7 @@ impl KvWrite for CachedWrite<'_> {
                 kv.drop_ranges(ranges, *rev)
             }
             (_, true) => {
-                kv.listings.evict(b"", &kv.epoch);
+                kv.listings.evict(b"", &kv.epochs);
                 kv.cache.invalidate_all();
             }
             _ => {}
@@ -565,11 +612,11 @@ impl KvWrite for CachedWrite<'_> {
                 for (k, v) in last {
                     let version = if v.is_some() { *rev } else { 0 };
                     kv.listings.note(k, v.is_some());
-                    kv.fill(k, v.clone(), version, *rev, epoch);
+                    kv.fill(k, v.clone(), version, *rev, Epochs::of_in(&epochs, k));
                 }
                 for k in &absent {
                     if !written.iter().any(|(w, _)| w == k) {
-                        kv.fill(k, None, 0, *rev, epoch);
+                        kv.fill(k, None, 0, *rev, Epochs::of_in(&epochs, k));
                     }
                 }
             }
@@ -610,7 +657,7 @@ impl KvEngine for CachedKv {
         Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: true }))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        let epoch = self.epoch.load(Ordering::Acquire);
+        let epochs = self.epochs.all();
         Ok(Box::new(CachedWrite {
             kv: self,
             inner: self.inner.write_txn()?,
@@ -619,7 +666,7 @@ impl KvEngine for CachedKv {
             absent: Vec::new(),
             empty_dirs: Vec::new(),
             ranges: Vec::new(),
-            epoch,
+            epochs,
         }))
     }
     fn sync(&self) -> KvResult<()> {
