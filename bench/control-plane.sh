@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The control plane of N nodes against one etcd (metadata/examples/control_sim.rs):
+# each agent has its own etcd client, membership registration and heartbeat,
+# and the node cache's watch on the volume, as a daemon does, without FUSE
+# and data planes. For each N, a fresh one-member etcd of this script's own;
+# prints etcd's own counts (requests, bytes, watch events a second) at rest,
+# and while a tenth of the agents create files.
+#
+#   bench/control-plane.sh
+#   AGENTS="50 100 200" REST=30 BUSY=10 SAVE=1 bench/control-plane.sh
+#
+# Environment (defaults in brackets):
+#   AGENTS  agent counts, space separated [50 100 200]
+#   REST    seconds measured at rest [20]
+#   BUSY    seconds measured while a tenth create [10]
+#   ETCD    the etcd server binary [/usr/bin/etcd]
+#   SAVE    1: also save the output under bench/results/ [0]
+set -euo pipefail
+SCRIPT_DIR=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$SCRIPT_DIR/.." && pwd)
+AGENTS=${AGENTS:-50 100 200}
+REST=${REST:-20}
+BUSY=${BUSY:-10}
+ETCD=${ETCD:-/usr/bin/etcd}
+SAVE=${SAVE:-0}
+[[ -x $ETCD ]] || { echo "control-plane: no etcd at $ETCD (Debian: apt-get install etcd-server)" >&2; exit 1; }
+WORK=$(mktemp -d /var/tmp/converged-control-plane.XXXXXX)
+ETCD_PID=
+stop_etcd() { [[ -n $ETCD_PID ]] && { kill "$ETCD_PID" 2>/dev/null; wait "$ETCD_PID" 2>/dev/null || true; }; ETCD_PID=; }
+trap 'stop_etcd; rm -rf "$WORK"' EXIT
+port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+(cd "$REPO" && cargo build --release -q -p converged-metadata --example control_sim)
+ulimit -n 65536 2>/dev/null || true
+OUT=$WORK/out.txt
+{
+    echo "converged control plane against one etcd, $(date '+%Y-%m-%d %H:%M:%S %z')"
+    echo "host $(hostname), $(nproc) CPUs, $("$ETCD" --version | head -1), converged $(cd "$REPO" && git rev-parse --short HEAD)"
+    for n in $AGENTS; do
+        client=$(port)
+        peer=$(port)
+        rm -rf "$WORK/etcd"
+        "$ETCD" --data-dir "$WORK/etcd" --listen-client-urls "http://127.0.0.1:$client" \
+            --advertise-client-urls "http://127.0.0.1:$client" --listen-peer-urls "http://127.0.0.1:$peer" \
+            --initial-advertise-peer-urls "http://127.0.0.1:$peer" --initial-cluster "default=http://127.0.0.1:$peer" \
+            > "$WORK/etcd.log" 2>&1 &
+        ETCD_PID=$!
+        for _ in $(seq 50); do
+            curl -sf "http://127.0.0.1:$client/health" > /dev/null && break
+            sleep 0.2
+        done
+        echo
+        "$REPO/target/release/examples/control_sim" "127.0.0.1:$client" "$n" "$REST" "$BUSY"
+        stop_etcd
+    done
+} | tee "$OUT"
+if [[ $SAVE == 1 ]]; then
+    mkdir -p "$SCRIPT_DIR/results"
+    dest="$SCRIPT_DIR/results/control-plane-$(date +%Y-%m-%d-%H%M%S).txt"
+    cp "$OUT" "$dest"
+    echo "saved to $dest"
+fi
