@@ -70,7 +70,7 @@ pub struct CachedKv {
 /// Eviction counters, one per stripe of keys.
 struct Epochs([AtomicU64; EPOCH_STRIPES]);
 
-const EPOCH_STRIPES: usize = 64;
+const EPOCH_STRIPES: usize = 256;
 
 impl Epochs {
     fn new() -> Self {
