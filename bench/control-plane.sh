@@ -25,10 +25,9 @@ ETCD=${ETCD:-/usr/bin/etcd}
 SAVE=${SAVE:-0}
 [[ -x $ETCD ]] || { echo "control-plane: no etcd at $ETCD (Debian: apt-get install etcd-server)" >&2; exit 1; }
 WORK=$(mktemp -d /var/tmp/converged-control-plane.XXXXXX)
-ETCD_PID=
-stop_etcd() { [[ -n $ETCD_PID ]] && { kill "$ETCD_PID" 2>/dev/null; wait "$ETCD_PID" 2>/dev/null || true; }; ETCD_PID=; }
+# shellcheck source=scripts/etcd.sh
+. "$SCRIPT_DIR/scripts/etcd.sh"
 trap 'stop_etcd; rm -rf "$WORK"' EXIT
-port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 (cd "$REPO" && cargo build --release -q -p converged-metadata --example control_sim)
 ulimit -n 65536 2>/dev/null || true
 OUT=$WORK/out.txt
@@ -36,20 +35,9 @@ OUT=$WORK/out.txt
     echo "converged control plane against one etcd, $(date '+%Y-%m-%d %H:%M:%S %z')"
     echo "host $(hostname), $(nproc) CPUs, $("$ETCD" --version | head -1), converged $(cd "$REPO" && git rev-parse --short HEAD)"
     for n in $AGENTS; do
-        client=$(port)
-        peer=$(port)
-        rm -rf "$WORK/etcd"
-        "$ETCD" --data-dir "$WORK/etcd" --listen-client-urls "http://127.0.0.1:$client" \
-            --advertise-client-urls "http://127.0.0.1:$client" --listen-peer-urls "http://127.0.0.1:$peer" \
-            --initial-advertise-peer-urls "http://127.0.0.1:$peer" --initial-cluster "default=http://127.0.0.1:$peer" \
-            > "$WORK/etcd.log" 2>&1 &
-        ETCD_PID=$!
-        for _ in $(seq 50); do
-            curl -sf "http://127.0.0.1:$client/health" > /dev/null && break
-            sleep 0.2
-        done
+        start_etcd "$WORK/etcd"
         echo
-        "$REPO/target/release/examples/control_sim" "127.0.0.1:$client" "$n" "$REST" "$BUSY"
+        "$REPO/target/release/examples/control_sim" "$ETCD_CLIENT" "$n" "$REST" "$BUSY"
         stop_etcd
     done
 } | tee "$OUT"

@@ -23,27 +23,18 @@ ETCD=${ETCD:-/usr/bin/etcd}
 SAVE=${SAVE:-0}
 [[ -x $ETCD ]] || { echo "etcd-size: no etcd at $ETCD (Debian: apt-get install etcd-server)" >&2; exit 1; }
 WORK=$(mktemp -d /var/tmp/converged-etcd-size.XXXXXX)
-port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-CLIENT=$(port)
-PEER=$(port)
-"$ETCD" --data-dir "$WORK/etcd" --listen-client-urls "http://127.0.0.1:$CLIENT" \
-    --advertise-client-urls "http://127.0.0.1:$CLIENT" --listen-peer-urls "http://127.0.0.1:$PEER" \
-    --initial-advertise-peer-urls "http://127.0.0.1:$PEER" --initial-cluster "default=http://127.0.0.1:$PEER" \
-    > "$WORK/etcd.log" 2>&1 &
-ETCD_PID=$!
-trap 'kill $ETCD_PID 2>/dev/null; wait $ETCD_PID 2>/dev/null; rm -rf "$WORK"' EXIT
+# shellcheck source=scripts/etcd.sh
+. "$SCRIPT_DIR/scripts/etcd.sh"
+trap 'stop_etcd; rm -rf "$WORK"' EXIT
 (cd "$REPO" && cargo build --release -q -p converged-metadata --example etcd_size)
-for _ in $(seq 50); do
-    curl -sf "http://127.0.0.1:$CLIENT/health" > /dev/null && break
-    sleep 0.2
-done
+start_etcd "$WORK/etcd"
 OUT=$WORK/out.txt
 {
     echo "converged etcd database size, $(date '+%Y-%m-%d %H:%M:%S %z')"
     echo "host $(hostname), $("$ETCD" --version | head -1), converged $(cd "$REPO" && git rev-parse --short HEAD)"
     for size in $SIZES; do
         echo
-        "$REPO/target/release/examples/etcd_size" "127.0.0.1:$CLIENT" "$FILES" "$size"
+        "$REPO/target/release/examples/etcd_size" "$ETCD_CLIENT" "$FILES" "$size"
     done
 } | tee "$OUT"
 if [[ $SAVE == 1 ]]; then
