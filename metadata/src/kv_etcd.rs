@@ -723,7 +723,8 @@ impl KvEngine for EtcdKv {
     fn membership(&self) -> Option<&dyn Membership> {
         Some(self)
     }
-    /// One etcd watch over the volume's prefix, re-established when it
+    /// One etcd watch over the volume's records (but the holder index),
+    /// re-established when it
     /// breaks (then subscribers hear an empty key: start over).
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
         let client = self.client.clone();
@@ -733,7 +734,9 @@ impl KvEngine for EtcdKv {
         self.rt.spawn(async move {
             let mut from = 0;
             loop {
-                let mut opts = WatchOptions::new().with_prefix();
+                // Up to the holder index, which only background work reads, fresh.
+                let end = [prefix.as_slice(), schema::WATCHED_END].concat();
+                let mut opts = WatchOptions::new().with_range(end);
                 if from > 0 {
                     opts = opts.with_start_revision(from);
                 }

@@ -56,6 +56,7 @@ pub(crate) fn timed<T>(kind: &'static str, f: impl FnOnce() -> T) -> T {
         }
     }
 }
+pub use ops::holders::HeldWalk;
 pub use ops::layout::{chunk_held_by, lease_holder_of, next_version, Seal, SessionEnd, CREATE_LEASE};
 pub use ops::nodes::{NodeAdmin, Rebalance};
 pub use ops::tier::{ImportEntry, UploadEnd, UploadStart};

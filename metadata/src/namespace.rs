@@ -60,6 +60,10 @@ pub struct Namespace {
     /// Whether this node may have sync-pending marks to look for: set at
     /// open (a crash leaves them) and by seals that write one.
     pub(crate) sync_marks: AtomicBool,
+    /// Holder-index entries of purged files, dropped by the next flush
+    /// (`ops/holders.rs`). A leaf lock: taken alone, never across a
+    /// transaction.
+    pub(crate) unindexed: Mutex<Vec<Vec<u8>>>,
 }
 
 /// Has node `holder` commit what it acknowledged in directory `dir` and
@@ -176,6 +180,7 @@ impl Namespace {
             recall: OnceLock::new(),
             node: String::new(),
             clustered,
+            unindexed: Mutex::new(Vec::new()),
             tiered: false,
             volume_id: String::new(),
             created: false,
@@ -217,7 +222,9 @@ impl Namespace {
             put_inode(txn, &root);
             Ok((volume, id, true))
         })?;
-        if volume.format_version != FORMAT_VERSION {
+        if volume.format_version == FORMAT_BEFORE_HOLDER_INDEX {
+            ns.build_holder_index(&volume)?;
+        } else if volume.format_version != FORMAT_VERSION {
             return Err(MetaError::Corrupt {
                 key: "V".into(),
                 msg: format!("volume format {} is not supported (want {FORMAT_VERSION})", volume.format_version),

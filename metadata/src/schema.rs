@@ -53,6 +53,18 @@
 //! |                            |                      | before they commit; another node has it      |
 //! |                            |                      | commit them and give the delegation up       |
 //! |                            |                      | before it reads or changes any of them       |
+//! | `h` node-id NUL ino chunk-index(u32) | empty | the holder index: a chunk record (`C` or |
+//! |                            |                      | `P`) names that node among its holders.      |
+//! |                            |                      | Written in the transaction that names the    |
+//! |                            |                      | holder, so it is never missing an entry;     |
+//! |                            |                      | an entry may outlive its record (a purge, a  |
+//! |                            |                      | truncate, a new version held elsewhere) and  |
+//! |                            |                      | is dropped when read and found stale. Repair,|
+//! |                            |                      | drain, scrub and eviction find a node's      |
+//! |                            |                      | chunks here instead of scanning every record |
+//! |                            |                      | (`ops/holders.rs`). The one lowercase prefix:|
+//! |                            |                      | it sorts after every other, past the range   |
+//! |                            |                      | the change feed watches ([`WATCHED_END`]).   |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -91,6 +103,12 @@ const PENDING_CHUNK: u8 = b'P';
 const LAYOUT_COMMIT: u8 = b'Q';
 const ANSWERED: u8 = b'J';
 const DELEGATION: u8 = b'M';
+const HOLDER_INDEX: u8 = b'h';
+
+/// Where the keys the change feed watches end: the holder index (`h`) is
+/// read only fresh, by background work, and watching it would add one
+/// event per copy to every create that every node hears.
+pub const WATCHED_END: &[u8] = b"h";
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
     let mut k = Vec::with_capacity(9);
@@ -310,6 +328,11 @@ pub fn subject(key: &[u8]) -> Subject<'_> {
             Some(&(CHUNK | PENDING_CHUNK | LAYOUT_COMMIT | UNSEALED | LEASE_EPOCH | SYNC_PENDING | ORPHAN | TIER)),
             Some(ino),
         ) => Subject::File(ino),
+        // A holder-index entry belongs with the file's layout.
+        (Some(&HOLDER_INDEX), _) => match key.iter().position(|b| *b == 0).and_then(|nul| key.get(nul + 1..nul + 9)) {
+            Some(ino) => Subject::File(Ino::from_be_bytes(ino.try_into().expect("8 bytes"))),
+            None => Subject::Other,
+        },
         (Some(&ANSWERED), _) => match key[1..].iter().position(|b| *b == 0) {
             Some(end) => Subject::Answered(&key[1..1 + end]),
             None => Subject::Other,
@@ -363,6 +386,33 @@ pub fn pending_chunks_of(ino: Ino) -> Vec<u8> {
     with_ino(PENDING_CHUNK, ino)
 }
 
+/// Every holder-index entry of node `node`.
+pub fn held_by(node: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(node.len() + 2);
+    k.push(HOLDER_INDEX);
+    k.extend_from_slice(node.as_bytes());
+    k.push(0);
+    k
+}
+
+/// The holder-index entry saying that node `node` holds a copy of chunk
+/// `index` of `ino`.
+pub fn held_chunk(node: &str, ino: Ino, index: u32) -> Vec<u8> {
+    let mut k = held_by(node);
+    k.extend_from_slice(&ino.to_be_bytes());
+    k.extend_from_slice(&index.to_be_bytes());
+    k
+}
+
+/// (inode, chunk index) of a holder-index key of `node`; `None` for
+/// any other key.
+pub fn parse_held_chunk(node: &str, key: &[u8]) -> Option<(Ino, u32)> {
+    let rest = key.strip_prefix(held_by(node).as_slice())?;
+    let ino = Ino::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+    let index = u32::from_be_bytes(rest.get(8..)?.try_into().ok()?);
+    Some((ino, index))
+}
+
 /// Whether `key` is a `C` record (a chunk of a file's layout).
 pub fn is_chunk(key: &[u8]) -> bool {
     key.first() == Some(&CHUNK)
@@ -390,6 +440,11 @@ pub fn is_pending_chunk(key: &[u8]) -> bool {
 
 pub fn layout_commit(ino: Ino) -> Vec<u8> {
     with_ino(LAYOUT_COMMIT, ino)
+}
+
+/// Every pending chunk record of the volume.
+pub fn all_pending_chunks() -> Vec<u8> {
+    vec![PENDING_CHUNK]
 }
 
 /// Every chunk record of the volume.
@@ -504,6 +559,21 @@ mod tests {
     }
 
     #[test]
+    fn holder_index_keys_sort_past_the_watched_range_and_parse_back() {
+        let key = held_chunk("n1", 9, 3);
+        assert_eq!(parse_held_chunk("n1", &key), Some((9, 3)));
+        assert_eq!(parse_held_chunk("n", &key), None, "another node's prefix");
+        assert_eq!(parse_held_chunk("n1", &held_chunk("n1", 9, 3)[..12]), None);
+        // Every other record sorts before the index: the feed's range ends there.
+        for other in [inode(u64::MAX), chunk(u64::MAX, u32::MAX), live_node("zz"), delegation(u64::MAX)] {
+            assert!(other.as_slice() < WATCHED_END && WATCHED_END <= key.as_slice(), "{other:?}");
+        }
+        let (start, end) = prefix_range(&held_by("n1"));
+        assert!(start <= key && key < end);
+        assert!(held_chunk("n10", 1, 1) >= end || held_chunk("n10", 1, 1) < start);
+    }
+
+    #[test]
     fn changes_are_classified_by_what_they_are_about() {
         assert_eq!(change_of(b""), Change::Everything);
         assert_eq!(change_of(&inode(9)), Change::Inode(9));
@@ -521,6 +591,7 @@ mod tests {
         assert_eq!(change_of(&gc_done("n1")), Change::Control(Control::Gc));
         assert_eq!(change_of(BACKFILL_RESCAN), Change::Control(Control::Rescan));
         assert_eq!(change_of(&garbage(9)), Change::Other);
+        assert_eq!(change_of(&held_chunk("n1", 9, 3)), Change::Other);
         // A key too short for its inode number is nothing in particular.
         assert_eq!(change_of(b"I\x00\x01"), Change::Other);
     }

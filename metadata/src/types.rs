@@ -12,7 +12,10 @@ pub const SYMLINK_MAX: usize = 4095;
 pub const DEFAULT_CHUNK_SIZE: u32 = 64 << 20;
 /// Checksum granularity inside a chunk.
 pub const BLOCK_SIZE: u32 = 64 << 10;
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The format before the holder index (`h` keys): opened, the volume gets
+/// its index built and its format raised.
+pub const FORMAT_BEFORE_HOLDER_INDEX: u32 = 1;
 /// Directory policy: how many copies of each chunk its new files keep
 /// (inherited by new children). Absent: the node's default.
 pub const REPLICAS_XATTR: &[u8] = b"user.converged.replicas";

@@ -46,6 +46,10 @@ const SUITES: &[(&str, Suite)] = &[
     ("published_sessions_end_together_under_their_own_lease", published_sessions_end_together_under_their_own_lease),
     ("a_seconds_sync_marks_clear_past_the_txn_limit", a_seconds_sync_marks_clear_past_the_txn_limit),
     ("fsck_finds_what_was_broken_and_repairs_what_it_can", fsck_finds_what_was_broken_and_repairs_what_it_can),
+    (
+        "holder_index_lists_every_holder_and_drops_what_no_record_names",
+        holder_index_lists_every_holder_and_drops_what_no_record_names,
+    ),
 ];
 
 /// Seal `ino` as one 10-byte chunk at `version`, held by `replicas`.
@@ -84,6 +88,34 @@ fn suites_on_memory_and_redb() {
             run(name, kv);
         }
     }
+}
+
+/// The holder index on an engine several in-process nodes share (the
+/// suites' memory engine is a single node's, which keeps none); and a
+/// volume made before the index gets it built at its next open.
+#[test]
+fn holder_index_on_a_shared_memory_engine_and_built_for_an_older_volume() {
+    holder_index_lists_every_holder_and_drops_what_no_record_names("memory cluster", Arc::new(MemKv::cluster()));
+    let kv = MemKv::cluster();
+    let ns = Namespace::open(Arc::new(kv.clone()), 0, 0).unwrap().with_node("n1");
+    let files: Vec<u64> =
+        (0..5).map(|i| ns.mknod(ROOT, format!("f{i}").as_bytes(), &file(0o644)).unwrap().ino).collect();
+    for &f in &files {
+        seal_one_chunk(&ns, f, 1, &["n1", "n2"]);
+    }
+    // What the volume looked like before: no `h` keys, format 1.
+    let mut txn = kv.write_txn().unwrap();
+    txn.delete_range(b"h", b"i").unwrap();
+    let mut volume: VolumeRecord = postcard::from_bytes(&txn.get(b"V").unwrap().unwrap()).unwrap();
+    volume.format_version = FORMAT_BEFORE_HOLDER_INDEX;
+    txn.put(b"V", &postcard::to_allocvec(&volume).unwrap());
+    txn.commit(Durability::Durable).unwrap();
+    assert!(held_by(&ns, "n2").0.is_empty());
+    let reopened = Namespace::open(Arc::new(kv.clone()), 0, 0).unwrap().with_node("n1");
+    let want: Vec<(u64, u32)> = files.iter().map(|&f| (f, 0)).collect();
+    assert_eq!(held_by(&reopened, "n2").0, want, "the index is built at open");
+    let volume: VolumeRecord = postcard::from_bytes(&kv.read_txn().unwrap().get(b"V").unwrap().unwrap()).unwrap();
+    assert_eq!(volume.format_version, FORMAT_VERSION);
 }
 
 #[test]
@@ -705,6 +737,74 @@ fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
     assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: purge drops the whole layout");
 }
 
+/// The chunks `node` holds, as the holder index finds them, and the walk.
+fn held_by(ns: &Namespace, node: &str) -> (Vec<(u64, u32)>, converged_metadata::HeldWalk) {
+    let mut held = Vec::new();
+    let walk = ns.for_each_chunk_held_by(node, |ino, index, _| held.push((ino, index))).unwrap();
+    (held, walk)
+}
+
+/// The holder index names every holder a record names, through seals
+/// (plain and batched), replicas added and dropped, and loses entries no
+/// record names: dropped with the holder, found stale by a walk (a new
+/// version held elsewhere, a truncate), or after a purge's flush.
+fn holder_index_lists_every_holder_and_drops_what_no_record_names(name: &str, kv: Arc<dyn KvEngine>) {
+    let ns = ns(kv).with_node("n1");
+    let a = ns.mknod(ROOT, b"a", &file(0o644)).unwrap().ino;
+    seal_one_chunk(&ns, a, 1, &["n1", "n2"]);
+    if !ns.is_clustered() {
+        // A single node holds every chunk of its volume and keeps no index.
+        assert_eq!(held_by(&ns, "n1").1.entries, 0, "{name}");
+        return;
+    }
+    let big = ns.mknod(ROOT, b"big", &file(0o644)).unwrap().ino;
+    let record = |i: u32| ChunkRecord {
+        version: 1,
+        len: DEFAULT_CHUNK_SIZE,
+        replicas: vec!["n1".into(), "n2".into(), "n3".into()],
+        block_crcs: vec![i; 4],
+    };
+    // 150 records of 3 holders: 600 operations, written in batches.
+    let seal = |size: u64, chunks: Vec<(u32, ChunkRecord)>| converged_metadata::Seal {
+        size,
+        mtime: Timespec::now(),
+        chunks,
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+        attrs: None,
+    };
+    let chunk = DEFAULT_CHUNK_SIZE as u64;
+    ns.seal(big, &seal(150 * chunk, (0..150).map(|i| (i, record(i))).collect()), Durability::Durable).unwrap();
+    let bigs = |n: u32| (0..n).map(|i| (big, i)).collect::<Vec<_>>();
+    let (n2, walk) = held_by(&ns, "n2");
+    assert_eq!(n2, [vec![(a, 0)], bigs(150)].concat(), "{name}");
+    assert_eq!((walk.entries, walk.held, walk.dropped), (151, 151, 0), "{name}");
+    assert_eq!(held_by(&ns, "n3").0, bigs(150), "{name}");
+    assert!(ns.add_replicas(a, 0, 1, &["n3".into()]).unwrap(), "{name}");
+    assert_eq!(held_by(&ns, "n3").0, [vec![(a, 0)], bigs(150)].concat(), "{name}: an added holder is indexed");
+    assert!(ns.drop_holders(a, 0, 1, &["n2".into()], 1).unwrap(), "{name}");
+    let (n2, walk) = held_by(&ns, "n2");
+    assert_eq!((n2, walk.dropped), (bigs(150), 0), "{name}: a dropped holder loses its entry in the same commit");
+    // A new version of `a` held elsewhere: n3's entry is stale, and the
+    // first walk that finds it drops it.
+    seal_one_chunk(&ns, a, 2, &["n1", "n4"]);
+    let (n3, walk) = held_by(&ns, "n3");
+    assert_eq!((n3, walk.entries, walk.dropped), (bigs(150), 151, 1), "{name}");
+    assert_eq!(held_by(&ns, "n3").1.entries, 150, "{name}: gone for the next walk");
+    assert_eq!(held_by(&ns, "n4").0, vec![(a, 0)], "{name}");
+    // A truncate leaves entries past the end to the walk.
+    ns.seal(big, &seal(100 * chunk, Vec::new()), Durability::Durable).unwrap();
+    let (n3, walk) = held_by(&ns, "n3");
+    assert_eq!((n3, walk.dropped), (bigs(100), 50), "{name}");
+    // A purge's entries go at the next flush, without a walk.
+    ns.unlink(ROOT, b"big").unwrap();
+    assert!(ns.chunks(big).unwrap().is_empty() || ns.purge(big).unwrap(), "{name}");
+    assert_eq!(ns.flush_unindexed().unwrap(), 300, "{name}: n1, n2 and n3 of 100 chunks");
+    assert_eq!(held_by(&ns, "n3").1.entries, 0, "{name}");
+    assert_eq!(held_by(&ns, "n1").0, vec![(a, 0)], "{name}");
+}
+
 /// A seal of a 300-chunk layout cut short at each point where a crash can
 /// land: readers see the whole old layout (with its size) or the whole new
 /// one, never a mix, and the next seal or move finishes what was left.
@@ -736,20 +836,39 @@ fn large_layouts_switch_whole_across_a_crash(name: &str, kv: Arc<dyn KvEngine>) 
         assert!(ns.chunks(f.ino).unwrap() == want, "{name}: {what}: the layout is not the one expected");
         assert_eq!(ns.getattr(f.ino).unwrap().size, want.len() as u64 * DEFAULT_CHUNK_SIZE as u64, "{name}: {what}");
     };
-    // Written in batches where the engine limits a transaction (etcd):
-    // five of 64 records, then the commit; else the commit alone.
-    let batches = if faulty.txn_limit().is_some() { 5 } else { 0 };
-    for crash_after in 0..=batches {
-        faulty.fail_after(crash_after, Fault::Unavailable, 1);
-        assert!(ns.seal(f.ino, &seal(&v2), Durability::Durable).is_err(), "{name}");
-        now(&format!("crash after {crash_after} of the seal's transactions"), &v1);
+    // Written in batches where the engine limits a transaction (etcd),
+    // then the commit; else the commit alone. Cut short after each of its
+    // transactions in turn, until the cut lands past the commit.
+    let mut cuts = 0;
+    loop {
+        faulty.fail_after(cuts, Fault::Unavailable, 1);
+        if ns.seal(f.ino, &seal(&v2), Durability::Durable).is_ok() {
+            break;
+        }
+        now(&format!("crash after {cuts} of the seal's transactions"), &v1);
+        cuts += 1;
     }
+    faulty.fail_after(0, Fault::Unavailable, 0);
+    // The last cut landed in the move to plain records, or nowhere.
+    let batches = cuts - 1;
+    assert_eq!(batches > 0, faulty.txn_limit().is_some(), "{name}: {batches} batches");
     ns.seal(f.ino, &seal(&v2), Durability::Durable).unwrap();
     now("a seal after the crashes", &v2);
     if batches > 0 {
-        // Made current, then the move to plain records cut short.
-        faulty.fail_after(batches + 1, Fault::Unavailable, 1);
-        ns.seal(f.ino, &seal(&v3), Durability::Durable).unwrap();
+        // Made current, then the move to plain records cut short: the
+        // first cut past its batches and commit (v3 has more records).
+        let mut cut = batches;
+        loop {
+            use std::sync::atomic::Ordering::SeqCst;
+            let before = faulty.injected.load(SeqCst);
+            faulty.fail_after(cut, Fault::Unavailable, 1);
+            if ns.seal(f.ino, &seal(&v3), Durability::Durable).is_ok() {
+                assert!(faulty.injected.load(SeqCst) > before, "{name}: the cut landed in the move");
+                break;
+            }
+            now("a cut before the commit", &v2);
+            cut += 1;
+        }
         now("current before it is moved", &v3);
         assert!(!ns.add_replicas(f.ino, 7, 3, &["n9".into()]).unwrap(), "{name}: updates wait for the move");
         ns.finish_layout_move(f.ino).unwrap();

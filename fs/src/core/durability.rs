@@ -226,6 +226,9 @@ impl Core {
     /// before. Called every second by the flusher and at unmount.
     pub fn flush(&self) -> FsResult<()> {
         self.end_sessions()?;
+        if let Err(e) = self.ns.flush_unindexed() {
+            tracing::warn!(error = %e, "could not drop the holder-index entries of purged files yet");
+        }
         let doomed = std::mem::take(&mut *self.pending.doomed.lock());
         self.pending.doomed_bytes.store(0, Ordering::Relaxed);
         if let Err(e) = self.make_durable() {

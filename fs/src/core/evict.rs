@@ -58,14 +58,9 @@ impl Core {
     /// Evict backed chunks, least recently read first, until the disk is
     /// at most `target` full (or nothing more can go). Returns bytes freed.
     pub fn evict_until(&self, t: &Tiering, target: f64) -> FsResult<u64> {
-        let ns = self.namespace();
         let mut backed: std::collections::HashMap<Ino, bool> = Default::default();
         let mut candidates = Vec::new();
-        ns.for_each_chunk(|ino, index, rec| {
-            if self.is_local(rec) {
-                candidates.push((ino, index, rec.version, rec.len));
-            }
-        })?;
+        self.for_each_local_chunk(|ino, index, rec| candidates.push((ino, index, rec.version, rec.len)))?;
         // Only files whose object is where the record says, as recorded:
         // backed (not re-keying or uploading), and its ETag checked with the
         // store before the first chunk of the file goes.

@@ -120,7 +120,7 @@ use crate::tier::Tiering;
 use open::{Claim, OpenTable};
 pub use open::{Io, KernelOpen, Opened};
 pub use peer_leases::PeerLeases;
-pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairTrigger};
+pub use repair::{repair_trigger, Pacer, RepairConfig, RepairPass, RepairScope, RepairTrigger};
 pub use replicate::Replicated;
 pub use scrub::Scrubbed;
 pub use sweep::{Seen, SweepHints, SAFETY_PASS_EVERY, SAFETY_PASS_RATE};
@@ -481,6 +481,26 @@ impl Core {
     /// cluster every chunk with a replica is local, whatever node id sealed it.
     /// A chunk with no replica at all was evicted (or never fetched, when
     /// imported): its bytes are in the object store only.
+    /// Call `f` with every chunk this node holds a copy of, by its record:
+    /// in a cluster found through the holder index (this node's entries
+    /// only), on a single node from every record.
+    pub(crate) fn for_each_local_chunk(
+        &self,
+        mut f: impl FnMut(Ino, u32, &converged_metadata::ChunkRecord),
+    ) -> FsResult<()> {
+        match self.cluster.get() {
+            Some(_) => {
+                self.ns.for_each_chunk_held_by(self.node_id(), f)?;
+            }
+            None => self.ns.for_each_chunk(|ino, index, rec| {
+                if self.is_local(rec) {
+                    f(ino, index, rec)
+                }
+            })?,
+        }
+        Ok(())
+    }
+
     pub(crate) fn is_local(&self, rec: &converged_metadata::ChunkRecord) -> bool {
         match self.cluster.get() {
             None => !rec.replicas.is_empty(),

@@ -1,7 +1,14 @@
 //! Repair: every chunk keeps the copies its policy asks for, on live nodes
 //! that take new copies.
 //!
-//! A pass reads the chunk records of the volume and sorts each holder:
+//! A pass reads chunk records and sorts each holder. Which records: those
+//! the holder index lists for the nodes that no longer count (draining,
+//! drained, dead past the delay; see `metadata/src/ops/holders.rs`), so
+//! that a death or a drain costs reads in proportion to that node's chunks;
+//! or every record of the volume, in the safety pass every few minutes
+//! (which also finds chunks left short by a write that could not reach
+//! enough nodes, or a forgotten node's) and while a rebalance runs.
+//!
 //!
 //! | holder                                   | counts as a copy | read from | dropped from the record |
 //! |------------------------------------------|------------------|-----------|-------------------------|
@@ -32,7 +39,7 @@
 //! Repair bytes are paced by `--repair-bandwidth` per node. No lock is held
 //! across the copies.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use converged_metadata::types::*;
@@ -59,9 +66,23 @@ enum Holder {
     Gone,
 }
 
+/// Which chunk records a repair pass reads (see the module's head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepairScope {
+    /// Every record of the volume.
+    Every,
+    /// The records the holder index lists for the nodes that no longer count.
+    Leaving,
+}
+
 /// What one pass found and did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RepairPass {
+    /// Whether it read every record (else the index of the nodes that no
+    /// longer count).
+    pub every: bool,
+    /// Holder-index entries read (a pass over the index).
+    pub index_entries: u64,
     pub chunks: u64,
     /// Chunks with fewer good copies than their policy.
     pub under: u64,
@@ -84,8 +105,12 @@ pub struct RepairPass {
 
 impl RepairPass {
     pub fn summary(&self) -> String {
+        let scope = match self.every {
+            true => "every record".to_string(),
+            false => format!("{} index entries", self.index_entries),
+        };
         format!(
-            "{} chunks: {} under-replicated ({} waiting for the repair delay), {} with no live copy; made {} copies, dropped {} holders, {} failed",
+            "{} chunks ({scope}): {} under-replicated ({} waiting for the repair delay), {} with no live copy; made {} copies, dropped {} holders, {} failed",
             self.chunks, self.under, self.waiting, self.unavailable, self.copied, self.dropped, self.failed
         )
     }
@@ -196,6 +221,7 @@ impl Core {
     /// module's head). `stop` ends it early (the daemon stops).
     pub(crate) fn repair_pass(
         &self,
+        scope: RepairScope,
         cfg: &RepairConfig,
         pacer: &mut Pacer,
         stop: &dyn Fn() -> bool,
@@ -222,7 +248,10 @@ impl Core {
         // that sees the same live set).
         let repairers = cluster.repairers();
         let mut jobs = Vec::new();
-        self.ns.for_each_chunk(|ino, index, rec| {
+        pass.every = scope == RepairScope::Every || balance.is_some();
+        let every = pass.every;
+        let mut index_entries = 0;
+        let mut visit = |ino: Ino, index: u32, rec: &ChunkRecord| {
             pass.chunks += 1;
             let want = policies.want(ino);
             let count = |kind: Holder| rec.replicas.iter().filter(|r| view.of(r) == kind).count();
@@ -263,7 +292,24 @@ impl Core {
                     }
                 }
             }
-        })?;
+        };
+        if every {
+            self.ns.for_each_chunk(visit)?;
+        } else {
+            // A chunk two leaving nodes hold is listed under both.
+            let mut seen = HashSet::new();
+            for (node, standing) in &view.standing {
+                if matches!(standing, Holder::Leaving | Holder::Gone) {
+                    let walk = self.ns.for_each_chunk_held_by(node, |ino, index, rec| {
+                        if seen.insert((ino, index)) {
+                            visit(ino, index, rec)
+                        }
+                    })?;
+                    index_entries += walk.entries;
+                }
+            }
+        }
+        pass.index_entries = index_entries;
         policies.finish()?;
         for job in jobs {
             if stop() {

@@ -55,11 +55,7 @@ impl Core {
     /// The chunks of the volume this node holds, in inode order.
     pub(crate) fn held_chunks(&self) -> FsResult<Vec<(Ino, u32)>> {
         let mut out = Vec::new();
-        self.ns.for_each_chunk(|ino, index, rec| {
-            if self.is_local(rec) {
-                out.push((ino, index));
-            }
-        })?;
+        self.for_each_local_chunk(|ino, index, _| out.push((ino, index)))?;
         Ok(out)
     }
 

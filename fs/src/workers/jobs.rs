@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::{Step, Worker};
 use crate::control::Since;
-use crate::core::{repair_trigger, Core, Pacer, RepairConfig, Replicated};
+use crate::core::{repair_trigger, Core, Pacer, RepairConfig, RepairScope, Replicated};
 use converged_metadata::schema::Control;
 
 /// Makes buffered metadata durable every `period` (sooner when a purge
@@ -200,9 +200,11 @@ impl Worker for Settler {
 /// dead nodes or admin states change, when a dead node crosses the repair
 /// delay, soon again after a pass that moved something, after a growing
 /// pause while copies fail (no source, no room), and every few minutes
-/// regardless. A pass reads every chunk record, so passes with nothing to
-/// do are kept rare. What triggers one is read again only when the change
-/// feed says those records changed (see `control.rs`).
+/// regardless. Those every few minutes (jittered), the first after start
+/// and those while a rebalance runs read every chunk record; the others
+/// only the holder-index entries of the nodes that no longer count. What
+/// triggers one is read again only when the change feed says those records
+/// changed (see `control.rs`).
 pub struct Repairer {
     pub core: Weak<Core>,
     cfg: RepairConfig,
@@ -211,6 +213,8 @@ pub struct Repairer {
     /// The trigger as last read, and what it follows.
     trigger: Trigger,
     since: Since,
+    /// When the next pass over every record is due (`None`: at once).
+    every_due: Option<Instant>,
 }
 
 /// What a repair pass's trigger follows.
@@ -242,6 +246,7 @@ impl Repairer {
             last: None,
             trigger: None,
             since: Since::new(TRIGGER_RECORDS),
+            every_due: None,
         }
     }
 }
@@ -266,7 +271,14 @@ impl Worker for Repairer {
             return Step::Idle;
         }
         let stop = || self.core.strong_count() == 0;
-        let r = core.repair_pass(&self.cfg, &mut self.pacer, &stop);
+        let scope = match self.every_due {
+            Some(at) if Instant::now() < at => RepairScope::Leaving,
+            _ => RepairScope::Every,
+        };
+        let r = core.repair_pass(scope, &self.cfg, &mut self.pacer, &stop);
+        if matches!(&r, Ok(p) if p.every) {
+            self.every_due = Some(Instant::now() + crate::control::jittered(REPAIR_EVERY));
+        }
         let backoff = self.last.as_ref().map_or(REPAIR_AGAIN, |l| l.backoff);
         let (wait, backoff) = match &r {
             Ok(p) if p.progressed() => (REPAIR_AGAIN, REPAIR_AGAIN),

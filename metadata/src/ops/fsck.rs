@@ -273,6 +273,7 @@ impl Namespace {
                 }
                 rec.replicas.retain(|h| h != node);
                 txn.put(&key, &encode(&rec));
+                self.unindex_holder(txn, node, *ino, *index);
                 Ok(true)
             }),
             _ => Ok(false),

@@ -147,17 +147,46 @@ struct PendingChunk {
     record: ChunkRecord,
 }
 
+/// A chunk record as a `C` or `P` key holds it (a pending record's own
+/// record, whatever its token).
+pub(crate) fn decode_any_chunk(key: &[u8], value: &[u8]) -> MetaResult<ChunkRecord> {
+    match schema::is_pending_chunk(key) {
+        true => Ok(decode::<PendingChunk>(key, value)?.record),
+        false => decode(key, value),
+    }
+}
+
+/// `chunks` cut into runs that each fit one transaction of at most `ops`
+/// operations, a record costing itself and its holder-index entries
+/// (`per_record` of it).
+fn runs_by_ops<'a>(
+    chunks: &'a [(u32, ChunkRecord)],
+    ops: usize,
+    per_record: impl Fn(&ChunkRecord) -> usize,
+) -> Vec<&'a [(u32, ChunkRecord)]> {
+    let mut runs = Vec::new();
+    let (mut start, mut used) = (0, 0);
+    for (i, (_, record)) in chunks.iter().enumerate() {
+        let cost = per_record(record);
+        if i > start && used + cost > ops {
+            runs.push(&chunks[start..i]);
+            (start, used) = (i, 0);
+        }
+        used += cost;
+    }
+    if start < chunks.len() {
+        runs.push(&chunks[start..]);
+    }
+    runs
+}
+
 /// Every node the chunk records in `taken` name (records of a file's `C`
 /// and `P` ranges, as a purge removed them).
 pub(crate) fn holders_in(taken: &[&crate::kv::Taken]) -> MetaResult<Vec<String>> {
     let mut holders = std::collections::BTreeSet::new();
     for records in taken {
         for (k, v) in records.lock().iter() {
-            let record: ChunkRecord = match schema::is_pending_chunk(k) {
-                true => decode::<PendingChunk>(k, v)?.record,
-                false => decode(k, v)?,
-            };
-            holders.extend(record.replicas);
+            holders.extend(decode_any_chunk(k, v)?.replicas);
         }
     }
     Ok(holders.into_iter().collect())
@@ -254,6 +283,11 @@ fn seal_token(node: &str) -> u64 {
 /// refuses requests over 1.5 MiB and transactions over 128 operations.
 const CHUNKS_PER_BATCH: usize = 64;
 
+/// Operations a seal gives its chunk records and their holder-index
+/// entries in one transaction, under etcd's 128 with room for the seal's
+/// own (the inode, its marks, the range deletes of a truncate).
+const SEAL_RECORD_OPS: usize = 96;
+
 impl Namespace {
     pub fn chunks(&self, ino: Ino) -> MetaResult<Vec<(u32, ChunkRecord)>> {
         self.read(|txn| read_layout(txn, ino))
@@ -287,6 +321,28 @@ impl Namespace {
     /// One chunk record, if the file has one for `index`.
     pub fn chunk(&self, ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
         self.read(|txn| read_chunk(txn, ino, index))
+    }
+
+    /// Visit every plain and pending chunk record of the volume, whatever
+    /// its token (what the holder index must cover), one page per read.
+    pub(crate) fn for_each_record_of_any_layout(&self, mut f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<()> {
+        for prefix in [schema::all_chunks(), schema::all_pending_chunks()] {
+            let (mut start, end) = schema::prefix_range(&prefix);
+            loop {
+                let page = self.read(|txn| Ok(txn.scan(&start, &end, CHUNKS_PER_BATCH)?))?;
+                for (k, v) in &page {
+                    f(schema::key_ino(k), schema::chunk_index(k), &decode_any_chunk(k, v)?);
+                }
+                match page.last() {
+                    Some((last, _)) if page.len() == CHUNKS_PER_BATCH => {
+                        start = last.clone();
+                        start.push(0);
+                    }
+                    _ => break,
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Visit every chunk record of the volume, in inode order, one page per
@@ -392,6 +448,7 @@ impl Namespace {
                 return Ok(false);
             }
             txn.put(&schema::chunk(ino, index), &encode(&record));
+            self.index_holders(txn, ino, index, &record);
             Ok(true)
         })
     }
@@ -409,6 +466,7 @@ impl Namespace {
                 return Ok(false);
             }
             txn.put(&schema::chunk(ino, index), &encode(&record));
+            self.unindex_holder(txn, &self.node, ino, index);
             Ok(true)
         })
     }
@@ -428,7 +486,10 @@ impl Namespace {
 
     fn seal_records(&self, ino: Ino, seal: &Seal, durability: Durability) -> MetaResult<Inode> {
         let token = self.sync_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let batched = self.kv.txn_limit().is_some() && seal.chunks.len() > CHUNKS_PER_BATCH;
+        let per_record = |r: &ChunkRecord| 1 + self.index_ops(r);
+        let record_ops: usize = seal.chunks.iter().map(|(_, r)| per_record(r)).sum();
+        let batched =
+            self.kv.txn_limit().is_some() && (seal.chunks.len() > CHUNKS_PER_BATCH || record_ops > SEAL_RECORD_OPS);
         // A batched layout of an earlier seal that was made current but not
         // moved yet would win over the records written here: move it first.
         // A plain seal checks for one in its own transaction instead (a
@@ -439,7 +500,10 @@ impl Namespace {
         }
         let layout_token = batched.then(|| seal_token(&self.node));
         if let Some(layout) = layout_token {
-            for batch in seal.chunks.chunks(CHUNKS_PER_BATCH) {
+            for batch in runs_by_ops(&seal.chunks, SEAL_RECORD_OPS, per_record)
+                .into_iter()
+                .flat_map(|run| run.chunks(CHUNKS_PER_BATCH))
+            {
                 self.write(Durability::Buffered, |txn| {
                     get_inode(txn, ino)?;
                     if let Some(epoch) = seal.lease {
@@ -448,6 +512,7 @@ impl Namespace {
                     for (index, record) in batch {
                         let pending = PendingChunk { token: layout, record: record.clone() };
                         txn.put(&schema::pending_chunk(ino, *index), &encode(&pending));
+                        self.index_holders(txn, ino, *index, record);
                     }
                     Ok(())
                 })?;
@@ -499,6 +564,7 @@ impl Namespace {
                     for (index, record) in &seal.chunks {
                         if (*index as u64) < keep {
                             txn.put(&schema::chunk(ino, *index), &encode(record));
+                            self.index_holders(txn, ino, *index, record);
                         }
                     }
                 }

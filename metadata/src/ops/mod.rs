@@ -3,6 +3,7 @@
 mod answered;
 mod create;
 pub mod fsck;
+pub mod holders;
 pub mod layout;
 
 mod link;

@@ -25,7 +25,7 @@ use crate::kv::{Durability, KvEngine};
 use crate::namespace::{decode, encode, Namespace};
 use crate::ops::layout::chunk_at_version;
 use crate::schema;
-use crate::types::Ino;
+use crate::types::{ChunkRecord, Ino};
 
 /// An admin's word on a node (see the module's head).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -172,6 +172,9 @@ impl Namespace {
 
     /// How many chunk records name node `id` as a holder.
     pub fn chunks_naming(&self, id: &str) -> MetaResult<u64> {
+        if self.clustered {
+            return Ok(self.for_each_chunk_held_by(id, |_, _, _| {})?.held);
+        }
         let mut n = 0;
         self.for_each_chunk(|_, _, rec| n += rec.replicas.iter().any(|r| r == id) as u64)?;
         Ok(n)
@@ -183,11 +186,15 @@ impl Namespace {
     /// only on that disk; a backed file's come back from the object store).
     pub fn forget_copies_of(&self, id: &str) -> MetaResult<(u64, u64)> {
         let mut named = Vec::new();
-        self.for_each_chunk(|ino, index, rec| {
+        let note = |ino, index, rec: &ChunkRecord| {
             if rec.replicas.iter().any(|r| r == id) {
                 named.push((ino, index, rec.version));
             }
-        })?;
+        };
+        match self.clustered {
+            true => drop(self.for_each_chunk_held_by(id, note)?),
+            false => self.for_each_chunk(note)?,
+        }
         let gone = [id.to_string()];
         let mut dropped = 0;
         for &(ino, index, version) in &named {
@@ -226,11 +233,15 @@ impl Namespace {
         self.write(Durability::Durable, |txn| {
             let Some(mut record) = chunk_at_version(txn, ino, index, version)? else { return Ok(false) };
             let before = record.replicas.len();
+            let removed: Vec<String> = record.replicas.iter().filter(|r| gone.contains(r)).cloned().collect();
             record.replicas.retain(|r| !gone.contains(r));
             if record.replicas.len() == before || record.replicas.len() < keep.max(1) {
                 return Ok(false);
             }
             txn.put(&schema::chunk(ino, index), &encode(&record));
+            for holder in &removed {
+                self.unindex_holder(txn, holder, ino, index);
+            }
             Ok(true)
         })
     }

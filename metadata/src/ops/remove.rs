@@ -112,6 +112,7 @@ impl Namespace {
         })?;
         if gone.purged && shared {
             gone.holders = crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?;
+            self.queue_unindex_purged(gone.ino, &[&taken[0], &taken[1]])?;
         }
         Ok(gone)
     }
@@ -205,7 +206,10 @@ impl Namespace {
         match (purged, shared) {
             (false, _) => Ok(None),
             (true, false) => Ok(Some(Vec::new())),
-            (true, true) => Ok(Some(crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?)),
+            (true, true) => {
+                self.queue_unindex_purged(ino, &[&taken[0], &taken[1]])?;
+                Ok(Some(crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?))
+            }
         }
     }
 

@@ -521,6 +521,7 @@ impl Namespace {
                 return Ok(false);
             }
             txn.put(&schema::chunk(ino, index), &encode(&record));
+            self.unindex_holder(txn, &self.node, ino, index);
             Ok(true)
         })
     }
@@ -566,6 +567,7 @@ impl Namespace {
                 record.replicas.push(self.node.clone());
             }
             txn.put(&key, &encode(&record));
+            self.index_holders(txn, ino, index, &record);
             Ok(true)
         })
     }
