@@ -386,6 +386,11 @@ pub fn pending_chunks_of(ino: Ino) -> Vec<u8> {
     with_ino(PENDING_CHUNK, ino)
 }
 
+/// Every holder-index entry of every node.
+pub fn all_held() -> Vec<u8> {
+    vec![HOLDER_INDEX]
+}
+
 /// Every holder-index entry of node `node`.
 pub fn held_by(node: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(node.len() + 2);

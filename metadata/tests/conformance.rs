@@ -803,6 +803,23 @@ fn holder_index_lists_every_holder_and_drops_what_no_record_names(name: &str, kv
     assert_eq!(ns.flush_unindexed().unwrap(), 300, "{name}: n1, n2 and n3 of 100 chunks");
     assert_eq!(held_by(&ns, "n3").1.entries, 0, "{name}");
     assert_eq!(held_by(&ns, "n1").0, vec![(a, 0)], "{name}");
+    // fsck finds a holder the index lacks, and lists it again.
+    use converged_metadata::ops::fsck::Finding;
+    let known: std::collections::HashSet<String> = ["n1", "n4"].map(String::from).into();
+    let view = converged_metadata::ops::fsck::NodesView { known: &known, live: &known, default_replicas: 2 };
+    let unindexed = |ns: &Namespace| -> Vec<Finding> {
+        let report = ns.fsck(Some(&view), &|_| {}).unwrap();
+        report.findings.into_iter().filter(|f| matches!(f, Finding::Unindexed { .. })).collect()
+    };
+    assert!(unindexed(&ns).is_empty(), "{name}");
+    let mut txn = ns.engine().write_txn().unwrap();
+    txn.delete(&converged_metadata::schema::held_chunk("n4", a, 0));
+    txn.commit(Durability::Durable).unwrap();
+    let found = unindexed(&ns);
+    assert_eq!(found, vec![Finding::Unindexed { ino: a, index: 0, node: "n4".into() }], "{name}");
+    assert!(ns.fsck_repair(&found[0]).unwrap(), "{name}");
+    assert!(unindexed(&ns).is_empty(), "{name}");
+    assert_eq!(held_by(&ns, "n4").0, vec![(a, 0)], "{name}");
 }
 
 /// A seal of a 300-chunk layout cut short at each point where a crash can

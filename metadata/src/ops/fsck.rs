@@ -6,13 +6,14 @@
 //! is its number of names; every inode but the root has a name or an
 //! orphan mark (open somewhere while unlinked); every chunk record belongs
 //! to an inode and lies within its file; every holder a record names is a
-//! registered node; every chunk has a copy on a live node or is backed.
+//! registered node and is listed for it in the holder index; every chunk
+//! has a copy on a live node or is backed.
 //!
 //! `repair` fixes what is safe to fix from the metadata alone: it removes
 //! names of missing inodes, records of missing inodes and records past a
 //! file's end, sets link counts to the names found, links unreachable files
-//! under `/lost+found`, and drops unknown holders from records that keep
-//! another. Missing copies are repair's and scrub's work (`core/repair.rs`),
+//! under `/lost+found`, drops unknown holders from records that keep
+//! another, and lists in the holder index the holders it lacks. Missing copies are repair's and scrub's work (`core/repair.rs`),
 //! not fsck's.
 
 use std::collections::{HashMap, HashSet};
@@ -38,6 +39,9 @@ pub enum Finding {
     ChunkPastEnd { ino: Ino, index: u32, size: u64 },
     /// A holder that is not a registered node of the volume.
     UnknownHolder { ino: Ino, index: u32, node: String },
+    /// A holder the holder index does not list for the chunk: repair and
+    /// drains, which find a node's chunks there, would miss it.
+    Unindexed { ino: Ino, index: u32, node: String },
     /// A chunk with no copy on a live node, in a file that is not backed.
     Lost { ino: Ino, index: u32 },
     /// A chunk with fewer copies on live nodes than its policy asks.
@@ -54,6 +58,7 @@ impl Finding {
             | Finding::ChunksOfMissingInode { ino, .. }
             | Finding::ChunkPastEnd { ino, .. }
             | Finding::UnknownHolder { ino, .. }
+            | Finding::Unindexed { ino, .. }
             | Finding::Lost { ino, .. }
             | Finding::UnderReplicated { ino, .. } => *ino,
         }
@@ -76,6 +81,9 @@ impl Finding {
             }
             Finding::UnknownHolder { index, node, .. } => {
                 format!("chunk {index} names {node}, not a node of this volume")
+            }
+            Finding::Unindexed { index, node, .. } => {
+                format!("chunk {index} names {node}, which the holder index does not list for it")
             }
             Finding::Lost { index, .. } => {
                 format!("chunk {index} has no copy on a live node and the file is not backed")
@@ -154,6 +162,10 @@ impl Namespace {
             }
             let mut missing: HashMap<Ino, u32> = HashMap::new();
             let mut policy: HashMap<Ino, u32> = HashMap::new();
+            let indexed: HashSet<Vec<u8>> = match (self.clustered, nodes) {
+                (true, Some(_)) => scan_all(txn, &schema::all_held())?.into_iter().map(|(k, _)| k).collect(),
+                _ => HashSet::new(),
+            };
             for (k, v) in scan_paged(txn, &schema::all_chunks(), 64)? {
                 let (ino, index) = (schema::key_ino(&k), schema::chunk_index(&k));
                 let rec: ChunkRecord = decode(&k, &v)?;
@@ -173,6 +185,9 @@ impl Namespace {
                 for h in &rec.replicas {
                     if !nodes.known.contains(h) {
                         r.findings.push(Finding::UnknownHolder { ino, index, node: h.clone() });
+                    }
+                    if self.clustered && !indexed.contains(&schema::held_chunk(h, ino, index)) {
+                        r.findings.push(Finding::Unindexed { ino, index, node: h.clone() });
                     }
                 }
                 let live = rec.replicas.iter().filter(|h| nodes.live.contains(*h)).count() as u32;
@@ -274,6 +289,14 @@ impl Namespace {
                 rec.replicas.retain(|h| h != node);
                 txn.put(&key, &encode(&rec));
                 self.unindex_holder(txn, node, *ino, *index);
+                Ok(true)
+            }),
+            Finding::Unindexed { ino, index, node } => self.write(Durability::Durable, |txn| {
+                let Some(rec) = crate::ops::layout::read_chunk(txn, *ino, *index)? else { return Ok(false) };
+                if !rec.replicas.contains(node) {
+                    return Ok(false);
+                }
+                txn.put(&schema::held_chunk(node, *ino, *index), &[]);
                 Ok(true)
             }),
             _ => Ok(false),

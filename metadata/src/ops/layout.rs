@@ -194,14 +194,15 @@ pub(crate) fn holders_in(taken: &[&crate::kv::Taken]) -> MetaResult<Vec<String>>
 
 /// The token of the batched layout of `ino` that is current, if one is.
 fn current_token(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaResult<Option<u64>> {
-    let key = schema::layout_commit(ino);
-    match txn.get(&key)? {
-        Some(v) => Ok(Some(u64::from_be_bytes(v.as_slice().try_into().map_err(|_| MetaError::Corrupt {
-            key: format!("layout commit of inode {ino}"),
-            msg: format!("{} bytes where 8 were expected", v.len()),
-        })?))),
-        None => Ok(None),
-    }
+    txn.get(&schema::layout_commit(ino))?.map(|v| parse_token(ino, &v)).transpose()
+}
+
+/// The token a `Q` record holds.
+fn parse_token(ino: Ino, v: &[u8]) -> MetaResult<u64> {
+    Ok(u64::from_be_bytes(v.try_into().map_err(|_| MetaError::Corrupt {
+        key: format!("layout commit of inode {ino}"),
+        msg: format!("{} bytes where 8 were expected", v.len()),
+    })?))
 }
 
 /// The current chunk records of `ino`, in index order: plain records, with
@@ -224,18 +225,21 @@ pub(crate) fn read_layout(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaRes
 }
 
 /// The current record of chunk `index` of `ino`.
+/// The token, the pending record and the plain record are read together
+/// (one request to a remote engine).
 pub(crate) fn read_chunk(txn: &mut (impl KvRead + ?Sized), ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
-    if let Some(token) = current_token(txn, ino)? {
-        let key = schema::pending_chunk(ino, index);
-        if let Some(v) = txn.get(&key)? {
-            let p: PendingChunk = decode(&key, &v)?;
+    let keys = [schema::layout_commit(ino), schema::pending_chunk(ino, index), schema::chunk(ino, index)];
+    let found = txn.get_many_versioned(&keys)?;
+    if let Some(token) = &found[0].0 {
+        let token = parse_token(ino, token)?;
+        if let Some(v) = &found[1].0 {
+            let p: PendingChunk = decode(&keys[1], v)?;
             if p.token == token {
                 return Ok(Some(p.record));
             }
         }
     }
-    let key = schema::chunk(ino, index);
-    txn.get(&key)?.map(|v| decode(&key, &v)).transpose()
+    found[2].0.as_deref().map(|v| decode(&keys[2], v)).transpose()
 }
 
 /// The record of chunk `index` of `ino` if it is still at `version` (a newer
@@ -247,13 +251,15 @@ pub(crate) fn chunk_at_version(
     version: u64,
 ) -> MetaResult<Option<ChunkRecord>> {
     // A batched layout not yet moved to plain records: the caller's update
-    // waits for the move (the seal that made it current finishes it).
-    if layout_moving(txn, ino)? {
+    // waits for the move (the seal that made it current finishes it). Both
+    // read together.
+    let keys = [schema::layout_commit(ino), schema::chunk(ino, index)];
+    let found = txn.get_many_versioned(&keys)?;
+    if found[0].0.is_some() {
         return Ok(None);
     }
-    let key = schema::chunk(ino, index);
-    let Some(v) = txn.get(&key)? else { return Ok(None) };
-    let record: ChunkRecord = decode(&key, &v)?;
+    let Some(v) = &found[1].0 else { return Ok(None) };
+    let record: ChunkRecord = decode(&keys[1], v)?;
     Ok((record.version == version).then_some(record))
 }
 
