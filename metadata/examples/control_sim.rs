@@ -258,7 +258,15 @@ fn repair_and_drain(
     records: u64,
 ) {
     let n = agents.len();
+    let db_before = etcd_metrics(endpoint)["db bytes"];
     let held = load_chunks(endpoint, volume, ids, records);
+    let db_after = etcd_metrics(endpoint)["db bytes"];
+    println!(
+        "etcd's database grew by {:.1} MiB: {:.0} bytes per chunk record with its two index entries \
+         (before any compaction; `bench/etcd-size.sh` measures real files' records, compacted)",
+        (db_after - db_before) / 1048576.0,
+        (db_after - db_before) / records as f64
+    );
     let requests = || {
         let m = etcd_metrics(endpoint);
         m["requests"] + m["stream messages"]
@@ -349,6 +357,7 @@ fn etcd_metrics(endpoint: &str) -> BTreeMap<&'static str, f64> {
         ("bytes in", sum("etcd_network_client_grpc_received_bytes_total", &|_| true)),
         ("bytes out", sum("etcd_network_client_grpc_sent_bytes_total", &|_| true)),
         ("watch events", sum("etcd_debugging_mvcc_events_total", &|_| true)),
+        ("db bytes", sum("etcd_mvcc_db_total_size_in_bytes", &|_| true)),
     ])
 }
 

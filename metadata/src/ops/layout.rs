@@ -159,11 +159,11 @@ pub(crate) fn decode_any_chunk(key: &[u8], value: &[u8]) -> MetaResult<ChunkReco
 /// `chunks` cut into runs that each fit one transaction of at most `ops`
 /// operations, a record costing itself and its holder-index entries
 /// (`per_record` of it).
-fn runs_by_ops<'a>(
-    chunks: &'a [(u32, ChunkRecord)],
+fn runs_by_ops(
+    chunks: &[(u32, ChunkRecord)],
     ops: usize,
     per_record: impl Fn(&ChunkRecord) -> usize,
-) -> Vec<&'a [(u32, ChunkRecord)]> {
+) -> Vec<&[(u32, ChunkRecord)]> {
     let mut runs = Vec::new();
     let (mut start, mut used) = (0, 0);
     for (i, (_, record)) in chunks.iter().enumerate() {
