@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvEngine, KvError, KvRead, KvWrite};
+use crate::kv::{Durability, KvEngine, KvError, KvRead, KvWrite, Pairs};
 use crate::schema;
 use crate::types::*;
 
@@ -154,6 +154,54 @@ pub(crate) fn scan_paged(
         out.extend(page);
         if !full {
             return Ok(out);
+        }
+    }
+}
+
+/// Read every key under `prefix`, whose next 8 bytes are an inode number,
+/// a page of at most `limit` keys per read, handing each page to `f`. Each
+/// read asks for a window of inode numbers, not the rest of the prefix:
+/// etcd counts every key of the range a request names, whatever its limit,
+/// so pages of one open-ended range over a million records would cost a
+/// million steps each. A window that filled a page is halved for the next
+/// read, one that did not is doubled, so each read's range holds about a
+/// page.
+pub(crate) fn for_each_page_by_ino(
+    mut read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
+    prefix: &[u8],
+    limit: usize,
+    mut f: impl FnMut(Pairs) -> MetaResult<()>,
+) -> MetaResult<()> {
+    let key_at = |ino: Ino| [prefix, &ino.to_be_bytes()[..]].concat();
+    let (_, prefix_end) = schema::prefix_range(prefix);
+    let limit = limit.max(1);
+    let (mut start, mut window_ino, mut span) = (prefix.to_vec(), 0u64, 1024u64);
+    loop {
+        let (end, last_window) = match window_ino.checked_add(span) {
+            Some(ino) => (key_at(ino), false),
+            None => (prefix_end.clone(), true),
+        };
+        let page = read(&start, &end, limit)?;
+        let full = page.len() == limit;
+        let last = page.last().map(|(k, _)| k.clone());
+        f(page)?;
+        match last {
+            Some(mut last) if full => {
+                // More in this window: go on from the last key, in a
+                // window half as wide from its inode on.
+                if let Some(ino) = last.get(prefix.len()..prefix.len() + 8) {
+                    window_ino = Ino::from_be_bytes(ino.try_into().expect("8 bytes"));
+                }
+                span = (span / 2).max(1);
+                last.push(0);
+                start = last;
+            }
+            _ if last_window => return Ok(()),
+            _ => {
+                start = end;
+                window_ino += span;
+                span = span.saturating_mul(2);
+            }
         }
     }
 }
@@ -581,4 +629,46 @@ fn random_id() -> String {
         b[12..].copy_from_slice(&std::process::id().to_be_bytes());
     }
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages read in windows of inode numbers hand back every key once, in
+    /// order, however sparse the inode numbers (node-local ranges are far
+    /// apart) and however many keys one inode has; and no read's range
+    /// holds many more keys than a page, which is what etcd counts.
+    #[test]
+    fn pages_by_inode_window_read_every_key_once_and_ranges_stay_small() {
+        let mut keys = std::collections::BTreeMap::new();
+        let mut inos = vec![1u64, 2, 3, 500, 70_000, 1 << 40, (1 << 40) + 1, u64::MAX - 1, u64::MAX];
+        inos.extend((1..2000u64).map(|i| i << 39));
+        for &ino in &inos {
+            let per = if ino == 70_000 { 100 } else { 2 };
+            for i in 0u32..per {
+                keys.insert([&b"C"[..], &ino.to_be_bytes(), &i.to_be_bytes()].concat(), Vec::new());
+            }
+        }
+        keys.insert(b"D".to_vec(), Vec::new()); // past the prefix
+        for limit in [1, 7, 64] {
+            let mut seen = Vec::new();
+            let mut widest = 0;
+            let read = |start: &[u8], end: &[u8], limit: usize| -> MetaResult<Pairs> {
+                let in_range =
+                    keys.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)));
+                widest = widest.max(in_range.clone().count());
+                Ok(in_range.take(limit).map(|(k, v)| (k.clone(), v.clone())).collect())
+            };
+            for_each_page_by_ino(read, b"C", limit, |page| {
+                seen.extend(page.into_iter().map(|(k, _)| k));
+                Ok(())
+            })
+            .unwrap();
+            let want: Vec<Vec<u8>> = keys.keys().filter(|k| k[0] == b'C').cloned().collect();
+            assert_eq!(seen, want, "limit {limit}");
+            // Of 4,100 keys: the one inode of 100 is one window at the least.
+            assert!(widest <= 100 + limit * 8, "limit {limit}: a read's range held {widest} keys");
+        }
+    }
 }

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 
 use crate::error::MetaResult;
 use crate::kv::{Durability, KvWrite, Taken};
-use crate::namespace::{decode, encode, Namespace};
+use crate::namespace::{decode, encode, for_each_page_by_ino, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, VolumeRecord};
 
@@ -126,9 +126,8 @@ impl Namespace {
         mut f: impl FnMut(Ino, u32, &ChunkRecord),
     ) -> MetaResult<HeldWalk> {
         let mut walk = HeldWalk::default();
-        let (mut start, end) = schema::prefix_range(&schema::held_by(node));
-        loop {
-            let page = self.kv.fresh_read_txn()?.scan(&start, &end, ENTRIES_PER_PAGE)?;
+        let read = |start: &[u8], end: &[u8], limit| Ok(self.kv.fresh_read_txn()?.scan(start, end, limit)?);
+        for_each_page_by_ino(read, &schema::held_by(node), ENTRIES_PER_PAGE, |page| {
             walk.entries += page.len() as u64;
             let chunks: Vec<(Ino, u32)> = page.iter().filter_map(|(k, _)| schema::parse_held_chunk(node, k)).collect();
             let records = self.current_records(&chunks)?;
@@ -143,14 +142,9 @@ impl Namespace {
                 }
             }
             walk.dropped += self.drop_stale_entries(node, &stale)?;
-            match page.last() {
-                Some((last, _)) if page.len() == ENTRIES_PER_PAGE => {
-                    start = last.clone();
-                    start.push(0);
-                }
-                _ => return Ok(walk),
-            }
-        }
+            Ok(())
+        })?;
+        Ok(walk)
     }
 
     /// The current record of each of `chunks`, in one read: the plain

@@ -18,7 +18,7 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
-use crate::namespace::{decode, encode, get_inode, put_inode, scan_all, scan_paged, Namespace};
+use crate::namespace::{decode, encode, for_each_page_by_ino, get_inode, put_inode, scan_all, scan_paged, Namespace};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, SetAttr, Timespec};
 
@@ -333,20 +333,13 @@ impl Namespace {
     /// its token (what the holder index must cover), one page per read.
     pub(crate) fn for_each_record_of_any_layout(&self, mut f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<()> {
         for prefix in [schema::all_chunks(), schema::all_pending_chunks()] {
-            let (mut start, end) = schema::prefix_range(&prefix);
-            loop {
-                let page = self.read(|txn| Ok(txn.scan(&start, &end, CHUNKS_PER_BATCH)?))?;
+            let read = |start: &[u8], end: &[u8], limit| self.read(|txn| Ok(txn.scan(start, end, limit)?));
+            for_each_page_by_ino(read, &prefix, CHUNKS_PER_BATCH, |page| {
                 for (k, v) in &page {
                     f(schema::key_ino(k), schema::chunk_index(k), &decode_any_chunk(k, v)?);
                 }
-                match page.last() {
-                    Some((last, _)) if page.len() == CHUNKS_PER_BATCH => {
-                        start = last.clone();
-                        start.push(0);
-                    }
-                    _ => break,
-                }
-            }
+                Ok(())
+            })?;
         }
         Ok(())
     }
@@ -354,20 +347,13 @@ impl Namespace {
     /// Visit every chunk record of the volume, in inode order, one page per
     /// read (for `status` and background scans).
     pub fn for_each_chunk(&self, mut f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<()> {
-        let (mut start, end) = schema::prefix_range(&schema::all_chunks());
-        loop {
-            let page = self.read(|txn| Ok(txn.scan(&start, &end, CHUNKS_PER_BATCH)?))?;
+        let read = |start: &[u8], end: &[u8], limit| self.read(|txn| Ok(txn.scan(start, end, limit)?));
+        for_each_page_by_ino(read, &schema::all_chunks(), CHUNKS_PER_BATCH, |page| {
             for (k, v) in &page {
                 f(schema::key_ino(k), schema::chunk_index(k), &decode(k, v)?);
             }
-            match page.last() {
-                Some((last, _)) if page.len() == CHUNKS_PER_BATCH => {
-                    start = last.clone();
-                    start.push(0);
-                }
-                _ => return Ok(()),
-            }
-        }
+            Ok(())
+        })
     }
 
     /// Mark a file as being written on this node and take its write lease.
