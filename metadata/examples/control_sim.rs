@@ -12,9 +12,9 @@
 //! spread over the agents, with their holder-index entries), the repair
 //! wave after one agent dies (its keepalives stop, etcd expires its lease)
 //! and a drain of another: every live agent walks the leaving node's
-//! holder-index entries, and for each chunk it is the first repairer of
+//! holder-index entries, and for each chunk it is the repairer of
 //! (rendezvous hashing over the live agents, as repair spreads its work)
-//! does what repair does to the metadata: reads the record, records its new
+//! does what repair does to the metadata: reads the record, records the new
 //! copy (no bytes move here), reads it again, drops the leaving holder.
 //! The wave's etcd requests are set beside the leaving node's chunks and a
 //! scan of every record by one agent (what each agent's pass cost before
@@ -204,18 +204,16 @@ struct Pass {
 }
 
 /// One agent's pass over `leaving`'s chunks, as repair makes it: the
-/// index entries, then for each chunk this agent is the first live agent
-/// of (rendezvous over `live`), the record read, a copy recorded, the
-/// record read again, the leaving holder dropped.
+/// index entries, and the records of the chunks this agent repairs (the
+/// first live agent by rendezvous over (inode, chunk), as repair spreads
+/// its work); then for each, the record read, the new copy recorded (on
+/// the first live agent by rendezvous that holds none), the record read
+/// again, the leaving holder dropped.
 fn wave_pass(ns: &Namespace, me: &str, leaving: &str, live: &[String]) -> Pass {
     let mut mine = Vec::new();
+    let repairer = |ino: u64, index: u32| live.iter().max_by_key(|n| hash(&(n, ino, index))).is_some_and(|n| n == me);
     let walk = ns
-        .for_each_chunk_held_by(leaving, |ino, index, rec| {
-            let first = live.iter().filter(|n| !rec.replicas.contains(n)).max_by_key(|n| hash(&(n, ino, index)));
-            if first.is_some_and(|n| n == me) {
-                mine.push((ino, index, rec.version));
-            }
-        })
+        .for_each_chunk_held_by_where(leaving, repairer, |ino, index, rec| mine.push((ino, index, rec.version)))
         .expect("walk the index");
     let mut pass = Pass { entries: walk.entries, repaired: 0 };
     let gone = [leaving.to_string()];
@@ -224,7 +222,9 @@ fn wave_pass(ns: &Namespace, me: &str, leaving: &str, live: &[String]) -> Pass {
         if rec.version != version {
             continue;
         }
-        ns.add_replicas(ino, index, version, &[me.to_string()]).expect("record the copy");
+        let target = live.iter().filter(|n| !rec.replicas.contains(n)).max_by_key(|n| hash(&(n, ino, index, 1u8)));
+        let Some(target) = target else { continue };
+        ns.add_replicas(ino, index, version, std::slice::from_ref(target)).expect("record the copy");
         ns.chunk(ino, index).expect("read it again");
         if ns.drop_holders(ino, index, version, &gone, 2).expect("drop the leaving holder") {
             pass.repaired += 1;

@@ -136,12 +136,23 @@ pub(crate) fn scan_all(txn: &mut (impl KvRead + ?Sized), prefix: &[u8]) -> MetaR
 
 /// [`scan_all`] with a page size for large records (chunk records carry a
 /// checksum per block: a page must stay well under etcd's message limits).
+/// A volume-wide prefix of records keyed by inode is read in windows of
+/// inode numbers ([`for_each_page_by_ino`]).
 pub(crate) fn scan_paged(
     txn: &mut (impl KvRead + ?Sized),
     prefix: &[u8],
     page_size: usize,
 ) -> MetaResult<Vec<(Vec<u8>, Vec<u8>)>> {
     let page_size = page_size.max(1);
+    if schema::is_inode_keyed_prefix(prefix) {
+        let mut out = Vec::new();
+        let read = |start: &[u8], end: &[u8], limit| Ok(txn.scan(start, end, limit)?);
+        for_each_page_by_ino(read, prefix, page_size, |page| {
+            out.extend(page);
+            Ok(())
+        })?;
+        return Ok(out);
+    }
     let (mut start, end) = schema::prefix_range(prefix);
     let mut out = Vec::new();
     loop {

@@ -386,6 +386,29 @@ pub fn pending_chunks_of(ino: Ino) -> Vec<u8> {
     with_ino(PENDING_CHUNK, ino)
 }
 
+/// Whether `prefix` is a whole prefix of records keyed by inode number
+/// first (every `I`, `C`, `T`, … key): what a volume-wide scan reads in
+/// windows of inode numbers.
+pub fn is_inode_keyed_prefix(prefix: &[u8]) -> bool {
+    matches!(
+        prefix,
+        [INODE
+            | DENTRY
+            | XATTR
+            | CHUNK
+            | PENDING_CHUNK
+            | LAYOUT_COMMIT
+            | ORPHAN
+            | UNSEALED
+            | LEASE_EPOCH
+            | SYNC_PENDING
+            | TIER
+            | GARBAGE
+            | RENAMED
+            | DELEGATION]
+    )
+}
+
 /// Every holder-index entry of every node.
 pub fn all_held() -> Vec<u8> {
     vec![HOLDER_INDEX]

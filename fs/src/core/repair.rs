@@ -83,6 +83,9 @@ pub struct RepairPass {
     pub every: bool,
     /// Holder-index entries read (a pass over the index).
     pub index_entries: u64,
+    /// Chunk records looked at: every record, or in a pass over the index
+    /// the records of this node's share of the leaving nodes' chunks (the
+    /// counts below cover the same).
     pub chunks: u64,
     /// Chunks with fewer good copies than their policy.
     pub under: u64,
@@ -300,7 +303,9 @@ impl Core {
             let mut seen = HashSet::new();
             for (node, standing) in &view.standing {
                 if matches!(standing, Holder::Leaving | Holder::Gone) {
-                    let walk = self.ns.for_each_chunk_held_by(node, |ino, index, rec| {
+                    // Only this node's share of the chunks: their records alone are read.
+                    let mine = |ino, index| cluster.is_first(ino, index, &repairers);
+                    let walk = self.ns.for_each_chunk_held_by_where(node, mine, |ino, index, rec| {
                         if seen.insert((ino, index)) {
                             visit(ino, index, rec)
                         }

@@ -120,16 +120,28 @@ impl Namespace {
     /// its holders, found through the holder index, in inode order: a page
     /// of entries, then their records, in two reads a page. Entries found
     /// stale are dropped on the way.
-    pub fn for_each_chunk_held_by(
+    pub fn for_each_chunk_held_by(&self, node: &str, f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<HeldWalk> {
+        self.for_each_chunk_held_by_where(node, |_, _| true, f)
+    }
+
+    /// [`Namespace::for_each_chunk_held_by`] for the chunks `keep` picks
+    /// by (inode, chunk index) alone: the others' records are not read
+    /// (a repairer reads only the records of the chunks that are its share).
+    pub fn for_each_chunk_held_by_where(
         &self,
         node: &str,
+        mut keep: impl FnMut(Ino, u32) -> bool,
         mut f: impl FnMut(Ino, u32, &ChunkRecord),
     ) -> MetaResult<HeldWalk> {
         let mut walk = HeldWalk::default();
         let read = |start: &[u8], end: &[u8], limit| Ok(self.kv.fresh_read_txn()?.scan(start, end, limit)?);
         for_each_page_by_ino(read, &schema::held_by(node), ENTRIES_PER_PAGE, |page| {
             walk.entries += page.len() as u64;
-            let chunks: Vec<(Ino, u32)> = page.iter().filter_map(|(k, _)| schema::parse_held_chunk(node, k)).collect();
+            let chunks: Vec<(Ino, u32)> = page
+                .iter()
+                .filter_map(|(k, _)| schema::parse_held_chunk(node, k))
+                .filter(|&(ino, index)| keep(ino, index))
+                .collect();
             let records = self.current_records(&chunks)?;
             let mut stale = Vec::new();
             for ((ino, index), record) in chunks.iter().zip(&records) {
