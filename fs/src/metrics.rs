@@ -104,7 +104,7 @@ impl Collector for DaemonCollector {
                 let figures = [
                     (
                         "repair_chunks_under_replicated",
-                        "Chunks with fewer good copies than their policy, at the last repair pass",
+                        "Chunks with fewer good copies than their policy, in what this node looked at in its last repair pass (its share)",
                         p.under,
                     ),
                     (
@@ -114,7 +114,7 @@ impl Collector for DaemonCollector {
                     ),
                     (
                         "repair_chunks_unavailable",
-                        "Chunks with no copy on a live node, at the last repair pass",
+                        "Chunks with no copy on a live node, in what this node looked at in its last repair pass (its share)",
                         p.unavailable,
                     ),
                 ];

@@ -178,19 +178,32 @@ pub(crate) fn scan_paged(
 /// read, one that did not is doubled, so each read's range holds about a
 /// page.
 pub(crate) fn for_each_page_by_ino(
+    read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
+    prefix: &[u8],
+    limit: usize,
+    f: impl FnMut(Pairs) -> MetaResult<()>,
+) -> MetaResult<()> {
+    for_each_page_in_inos(read, prefix, 0..u64::MAX, limit, f)
+}
+
+/// [`for_each_page_by_ino`] of the keys of inodes in `inos` only (`u64::MAX`
+/// as the end: to the end of the prefix).
+pub(crate) fn for_each_page_in_inos(
     mut read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
     prefix: &[u8],
+    inos: std::ops::Range<Ino>,
     limit: usize,
     mut f: impl FnMut(Pairs) -> MetaResult<()>,
 ) -> MetaResult<()> {
     let key_at = |ino: Ino| [prefix, &ino.to_be_bytes()[..]].concat();
     let (_, prefix_end) = schema::prefix_range(prefix);
     let limit = limit.max(1);
-    let (mut start, mut window_ino, mut span) = (prefix.to_vec(), 0u64, 1024u64);
+    let (mut start, mut window_ino, mut span) = (key_at(inos.start), inos.start, 1024u64);
     loop {
         let (end, last_window) = match window_ino.checked_add(span) {
-            Some(ino) => (key_at(ino), false),
-            None => (prefix_end.clone(), true),
+            Some(ino) if ino < inos.end => (key_at(ino), false),
+            _ if inos.end == u64::MAX => (prefix_end.clone(), true),
+            _ => (key_at(inos.end), true),
         };
         let page = read(&start, &end, limit)?;
         let full = page.len() == limit;
@@ -593,6 +606,20 @@ impl Namespace {
         let ino = range.0;
         range.0 += 1;
         Ok(ino)
+    }
+
+    /// Every inode number given out so far is below this (the volume's
+    /// next unallocated range).
+    pub fn inode_bound(&self) -> MetaResult<Ino> {
+        let v = self.kv.fresh_read_txn()?.get(schema::NEXT_INO)?;
+        match v {
+            Some(v) => Ok(u64::from_be_bytes(
+                v.as_slice()
+                    .try_into()
+                    .map_err(|_| MetaError::Corrupt { key: "N".into(), msg: "next inode is not 8 bytes".into() })?,
+            )),
+            None => Ok(ROOT_INO + 1),
+        }
     }
 
     /// Up to `n` inode numbers this namespace will hand out next, from the

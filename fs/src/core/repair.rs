@@ -7,7 +7,10 @@
 //! that a death or a drain costs reads in proportion to that node's chunks;
 //! or every record of the volume, in the safety pass every few minutes
 //! (which also finds chunks left short by a write that could not reach
-//! enough nodes, or a forgotten node's) and while a rebalance runs.
+//! enough nodes, or a forgotten node's) and while a rebalance runs. The
+//! safety pass is shared out: each live node reads the slices of inode
+//! numbers rendezvous hashing gives it and acts on every chunk there, so
+//! the cluster reads each record once a pass, not once per node.
 //!
 //!
 //! | holder                                   | counts as a copy | read from | dropped from the record |
@@ -66,10 +69,15 @@ enum Holder {
     Gone,
 }
 
+/// Inode numbers per slice of the safety pass (see [`RepairScope::Every`]).
+const SAFETY_SLICE: u64 = 1 << 16;
+
 /// Which chunk records a repair pass reads (see the module's head).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RepairScope {
-    /// Every record of the volume.
+    /// Every record of the volume, shared out: the inode numbers in
+    /// slices of [`SAFETY_SLICE`], each read (and acted on, whole) by the
+    /// live node rendezvous hashing gives it.
     Every,
     /// The records the holder index lists for the nodes that no longer count.
     Leaving,
@@ -83,6 +91,8 @@ pub struct RepairPass {
     pub every: bool,
     /// Holder-index entries read (a pass over the index).
     pub index_entries: u64,
+    /// Slices of the volume's inode numbers this node read (a safety pass).
+    pub slices: u64,
     /// Chunk records looked at: every record, or in a pass over the index
     /// the records of this node's share of the leaving nodes' chunks (the
     /// counts below cover the same).
@@ -109,7 +119,7 @@ pub struct RepairPass {
 impl RepairPass {
     pub fn summary(&self) -> String {
         let scope = match self.every {
-            true => "every record".to_string(),
+            true => format!("{} slices of every record", self.slices),
             false => format!("{} index entries", self.index_entries),
         };
         format!(
@@ -272,7 +282,10 @@ impl Core {
             let drop: Vec<String> =
                 rec.replicas.iter().filter(|r| matches!(view.of(r), Holder::Leaving | Holder::Gone)).cloned().collect();
             let work = add > 0 || (!drop.is_empty() && good >= want);
-            if work && cluster.is_first(ino, index, &repairers) {
+            // A slice of the safety pass is this node's whole; over the
+            // index, only this node's share was read.
+            let share = every || cluster.is_first(ino, index, &repairers);
+            if work && share {
                 let len = rec.len as u64;
                 jobs.push(Job { ino, index, version: rec.version, len, add, drop, want, targets: None });
             } else if !work && good >= want {
@@ -280,7 +293,7 @@ impl Core {
                     let ideal = crate::placement::ideal(ino, index, want, candidates);
                     let misplaced: Vec<String> = rec.replicas.iter().filter(|r| !ideal.contains(r)).cloned().collect();
                     let missing: Vec<String> = ideal.iter().filter(|n| !rec.replicas.contains(n)).cloned().collect();
-                    if !misplaced.is_empty() && !missing.is_empty() && cluster.is_first(ino, index, &repairers) {
+                    if !misplaced.is_empty() && !missing.is_empty() && share {
                         pass.misplaced += 1;
                         jobs.push(Job {
                             ino,
@@ -297,7 +310,17 @@ impl Core {
             }
         };
         if every {
-            self.ns.for_each_chunk(visit)?;
+            // The volume's inode numbers in slices, each read by one live
+            // node (rendezvous over the slice): together the nodes read
+            // every record once a pass, not once each.
+            let bound = self.ns.inode_bound()?;
+            for slice in 0..bound.div_ceil(SAFETY_SLICE) {
+                let first = slice * SAFETY_SLICE;
+                if cluster.is_first(first, u32::MAX, &repairers) {
+                    pass.slices += 1;
+                    self.ns.for_each_chunk_in(first..first + SAFETY_SLICE, &mut visit)?;
+                }
+            }
         } else {
             // A chunk two leaving nodes hold is listed under both.
             let mut seen = HashSet::new();

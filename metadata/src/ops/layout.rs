@@ -18,7 +18,9 @@
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
-use crate::namespace::{decode, encode, for_each_page_by_ino, get_inode, put_inode, scan_all, scan_paged, Namespace};
+use crate::namespace::{
+    decode, encode, for_each_page_by_ino, for_each_page_in_inos, get_inode, put_inode, scan_all, scan_paged, Namespace,
+};
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, SetAttr, Timespec};
 
@@ -342,6 +344,22 @@ impl Namespace {
             })?;
         }
         Ok(())
+    }
+
+    /// Visit the chunk records of the inodes in `inos`, in inode order, one
+    /// page per read (a slice of repair's safety pass).
+    pub fn for_each_chunk_in(
+        &self,
+        inos: std::ops::Range<Ino>,
+        mut f: impl FnMut(Ino, u32, &ChunkRecord),
+    ) -> MetaResult<()> {
+        let read = |start: &[u8], end: &[u8], limit| self.read(|txn| Ok(txn.scan(start, end, limit)?));
+        for_each_page_in_inos(read, &schema::all_chunks(), inos, CHUNKS_PER_BATCH, |page| {
+            for (k, v) in &page {
+                f(schema::key_ino(k), schema::chunk_index(k), &decode(k, v)?);
+            }
+            Ok(())
+        })
     }
 
     /// Visit every chunk record of the volume, in inode order, one page per
