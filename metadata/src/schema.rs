@@ -409,11 +409,6 @@ pub fn is_inode_keyed_prefix(prefix: &[u8]) -> bool {
     )
 }
 
-/// Every holder-index entry of every node.
-pub fn all_held() -> Vec<u8> {
-    vec![HOLDER_INDEX]
-}
-
 /// Every holder-index entry of node `node`.
 pub fn held_by(node: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(node.len() + 2);

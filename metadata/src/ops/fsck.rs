@@ -162,10 +162,17 @@ impl Namespace {
             }
             let mut missing: HashMap<Ino, u32> = HashMap::new();
             let mut policy: HashMap<Ino, u32> = HashMap::new();
-            let indexed: HashSet<Vec<u8>> = match (self.clustered, nodes) {
-                (true, Some(_)) => scan_all(txn, &schema::all_held())?.into_iter().map(|(k, _)| k).collect(),
-                _ => HashSet::new(),
-            };
+            // Each known node's entries, in windows of inode numbers.
+            let mut indexed: HashSet<Vec<u8>> = HashSet::new();
+            if let (true, Some(nodes)) = (self.clustered, nodes) {
+                for node in nodes.known {
+                    let read = |start: &[u8], end: &[u8], limit| Ok(txn.scan(start, end, limit)?);
+                    crate::namespace::for_each_page_by_ino(read, &schema::held_by(node), 1024, |page| {
+                        indexed.extend(page.into_iter().map(|(k, _)| k));
+                        Ok(())
+                    })?;
+                }
+            }
             for (k, v) in scan_paged(txn, &schema::all_chunks(), 64)? {
                 let (ino, index) = (schema::key_ino(&k), schema::chunk_index(&k));
                 let rec: ChunkRecord = decode(&k, &v)?;
@@ -186,7 +193,10 @@ impl Namespace {
                     if !nodes.known.contains(h) {
                         r.findings.push(Finding::UnknownHolder { ino, index, node: h.clone() });
                     }
-                    if self.clustered && !indexed.contains(&schema::held_chunk(h, ino, index)) {
+                    if self.clustered
+                        && nodes.known.contains(h)
+                        && !indexed.contains(&schema::held_chunk(h, ino, index))
+                    {
                         r.findings.push(Finding::Unindexed { ino, index, node: h.clone() });
                     }
                 }
