@@ -146,8 +146,9 @@ pub(crate) fn scan_paged(
     let page_size = page_size.max(1);
     if schema::is_inode_keyed_prefix(prefix) {
         let mut out = Vec::new();
+        let below = inode_bound_in(txn)?;
         let read = |start: &[u8], end: &[u8], limit| Ok(txn.scan(start, end, limit)?);
-        for_each_page_by_ino(read, prefix, page_size, |page| {
+        for_each_page_by_ino(read, prefix, below, page_size, |page| {
             out.extend(page);
             Ok(())
         })?;
@@ -177,13 +178,30 @@ pub(crate) fn scan_paged(
 /// million steps each. A window that filled a page is halved for the next
 /// read, one that did not is doubled, so each read's range holds about a
 /// page.
+///
+/// `below` bounds the inode numbers (the volume's [`Namespace::inode_bound`]:
+/// none is given out past it), so that no read goes on doubling its window
+/// through the empty rest of the number space.
 pub(crate) fn for_each_page_by_ino(
     read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
     prefix: &[u8],
+    below: Ino,
     limit: usize,
     f: impl FnMut(Pairs) -> MetaResult<()>,
 ) -> MetaResult<()> {
-    for_each_page_in_inos(read, prefix, 0..u64::MAX, limit, f)
+    for_each_page_in_inos(read, prefix, 0..below, limit, f)
+}
+
+/// The volume's inode bound as `txn` reads it (see [`Namespace::inode_bound`]).
+pub(crate) fn inode_bound_in(txn: &mut (impl KvRead + ?Sized)) -> MetaResult<Ino> {
+    match txn.get(schema::NEXT_INO)? {
+        Some(v) => Ok(u64::from_be_bytes(
+            v.as_slice()
+                .try_into()
+                .map_err(|_| MetaError::Corrupt { key: "N".into(), msg: "next inode is not 8 bytes".into() })?,
+        )),
+        None => Ok(ROOT_INO + 1),
+    }
 }
 
 /// [`for_each_page_by_ino`] of the keys of inodes in `inos` only (`u64::MAX`
@@ -611,15 +629,7 @@ impl Namespace {
     /// Every inode number given out so far is below this (the volume's
     /// next unallocated range).
     pub fn inode_bound(&self) -> MetaResult<Ino> {
-        let v = self.kv.fresh_read_txn()?.get(schema::NEXT_INO)?;
-        match v {
-            Some(v) => Ok(u64::from_be_bytes(
-                v.as_slice()
-                    .try_into()
-                    .map_err(|_| MetaError::Corrupt { key: "N".into(), msg: "next inode is not 8 bytes".into() })?,
-            )),
-            None => Ok(ROOT_INO + 1),
-        }
+        inode_bound_in(self.kv.fresh_read_txn()?.as_mut())
     }
 
     /// Up to `n` inode numbers this namespace will hand out next, from the
@@ -698,7 +708,7 @@ mod tests {
                 widest = widest.max(in_range.clone().count());
                 Ok(in_range.take(limit).map(|(k, v)| (k.clone(), v.clone())).collect())
             };
-            for_each_page_by_ino(read, b"C", limit, |page| {
+            for_each_page_in_inos(read, b"C", 0..u64::MAX, limit, |page| {
                 seen.extend(page.into_iter().map(|(k, _)| k));
                 Ok(())
             })

@@ -388,7 +388,8 @@ pub fn pending_chunks_of(ino: Ino) -> Vec<u8> {
 
 /// Whether `prefix` is a whole prefix of records keyed by inode number
 /// first (every `I`, `C`, `T`, … key): what a volume-wide scan reads in
-/// windows of inode numbers.
+/// windows of inode numbers. Not the delegations (`M`): few, and listed
+/// whole by the node cache.
 pub fn is_inode_keyed_prefix(prefix: &[u8]) -> bool {
     matches!(
         prefix,
@@ -404,8 +405,7 @@ pub fn is_inode_keyed_prefix(prefix: &[u8]) -> bool {
             | SYNC_PENDING
             | TIER
             | GARBAGE
-            | RENAMED
-            | DELEGATION]
+            | RENAMED]
     )
 }
 

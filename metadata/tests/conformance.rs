@@ -142,6 +142,55 @@ fn suites_on_a_real_etcd_cluster_through_the_node_cache() {
     }
 }
 
+/// A node's chunks are found through the holder index in requests that
+/// grow with that node's chunks, not the volume's: 3,000 chunk records on
+/// a real etcd, 30 of them naming one node. Counted in the requests this
+/// thread made: walking that node's entries against reading every record.
+#[test]
+fn a_nodes_chunks_cost_requests_in_proportion_to_its_own() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let (ns, _kv) = etcd_node(&cluster.endpoints, "held", "n1");
+    let f = ns.mknod(ROOT, b"f", &file(0o644)).unwrap().ino;
+    let record = |holders: &[&str]| ChunkRecord {
+        version: 1,
+        len: DEFAULT_CHUNK_SIZE,
+        replicas: holders.iter().map(|h| h.to_string()).collect(),
+        block_crcs: vec![1; 16],
+    };
+    // One file of 3,000 chunks, n1 and n2 holding all, "rare" one in a hundred.
+    let chunks: Vec<(u32, ChunkRecord)> =
+        (0..3000).map(|i| (i, record(if i % 100 == 7 { &["n1", "rare"] } else { &["n1", "n2"] }))).collect();
+    let seal = converged_metadata::Seal {
+        size: 3000 * DEFAULT_CHUNK_SIZE as u64,
+        mtime: Timespec::now(),
+        chunks,
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+        attrs: None,
+    };
+    ns.seal(f, &seal, Durability::Durable).unwrap();
+    let requests = |walk: &dyn Fn()| {
+        let before = converged_metadata::round_trips::on_this_thread();
+        walk();
+        converged_metadata::round_trips::on_this_thread() - before
+    };
+    let walk = requests(&|| {
+        let mut held = Vec::new();
+        ns.for_each_chunk_held_by("rare", |_, index, _| held.push(index)).unwrap();
+        assert_eq!(held, (0..30).map(|i| i * 100 + 7).collect::<Vec<u32>>());
+    });
+    let mut n = 0;
+    let scan = requests(&|| ns.for_each_chunk(|_, _, r| assert!(!r.replicas.is_empty())).unwrap());
+    ns.for_each_chunk(|_, _, _| n += 1).unwrap();
+    assert_eq!(n, 3000);
+    // The volume's inode bound, a page of entries and one read of their
+    // records, and the empty windows after them up to the bound (a few,
+    // doubling); a scan reads 64 records a request.
+    assert!(walk <= 12, "walking 30 entries took {walk} requests");
+    assert!(scan >= 3000 / 64, "a scan of every record took {scan} requests");
+}
+
 /// A node changing its own record (a directory's attributes, at every
 /// create in it) keeps it cached while other nodes change other records,
 /// as they do all the time on a busy cluster: its transactions compare the
