@@ -146,9 +146,8 @@ pub(crate) fn scan_paged(
     let page_size = page_size.max(1);
     if schema::is_inode_keyed_prefix(prefix) {
         let mut out = Vec::new();
-        let below = inode_bound_in(txn)?;
         let read = |start: &[u8], end: &[u8], limit| Ok(txn.scan(start, end, limit)?);
-        for_each_page_by_ino(read, prefix, below, page_size, |page| {
+        for_each_page_by_ino(read, prefix, page_size, |page| {
             out.extend(page);
             Ok(())
         })?;
@@ -171,25 +170,45 @@ pub(crate) fn scan_paged(
 }
 
 /// Read every key under `prefix`, whose next 8 bytes are an inode number,
-/// a page of at most `limit` keys per read, handing each page to `f`. Each
-/// read asks for a window of inode numbers, not the rest of the prefix:
-/// etcd counts every key of the range a request names, whatever its limit,
-/// so pages of one open-ended range over a million records would cost a
-/// million steps each. A window that filled a page is halved for the next
-/// read, one that did not is doubled, so each read's range holds about a
-/// page.
-///
-/// `below` bounds the inode numbers (the volume's [`Namespace::inode_bound`]:
-/// none is given out past it), so that no read goes on doubling its window
-/// through the empty rest of the number space.
+/// a page of at most `limit` keys per read, handing each page to `f`. etcd
+/// counts every key of the range a request names, whatever its limit, so
+/// pages of one open-ended range over a million records would cost a
+/// million steps each. The first read asks for the whole prefix: a short
+/// page ends it (the few marks of a flush, one request as before). After a
+/// full one the reads ask for windows of inode numbers, up to the volume's
+/// inode bound (read with the same `read`: the `N` key); a window that
+/// filled a page is halved for the next read, one that did not is doubled,
+/// so each read's range holds about a page.
 pub(crate) fn for_each_page_by_ino(
-    read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
+    mut read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
     prefix: &[u8],
-    below: Ino,
     limit: usize,
-    f: impl FnMut(Pairs) -> MetaResult<()>,
+    mut f: impl FnMut(Pairs) -> MetaResult<()>,
 ) -> MetaResult<()> {
-    for_each_page_in_inos(read, prefix, 0..below, limit, f)
+    let limit = limit.max(1);
+    let (start, end) = schema::prefix_range(prefix);
+    let page = read(&start, &end, limit)?;
+    let full = page.len() == limit;
+    let last = page.last().map(|(k, _)| k.clone());
+    f(page)?;
+    let Some(mut last) = last.filter(|_| full) else { return Ok(()) };
+    let ino_of = |key: &[u8]| {
+        key.get(prefix.len()..prefix.len() + 8).map(|b| Ino::from_be_bytes(b.try_into().expect("8 bytes")))
+    };
+    let Some(last_ino) = ino_of(&last) else { return Ok(()) };
+    let bound_key = [schema::NEXT_INO, &[0][..]].concat();
+    let bound = match read(schema::NEXT_INO, &bound_key, 1)?.first() {
+        Some((_, v)) => u64::from_be_bytes(
+            v.as_slice()
+                .try_into()
+                .map_err(|_| MetaError::Corrupt { key: "N".into(), msg: "next inode is not 8 bytes".into() })?,
+        ),
+        None => u64::MAX,
+    };
+    // Keys past the bound (none a volume gives out): read to the end.
+    let below = if last_ino < bound { bound } else { u64::MAX };
+    last.push(0);
+    windows_from(read, prefix, last, last_ino, below, limit, f)
 }
 
 /// The volume's inode bound as `txn` reads it (see [`Namespace::inode_bound`]).
@@ -204,24 +223,40 @@ pub(crate) fn inode_bound_in(txn: &mut (impl KvRead + ?Sized)) -> MetaResult<Ino
     }
 }
 
-/// [`for_each_page_by_ino`] of the keys of inodes in `inos` only (`u64::MAX`
-/// as the end: to the end of the prefix).
+/// The keys under `prefix` of the inodes in `inos` (`u64::MAX` as the end:
+/// to the end of the prefix), a window of inode numbers a read (see
+/// [`for_each_page_by_ino`]).
 pub(crate) fn for_each_page_in_inos(
-    mut read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
+    read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
     prefix: &[u8],
     inos: std::ops::Range<Ino>,
+    limit: usize,
+    f: impl FnMut(Pairs) -> MetaResult<()>,
+) -> MetaResult<()> {
+    let start = [prefix, &inos.start.to_be_bytes()[..]].concat();
+    windows_from(read, prefix, start, inos.start, inos.end, limit, f)
+}
+
+/// Pages from key `start` (of inode `window_ino`) up to inode `below`
+/// (`u64::MAX`: the end of the prefix), in windows of inode numbers.
+fn windows_from(
+    mut read: impl FnMut(&[u8], &[u8], usize) -> MetaResult<Pairs>,
+    prefix: &[u8],
+    mut start: Vec<u8>,
+    mut window_ino: Ino,
+    below: Ino,
     limit: usize,
     mut f: impl FnMut(Pairs) -> MetaResult<()>,
 ) -> MetaResult<()> {
     let key_at = |ino: Ino| [prefix, &ino.to_be_bytes()[..]].concat();
     let (_, prefix_end) = schema::prefix_range(prefix);
     let limit = limit.max(1);
-    let (mut start, mut window_ino, mut span) = (key_at(inos.start), inos.start, 1024u64);
+    let mut span = 1024u64;
     loop {
         let (end, last_window) = match window_ino.checked_add(span) {
-            Some(ino) if ino < inos.end => (key_at(ino), false),
-            _ if inos.end == u64::MAX => (prefix_end.clone(), true),
-            _ => (key_at(inos.end), true),
+            Some(ino) if ino < below => (key_at(ino), false),
+            _ if below == u64::MAX => (prefix_end.clone(), true),
+            _ => (key_at(below), true),
         };
         let page = read(&start, &end, limit)?;
         let full = page.len() == limit;
@@ -699,6 +734,14 @@ mod tests {
             }
         }
         keys.insert(b"D".to_vec(), Vec::new()); // past the prefix
+                                                // Fewer keys than a page: one read.
+        let mut reads = 0;
+        let few = |_: &[u8], _: &[u8], _: usize| -> MetaResult<Pairs> {
+            reads += 1;
+            Ok(vec![(b"S1".to_vec(), Vec::new())])
+        };
+        for_each_page_by_ino(few, b"S", 16, |_| Ok(())).unwrap();
+        assert_eq!(reads, 1, "a short first page ends the scan");
         for limit in [1, 7, 64] {
             let mut seen = Vec::new();
             let mut widest = 0;
@@ -715,6 +758,24 @@ mod tests {
             .unwrap();
             let want: Vec<Vec<u8>> = keys.keys().filter(|k| k[0] == b'C').cloned().collect();
             assert_eq!(seen, want, "limit {limit}");
+            // From the prefix's start: one open read first, then windows.
+            let (mut again, mut reads, mut widest_after) = (Vec::new(), 0, 0);
+            let read = |start: &[u8], end: &[u8], limit: usize| -> MetaResult<Pairs> {
+                let in_range =
+                    keys.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)));
+                if reads > 0 {
+                    widest_after = widest_after.max(in_range.clone().count());
+                }
+                reads += 1;
+                Ok(in_range.take(limit).map(|(k, v)| (k.clone(), v.clone())).collect())
+            };
+            for_each_page_by_ino(read, b"C", limit, |page| {
+                again.extend(page.into_iter().map(|(k, _)| k));
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(again, want, "limit {limit}: from the start");
+            assert!(widest_after <= 100 + limit * 8, "limit {limit}: a read's range held {widest_after} keys");
             // Of 4,100 keys: the one inode of 100 is one window at the least.
             assert!(widest <= 100 + limit * 8, "limit {limit}: a read's range held {widest} keys");
         }

@@ -165,10 +165,9 @@ impl Namespace {
             // Each known node's entries, in windows of inode numbers.
             let mut indexed: HashSet<Vec<u8>> = HashSet::new();
             if let (true, Some(nodes)) = (self.clustered, nodes) {
-                let below = crate::namespace::inode_bound_in(txn)?;
                 for node in nodes.known {
                     let read = |start: &[u8], end: &[u8], limit| Ok(txn.scan(start, end, limit)?);
-                    crate::namespace::for_each_page_by_ino(read, &schema::held_by(node), below, 1024, |page| {
+                    crate::namespace::for_each_page_by_ino(read, &schema::held_by(node), 1024, |page| {
                         indexed.extend(page.into_iter().map(|(k, _)| k));
                         Ok(())
                     })?;

@@ -134,9 +134,8 @@ impl Namespace {
         mut f: impl FnMut(Ino, u32, &ChunkRecord),
     ) -> MetaResult<HeldWalk> {
         let mut walk = HeldWalk::default();
-        let below = self.inode_bound()?;
         let read = |start: &[u8], end: &[u8], limit| Ok(self.kv.fresh_read_txn()?.scan(start, end, limit)?);
-        for_each_page_by_ino(read, &schema::held_by(node), below, ENTRIES_PER_PAGE, |page| {
+        for_each_page_by_ino(read, &schema::held_by(node), ENTRIES_PER_PAGE, |page| {
             walk.entries += page.len() as u64;
             let chunks: Vec<(Ino, u32)> = page
                 .iter()

@@ -334,10 +334,9 @@ impl Namespace {
     /// Visit every plain and pending chunk record of the volume, whatever
     /// its token (what the holder index must cover), one page per read.
     pub(crate) fn for_each_record_of_any_layout(&self, mut f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<()> {
-        let below = self.inode_bound()?;
         for prefix in [schema::all_chunks(), schema::all_pending_chunks()] {
             let read = |start: &[u8], end: &[u8], limit| self.read(|txn| Ok(txn.scan(start, end, limit)?));
-            for_each_page_by_ino(read, &prefix, below, CHUNKS_PER_BATCH, |page| {
+            for_each_page_by_ino(read, &prefix, CHUNKS_PER_BATCH, |page| {
                 for (k, v) in &page {
                     f(schema::key_ino(k), schema::chunk_index(k), &decode_any_chunk(k, v)?);
                 }
@@ -367,8 +366,7 @@ impl Namespace {
     /// read (for `status` and background scans).
     pub fn for_each_chunk(&self, mut f: impl FnMut(Ino, u32, &ChunkRecord)) -> MetaResult<()> {
         let read = |start: &[u8], end: &[u8], limit| self.read(|txn| Ok(txn.scan(start, end, limit)?));
-        let below = self.inode_bound()?;
-        for_each_page_by_ino(read, &schema::all_chunks(), below, CHUNKS_PER_BATCH, |page| {
+        for_each_page_by_ino(read, &schema::all_chunks(), CHUNKS_PER_BATCH, |page| {
             for (k, v) in &page {
                 f(schema::key_ino(k), schema::chunk_index(k), &decode(k, v)?);
             }
