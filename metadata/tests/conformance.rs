@@ -72,6 +72,20 @@ fn seal_one_chunk(ns: &Namespace, ino: u64, version: u64, replicas: &[&str]) {
     ns.seal(ino, &seal, Durability::Durable).unwrap();
 }
 
+/// The seal of a last close: `size` and `chunks`, the lease dropped, the
+/// bytes durable.
+fn closing_seal(size: u64, chunks: Vec<(u32, ChunkRecord)>) -> converged_metadata::Seal {
+    converged_metadata::Seal {
+        size,
+        mtime: Timespec::now(),
+        chunks,
+        keep_unsealed: false,
+        lease: None,
+        data_durable: true,
+        attrs: None,
+    }
+}
+
 /// The record an upload starts from, when it may start.
 fn go(start: UploadStart) -> converged_metadata::types::TierRecord {
     match start {
@@ -160,16 +174,7 @@ fn a_nodes_chunks_cost_requests_in_proportion_to_its_own() {
     // One file of 3,000 chunks, n1 and n2 holding all, "rare" one in a hundred.
     let chunks: Vec<(u32, ChunkRecord)> =
         (0..3000).map(|i| (i, record(if i % 100 == 7 { &["n1", "rare"] } else { &["n1", "n2"] }))).collect();
-    let seal = converged_metadata::Seal {
-        size: 3000 * DEFAULT_CHUNK_SIZE as u64,
-        mtime: Timespec::now(),
-        chunks,
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-        attrs: None,
-    };
-    ns.seal(f, &seal, Durability::Durable).unwrap();
+    ns.seal(f, &closing_seal(3000 * DEFAULT_CHUNK_SIZE as u64, chunks), Durability::Durable).unwrap();
     let requests = |walk: &dyn Fn()| {
         let before = converged_metadata::round_trips::on_this_thread();
         walk();
@@ -766,15 +771,7 @@ fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
     ns.mark_unsealed(f.ino).unwrap();
     let chunks: Vec<(u32, ChunkRecord)> = (0..300).map(|i| (i, record(i))).collect();
     let size = 300 * DEFAULT_CHUNK_SIZE as u64;
-    let seal = converged_metadata::Seal {
-        size,
-        mtime: Timespec::now(),
-        chunks: chunks.clone(),
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-        attrs: None,
-    };
+    let seal = closing_seal(size, chunks.clone());
     ns.seal(f.ino, &seal, Durability::Durable).unwrap();
     assert_eq!(ns.chunks(f.ino).unwrap(), chunks, "{name}: every record back, in order");
     assert_eq!(ns.getattr(f.ino).unwrap().size, size, "{name}");
@@ -814,15 +811,7 @@ fn holder_index_lists_every_holder_and_drops_what_no_record_names(name: &str, kv
         block_crcs: vec![i; 4],
     };
     // 150 records of 3 holders: 600 operations, written in batches.
-    let seal = |size: u64, chunks: Vec<(u32, ChunkRecord)>| converged_metadata::Seal {
-        size,
-        mtime: Timespec::now(),
-        chunks,
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-        attrs: None,
-    };
+    let seal = closing_seal;
     let chunk = DEFAULT_CHUNK_SIZE as u64;
     ns.seal(big, &seal(150 * chunk, (0..150).map(|i| (i, record(i))).collect()), Durability::Durable).unwrap();
     let bigs = |n: u32| (0..n).map(|i| (big, i)).collect::<Vec<_>>();
@@ -887,15 +876,8 @@ fn large_layouts_switch_whole_across_a_crash(name: &str, kv: Arc<dyn KvEngine>) 
             })
             .collect()
     };
-    let seal = |chunks: &[(u32, ChunkRecord)]| converged_metadata::Seal {
-        size: chunks.len() as u64 * DEFAULT_CHUNK_SIZE as u64,
-        mtime: Timespec::now(),
-        chunks: chunks.to_vec(),
-        keep_unsealed: false,
-        lease: None,
-        data_durable: true,
-        attrs: None,
-    };
+    let seal =
+        |chunks: &[(u32, ChunkRecord)]| closing_seal(chunks.len() as u64 * DEFAULT_CHUNK_SIZE as u64, chunks.to_vec());
     let (v1, v2, v3) = (layout(1, 300), layout(2, 280), layout(3, 300));
     ns.seal(f.ino, &seal(&v1), Durability::Durable).unwrap();
     let now = |what: &str, want: &[(u32, ChunkRecord)]| {
