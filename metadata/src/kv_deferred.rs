@@ -98,8 +98,13 @@ struct Born {
     closed: bool,
     /// Its records the flusher committed, as committed: since no other
     /// node reaches the inode, the engine holds exactly these, and reads of
-    /// its records are answered from here.
+    /// its records are answered from here. A transaction sent past the
+    /// overlay that writes them updates them too (see `DeferredKv::sent`).
     committed: BTreeMap<Vec<u8>, Arc<Vec<u8>>>,
+    /// A sent transaction wrote its records and its outcome is not known
+    /// (an error other than a conflict): `committed` may be wrong, and its
+    /// records are read from the engine from then on.
+    unsure: bool,
 }
 
 /// Records as a range held them (key, value).
@@ -194,7 +199,7 @@ impl State {
     /// knows it all: an inode made here, still this node's alone.
     fn known(&self, ino: Ino) -> Option<&BTreeMap<Vec<u8>, Arc<Vec<u8>>>> {
         self.born_in_holding(ino)?;
-        self.born.get(&ino).map(|b| &b.committed)
+        self.born.get(&ino).filter(|b| !b.unsure).map(|b| &b.committed)
     }
 
     /// The engine's records of `[start, end)` when they are known here.
@@ -302,7 +307,7 @@ impl DeferredKv {
             return false;
         }
         match st.born.get_mut(&ino) {
-            Some(b) if b.writing && b.committed.is_empty() => {
+            Some(b) if b.writing && b.committed.is_empty() && !b.unsure => {
                 b.closed = true;
                 true
             }
@@ -587,7 +592,10 @@ impl DeferredKv {
             if writing {
                 opens.push(*ino);
             }
-            st.born.insert(*ino, Born { dir: *dir, writing, since: now, closed: false, committed: BTreeMap::new() });
+            st.born.insert(
+                *ino,
+                Born { dir: *dir, writing, since: now, closed: false, committed: BTreeMap::new(), unsure: false },
+            );
         }
         for (k, v) in &writes {
             held_now(&mut st, &self.node, k, v.as_deref().map(Vec::as_slice), None);
@@ -624,8 +632,11 @@ impl DeferredKv {
         Fate::Queued(seq)
     }
 
-    /// After a sent transaction that wrote keys of this node's alone.
-    fn sent(&self, mine: &[Vec<u8>], writes: &PendingWrites, rev: Option<i64>) {
+    /// After a sent transaction that wrote keys of this node's alone: what
+    /// this node knows the engine holds of inodes made here follows what
+    /// it committed (`rev`), point writes and range deletes alike; after
+    /// an error other than a conflict, nothing of them is known any more.
+    fn sent(&self, mine: &[Vec<u8>], writes: &PendingWrites, ranges: &[(Vec<u8>, Vec<u8>)], outcome: Outcome) {
         let delegations = writes.keys().any(|k| k.len() == 9 && k.starts_with(&schema::delegations()));
         if mine.is_empty() && !delegations {
             return;
@@ -642,14 +653,53 @@ impl DeferredKv {
         if !mine.is_empty() {
             st.epoch += 1;
         }
-        if let Some(rev) = rev {
-            for (k, v) in writes {
-                held_now(&mut st, &self.node, k, v.as_deref(), Some(rev));
-                // Written past the overlay: another path may reach it now
-                // (a link elsewhere): no longer this node's alone.
-                if let Subject::Inode(ino) | Subject::File(ino) = schema::subject(k) {
-                    if !st.holding(ino) {
+        let subject_ino = |s: Subject| match s {
+            Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) => Some(ino),
+            _ => None,
+        };
+        match outcome {
+            Outcome::Committed(rev) => {
+                for (s, e) in ranges {
+                    let Some(born) = subject_ino(schema::range_subject(s, e)).and_then(|i| st.born.get_mut(&i)) else {
+                        continue;
+                    };
+                    let gone: Vec<Vec<u8>> = born
+                        .committed
+                        .range::<[u8], _>((
+                            std::ops::Bound::Included(s.as_slice()),
+                            std::ops::Bound::Excluded(e.as_slice()),
+                        ))
+                        .map(|(k, _)| k.clone())
+                        .collect();
+                    for k in gone {
+                        born.committed.remove(&k);
+                    }
+                }
+                for (k, v) in writes {
+                    held_now(&mut st, &self.node, k, v.as_deref(), Some(rev));
+                    let subject = schema::subject(k);
+                    let Some(ino) = subject_ino(subject) else { continue };
+                    // Written past the overlay: another path may reach it now
+                    // (a link elsewhere): no longer this node's alone.
+                    if matches!(subject, Subject::Inode(_) | Subject::File(_)) && !st.holding(ino) {
                         st.born.remove(&ino);
+                    } else if let Some(born) = st.born.get_mut(&ino) {
+                        match v {
+                            Some(v) => born.committed.insert(k.clone(), Arc::new(v.clone())),
+                            None => born.committed.remove(k),
+                        };
+                    }
+                }
+            }
+            Outcome::Unchanged => {}
+            Outcome::Unknown => {
+                let touched = writes
+                    .keys()
+                    .map(|k| schema::subject(k))
+                    .chain(ranges.iter().map(|(s, e)| schema::range_subject(s, e)));
+                for ino in touched.filter_map(subject_ino).collect::<Vec<_>>() {
+                    if let Some(born) = st.born.get_mut(&ino) {
+                        born.unsure = true;
                     }
                 }
             }
@@ -657,6 +707,16 @@ impl DeferredKv {
         drop(st);
         self.notify();
     }
+}
+
+/// What became of a transaction sent past the overlay.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Committed(i64),
+    /// Refused (a conflict): nothing of it was written.
+    Unchanged,
+    /// Failed otherwise: it may or may not have committed.
+    Unknown,
 }
 
 /// A delegation record written (`value` this node: born; `None`: gone),
@@ -1213,12 +1273,14 @@ impl KvWrite for DeferredTxn<'_> {
             Fate::Send(mine) => {
                 let this = *self;
                 let writes = this.writes;
+                let ranges: Vec<(Vec<u8>, Vec<u8>)> = this.ranges.into_iter().map(|d| (d.start, d.end)).collect();
                 let r = this.inner.commit_at(durability);
-                let rev = match &r {
-                    Ok(rev) => Some(rev.unwrap_or(0)),
-                    Err(_) => None,
+                let outcome = match &r {
+                    Ok(rev) => Outcome::Committed(rev.unwrap_or(0)),
+                    Err(KvError::Conflict) => Outcome::Unchanged,
+                    Err(_) => Outcome::Unknown,
                 };
-                kv.sent(&mine, &writes, rev);
+                kv.sent(&mine, &writes, &ranges, outcome);
                 r
             }
         }

@@ -285,3 +285,30 @@ fn a_file_made_while_others_queue_commits_with_its_publish_in_one_transaction() 
     let laid_out = committed(&store, &schema::chunk(x.ino, 0)).is_some();
     assert_eq!(named, laid_out, "x's name committed without its publish (or the reverse)");
 }
+
+/// `rm -rf` of a tree made here: each `rmdir` is sent (it deletes the
+/// child's delegation record), past the overlay, and what this node knows
+/// the engine holds of the parent (a directory made here) must follow it,
+/// or the parent still lists the removed child and will not be removed.
+#[test]
+fn a_removal_sent_past_the_overlay_is_what_the_directory_made_here_lists_after() {
+    let store = MemKv::cluster();
+    let a = node(&store, "a", true);
+    let deferred = a.deferred.clone().unwrap();
+    let top = a.ns.mknod(ROOT_INO, b"top", &dir()).unwrap();
+    let mid = a.ns.mknod(top.ino, b"mid", &dir()).unwrap();
+    let low = a.ns.mknod(mid.ino, b"low", &dir()).unwrap();
+    a.ns.mknod(low.ino, b"f", &file()).unwrap();
+    // Committed by the flusher: this node now answers `mid`'s names and
+    // attributes from what that commit wrote.
+    deferred.flush_all().unwrap();
+    a.ns.unlink(low.ino, b"f").unwrap();
+    a.ns.rmdir(mid.ino, b"low").unwrap();
+    assert!(committed(&store, &schema::dentry(mid.ino, b"low")).is_none(), "the rmdir is sent");
+    assert!(a.ns.readdir(mid.ino).unwrap().is_empty(), "a removed directory still listed");
+    assert_eq!(a.ns.getattr(mid.ino).unwrap().nlink, 2, "the parent's link count after the rmdir");
+    a.ns.rmdir(top.ino, b"mid").unwrap();
+    a.ns.rmdir(ROOT_INO, b"top").unwrap();
+    deferred.flush_all().unwrap();
+    assert!(committed(&store, &schema::dentry(ROOT_INO, b"top")).is_none());
+}

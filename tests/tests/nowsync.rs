@@ -51,6 +51,32 @@ fn what_one_node_closed_another_reads_whole_at_once() {
     assert_eq!(fs::read(b.path("shards/train/late")).unwrap(), b"late");
 }
 
+/// `rm -rf` of a tree the node made and flushed: each `rmdir` is sent past
+/// the overlay, and the directory above it must stop listing it at once.
+#[test]
+fn a_tree_made_here_is_removed_whole_by_rm_rf() {
+    let Some(c) = Cluster::start(2, &["--nowsync"]) else { return };
+    let (a, b) = (c.node(0), c.node(1));
+    for d in 0..8 {
+        let dir = a.path(&format!("t/tree/d{d}/deep"));
+        fs::create_dir_all(&dir).unwrap();
+        for i in 0..4 {
+            let (name, data) = small(d * 4 + i);
+            fs::write(dir.join(name), data).unwrap();
+        }
+    }
+    // Past the flusher's delay: the tree is committed, and a answers what
+    // it made from what that commit wrote.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(fs::metadata(a.path("t/tree")).unwrap().nlink(), 10);
+    fs::remove_dir_all(a.path("t/tree/d0/deep")).unwrap();
+    assert_eq!(fs::read_dir(a.path("t/tree/d0")).unwrap().count(), 0, "a removed directory still listed");
+    assert_eq!(fs::metadata(a.path("t/tree/d0")).unwrap().nlink(), 2);
+    fs::remove_dir_all(a.path("t")).unwrap();
+    assert!(!a.path("t").exists());
+    assert!(!b.path("t").exists());
+}
+
 #[test]
 fn creates_on_one_node_commit_before_a_listing_on_another_sees_them() {
     let Some(c) = Cluster::start(2, &["--nowsync"]) else { return };
