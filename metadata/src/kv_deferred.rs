@@ -159,6 +159,10 @@ struct State {
     flushing: bool,
     /// Changes dropped because a delegation was lost (for `status`).
     dropped: u64,
+    /// The engine reports no changes (see `DeferredKv::observed`): nothing
+    /// of another node's changes would reach `Born::committed`, so it
+    /// answers no read.
+    no_feed: bool,
 }
 
 /// Whose a key is, for this node.
@@ -199,7 +203,7 @@ impl State {
     /// knows it all: an inode made here, still this node's alone.
     fn known(&self, ino: Ino) -> Option<&BTreeMap<Vec<u8>, Arc<Vec<u8>>>> {
         self.born_in_holding(ino)?;
-        self.born.get(&ino).filter(|b| !b.unsure).map(|b| &b.committed)
+        self.born.get(&ino).filter(|b| !b.unsure && !self.no_feed).map(|b| &b.committed)
     }
 
     /// The engine's records of `[start, end)` when they are known here.
@@ -270,13 +274,51 @@ impl DeferredKv {
     /// something asks (a flush, a durable commit, a recall). For tests
     /// that look at what is acknowledged and not committed.
     pub fn wrap_manual(inner: Arc<dyn KvEngine>, node: &str) -> Arc<DeferredKv> {
-        Arc::new(DeferredKv {
+        let kv = Arc::new(DeferredKv {
             inner,
             node: node.to_string(),
             state: Mutex::new(State::default()),
             changed: parking_lot::Condvar::new(),
             stop: AtomicBool::new(false),
-        })
+        });
+        let weak = Arc::downgrade(&kv);
+        let feed: ChangeFeed = Arc::new(move |key: &[u8], value: Option<&[u8]>| {
+            if let Some(kv) = weak.upgrade() {
+                kv.observed(key, value);
+            }
+        });
+        let fed = kv.inner.watch(feed).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "no change feed for --nowsync: records of inodes made here are read from the engine");
+            false
+        });
+        kv.state.lock().no_feed = !fed;
+        kv
+    }
+
+    /// A change of `key` the engine's watch reported. A record of an inode
+    /// made here that another node changed (repair, drain or rebalance
+    /// work on its chunks goes by inode number, past the directory's
+    /// delegation) is no longer known here: its records are read from the
+    /// engine from then on. This node's own changes (in the overlay, or as
+    /// known) are not; one that arrives too early or too late to tell
+    /// counts as another node's, which costs reads, never a stale answer.
+    fn observed(&self, key: &[u8], value: Option<&[u8]>) {
+        let ino = match schema::subject(key) {
+            Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) => ino,
+            _ => return,
+        };
+        let mut st = self.state.lock();
+        if !st.born.contains_key(&ino) {
+            return;
+        }
+        if st.overlay.get(key).is_some_and(|p| p.value.as_deref().map(Vec::as_slice) == value) {
+            return;
+        }
+        if let Some(born) = st.born.get_mut(&ino) {
+            if born.committed.get(key).map(|v| v.as_slice()) != value {
+                born.unsure = true;
+            }
+        }
     }
 
     /// Commit what is due now (what the flusher does every [`FLUSH_EVERY`]).

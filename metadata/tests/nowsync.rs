@@ -5,13 +5,16 @@
 //! node that stops without committing loses whole changes only; a node
 //! that lost its delegation commits nothing more there.
 
+mod etcd_cluster;
+
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use converged_metadata::kv_deferred::DeferredKv;
 use converged_metadata::kv_fault::{Fault, FaultyKv};
 use converged_metadata::membership::NodeInfo;
 use converged_metadata::types::*;
-use converged_metadata::{schema, KvEngine, MemKv, MetaError, Namespace, Seal};
+use converged_metadata::{schema, CachedKv, EtcdKv, KvEngine, MemKv, MetaError, Namespace, Seal};
 
 struct Node {
     ns: Arc<Namespace>,
@@ -292,8 +295,10 @@ fn a_file_made_while_others_queue_commits_with_its_publish_in_one_transaction() 
 /// or the parent still lists the removed child and will not be removed.
 #[test]
 fn a_removal_sent_past_the_overlay_is_what_the_directory_made_here_lists_after() {
-    let store = MemKv::cluster();
-    let a = node(&store, "a", true);
+    // On etcd behind the node cache: an engine with a change feed, where a
+    // node answers the records of what it made from memory.
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let a = etcd_node(&cluster.endpoints, "removal", "a", true);
     let deferred = a.deferred.clone().unwrap();
     let top = a.ns.mknod(ROOT_INO, b"top", &dir()).unwrap();
     let mid = a.ns.mknod(top.ino, b"mid", &dir()).unwrap();
@@ -304,11 +309,55 @@ fn a_removal_sent_past_the_overlay_is_what_the_directory_made_here_lists_after()
     deferred.flush_all().unwrap();
     a.ns.unlink(low.ino, b"f").unwrap();
     a.ns.rmdir(mid.ino, b"low").unwrap();
-    assert!(committed(&store, &schema::dentry(mid.ino, b"low")).is_none(), "the rmdir is sent");
     assert!(a.ns.readdir(mid.ino).unwrap().is_empty(), "a removed directory still listed");
     assert_eq!(a.ns.getattr(mid.ino).unwrap().nlink, 2, "the parent's link count after the rmdir");
     a.ns.rmdir(top.ino, b"mid").unwrap();
     a.ns.rmdir(ROOT_INO, b"top").unwrap();
     deferred.flush_all().unwrap();
-    assert!(committed(&store, &schema::dentry(ROOT_INO, b"top")).is_none());
+    assert!(a.ns.lookup(ROOT_INO, b"top").is_err());
+}
+
+/// Node `id` of volume `volume` on a real etcd, through the node cache a
+/// cluster mount uses, deferring (`nowsync`) or not; no flusher.
+fn etcd_node(endpoints: &[String], volume: &str, id: &str, nowsync: bool) -> Node {
+    let etcd = EtcdKv::connect(endpoints, volume, Duration::from_secs(5)).unwrap();
+    etcd.membership().unwrap().register(&info(id), Duration::from_secs(60)).unwrap();
+    let plain = CachedKv::wrap(Arc::new(etcd)).unwrap();
+    let deferred = nowsync.then(|| DeferredKv::wrap_manual(plain.clone(), id));
+    let engine: Arc<dyn KvEngine> = match &deferred {
+        Some(d) => d.clone(),
+        None => plain,
+    };
+    let mut ns = Namespace::open(engine, 0, 0).unwrap().with_node(id);
+    if let Some(d) = &deferred {
+        ns = ns.with_nowsync(d.clone());
+    }
+    Node { ns: Arc::new(ns), deferred }
+}
+
+/// Repair, drains and rebalances change a file's chunk records by inode
+/// number, past its directory's delegation: the node that made the file,
+/// which answers its records from what its own flush committed, must take
+/// such a change from its watch and read the records afresh.
+#[test]
+fn a_chunk_record_another_node_changes_is_read_afresh_where_the_file_was_made() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let a = etcd_node(&cluster.endpoints, "born", "a", true);
+    let b = etcd_node(&cluster.endpoints, "born", "b", false);
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    let f = a.ns.mknod(d.ino, b"f", &NewNode { unsealed: true, ..file() }).unwrap();
+    a.ns.seal(f.ino, &published(3), converged_metadata::Durability::Buffered).unwrap();
+    a.deferred.as_ref().unwrap().flush_all().unwrap();
+    assert_eq!(a.ns.chunks(f.ino).unwrap()[0].1.replicas, ["a"]);
+    // b, as repair does, by inode number.
+    assert!(b.ns.add_replicas(f.ino, 0, 1, &["b".to_string()]).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let replicas = a.ns.chunks(f.ino).unwrap()[0].1.replicas.clone();
+        if replicas == ["a", "b"] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the node that made the file still reads {replicas:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
