@@ -680,7 +680,7 @@ impl DeferredKv {
     /// an error other than a conflict, nothing of them is known any more.
     fn sent(&self, mine: &[Vec<u8>], writes: &PendingWrites, ranges: &[(Vec<u8>, Vec<u8>)], outcome: Outcome) {
         let delegations = writes.keys().any(|k| k.len() == 9 && k.starts_with(&schema::delegations()));
-        if mine.is_empty() && !delegations {
+        if mine.is_empty() && !delegations && ranges.is_empty() {
             return;
         }
         let mut st = self.state.lock();
