@@ -1157,3 +1157,39 @@ fn truncate_racing_a_writer_keeps_one_size() {
         }
     }
 }
+
+/// A flush on one thread while another thread's last close ends a writing
+/// session (a file closed empty, or unchanged since its publish): the end
+/// is queued before the file's state leaves `Sealing`, and a flush that
+/// meets it then must keep it for the next flush, not drop it (its write
+/// lease mark stayed behind forever: "unsealed" after a quiet flush).
+#[test]
+fn a_flush_racing_a_last_close_leaves_no_lease_behind() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tc = TestCore::new();
+    tc.mkdir("d").unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flusher = {
+        let (core, stop) = (tc.core.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                core.flush().unwrap();
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut i = 0;
+    while Instant::now() < deadline {
+        // Closed empty; then reopened, written the same and closed again
+        // with nothing changed since its publish.
+        tc.create_file(&format!("d/f{i}"), b"").unwrap();
+        write_file(&tc.core, &format!("d/f{i}"), 0, b"").unwrap();
+        i += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    flusher.join().unwrap();
+    tc.core.flush().unwrap();
+    if let Err(e) = check_quiescent(&tc.core) {
+        panic!("after {i} files: {e}");
+    }
+}

@@ -285,8 +285,8 @@ impl Core {
     /// Give up the leases of the sessions that ended with nothing to
     /// record, holding each file closed while its batch commits (an opener
     /// waits, then takes the lease anew). A file open again keeps its
-    /// lease: a writer's session ends it, or, when only readers have it
-    /// open, a later flush does.
+    /// lease: a later flush ends it, once the file is closed, unless a newer
+    /// session's end (queued after it) or seal settles the lease first.
     fn end_sessions(&self) -> FsResult<()> {
         let mut ends = std::mem::take(&mut *self.pending.session_ends.lock());
         if ends.is_empty() {
@@ -311,23 +311,28 @@ impl Core {
                         held.push(h);
                         now.push(end);
                     }
-                    Some(Claim::Open(oi)) => {
-                        if matches!(oi.state().write, super::write::WriteState::Sealed) {
-                            later.push(end);
-                        }
-                    }
-                    None => later.push(end),
+                    // Open again, or still being released by the close that
+                    // queued this end (its state leaves `Sealing` after the
+                    // end is queued): kept for a later flush. An end queued
+                    // since, by a newer session, is taken over it then.
+                    Some(Claim::Open(_)) | None => later.push(end),
                 }
             }
             if !later.is_empty() {
-                self.pending.session_ends.lock().extend(later);
+                // Ahead of the ends queued meanwhile: the newest end of a
+                // file is the one a flush keeps.
+                let mut queued = self.pending.session_ends.lock();
+                let newer = std::mem::replace(&mut *queued, later);
+                queued.extend(newer);
             }
             let r = self.ns.end_sessions(&now);
             drop(held);
             if let Err(e) = r {
-                let mut again = self.pending.session_ends.lock();
-                again.extend(now);
+                let mut again = now;
                 again.extend(batches[i + 1..].iter().flat_map(|b| b.iter().copied()));
+                let mut queued = self.pending.session_ends.lock();
+                let newer = std::mem::replace(&mut *queued, again);
+                queued.extend(newer);
                 return Err(e.into());
             }
             if let Some(t) = self.tier.get() {
