@@ -34,7 +34,9 @@
 //! transactions at a time; never part of one.
 //!
 //! Locks: `DeferredKv::state` is a leaf, held to read or change the overlay,
-//! queue and delegations, never across a call to the engine. A flush is a
+//! queue and delegations, never across a call to the engine. The engine's
+//! change feed takes it too (`DeferredKv::observed`), under the node
+//! cache's subscriber list, which is never taken while it is held. A flush is a
 //! gate (`State::flushing`), not a lock: one runs at a time, and the others
 //! wait for it on `changed`, holding nothing.
 

@@ -59,7 +59,8 @@
 //!
 //! The metadata crate's own locks (the node cache's, the `--nowsync`
 //! layer's state and its flush gate) are leaves of the metadata layer,
-//! taken inside its calls and never held when they return.
+//! taken inside its calls and never held when they return (the `--nowsync`
+//! state also under the node cache's subscriber list, by the change feed).
 //!
 //! And across the boundaries:
 //! - **No in-memory lock is taken inside a KV transaction closure**: what a
