@@ -78,7 +78,8 @@ pub(super) struct Unsealed {
     dirty: Dirty,
     /// What the last publish (close or fsync in a cluster) recorded.
     published: Option<Stamp>,
-    /// Created by this open: an empty file needs no seal...
+    /// Created by this open, with no session of the file ended since (its
+    /// record is the create's): an empty file needs no seal...
     created_here: bool,
     /// ... unless an fsync recorded a size for it meanwhile.
     size_recorded: bool,
@@ -505,7 +506,10 @@ impl Core {
         if !lease {
             return Ok(());
         }
-        let r = match created.is_some_and(|snap| self.seals.none_ended_since(snap, ino)) {
+        // Created by this open, and no session of the file ended since (one
+        // that opened the new name first may have sealed bytes into it).
+        let created_here = created.is_some_and(|snap| self.seals.none_ended_since(snap, ino));
+        let r = match created_here {
             true => Ok(converged_metadata::CREATE_LEASE),
             // Written here from now on: chunks held elsewhere come here first.
             false => self.take_write_lease(ino).map_err(FsError::from).and_then(|lease| {
@@ -515,7 +519,7 @@ impl Core {
             }),
         };
         let mut st = oi.state();
-        st.write.end_lease(r.as_ref().ok().copied(), created.is_some());
+        st.write.end_lease(r.as_ref().ok().copied(), created_here);
         st.forget_layout();
         if r.is_err() {
             st.writers -= 1;
