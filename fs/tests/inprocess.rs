@@ -1193,3 +1193,57 @@ fn a_flush_racing_a_last_close_leaves_no_lease_behind() {
         panic!("after {i} files: {e}");
     }
 }
+
+/// A writer that reaches a new name between its create's commit and the
+/// creator's open, writes and closes first: the creator's session must not
+/// count as having created the file. Its truncate to 0 through the held
+/// handle must be sealed (it was left unrecorded, the other writer's size
+/// and checksums standing over an empty backing file).
+#[test]
+fn a_writer_first_at_a_new_name_is_not_undone_by_the_creators_shortcuts() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let tc = TestCore::new();
+    tc.mkdir("d").unwrap();
+    let made = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let racer = {
+        let (core, made, stop) = (tc.core.clone(), made.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut won = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let i = made.load(Ordering::Acquire);
+                let path = format!("d/f{i}");
+                // Spin on the next name: open it the moment it exists.
+                if let Ok(a) = resolve(&core, &path) {
+                    if let Ok(fh) = open(&core, &a, true) {
+                        let _ = write_all(&core, fh, 0, &[7u8; 50]);
+                        let _ = core.release(fh);
+                        won += 1;
+                    }
+                    while made.load(Ordering::Acquire) == i && !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+            won
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut i = 0;
+    while Instant::now() < deadline {
+        let path = format!("d/f{i}");
+        let (parent, name) = resolve_parent(&tc.core, &path).unwrap();
+        let (attr, opened) = tc.core.create(parent, name.as_bytes(), &file_node()).unwrap();
+        tc.core.setattr(attr.ino, &SetAttr { size: Some(0), ..SetAttr::default() }).unwrap();
+        tc.core.release(opened.fh).unwrap();
+        i += 1;
+        made.store(i, Ordering::Release);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let won = racer.join().unwrap();
+    tc.core.flush().unwrap();
+    // Every file reads back checksum-verified, and its size is its backing file's.
+    if let Err(e) = tc.tree("").and_then(|tree| check_backing(&tc.core, &tree)) {
+        panic!("after {i} files, {won} of them written first by the other thread: {e}");
+    }
+}
