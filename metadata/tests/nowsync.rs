@@ -47,6 +47,11 @@ fn node_with(store: &MemKv, id: &str, nowsync: bool, flushing: bool) -> Node {
         true => DeferredKv::wrap(plain.clone(), id),
         false => DeferredKv::wrap_manual(plain.clone(), id),
     });
+    node_over(plain, deferred, id)
+}
+
+/// Node `id`'s namespace over `deferred` when it defers, else over `plain`.
+fn node_over(plain: Arc<dyn KvEngine>, deferred: Option<Arc<DeferredKv>>, id: &str) -> Node {
     let engine: Arc<dyn KvEngine> = match &deferred {
         Some(d) => d.clone(),
         None => plain,
@@ -324,15 +329,7 @@ fn etcd_node(endpoints: &[String], volume: &str, id: &str, nowsync: bool) -> Nod
     etcd.membership().unwrap().register(&info(id), Duration::from_secs(60)).unwrap();
     let plain = CachedKv::wrap(Arc::new(etcd)).unwrap();
     let deferred = nowsync.then(|| DeferredKv::wrap_manual(plain.clone(), id));
-    let engine: Arc<dyn KvEngine> = match &deferred {
-        Some(d) => d.clone(),
-        None => plain,
-    };
-    let mut ns = Namespace::open(engine, 0, 0).unwrap().with_node(id);
-    if let Some(d) = &deferred {
-        ns = ns.with_nowsync(d.clone());
-    }
-    Node { ns: Arc::new(ns), deferred }
+    node_over(plain, deferred, id)
 }
 
 /// Repair, drains and rebalances change a file's chunk records by inode
