@@ -198,11 +198,7 @@ pub(crate) fn for_each_page_by_ino(
     let Some(last_ino) = ino_of(&last) else { return Ok(()) };
     let bound_key = [schema::NEXT_INO, &[0][..]].concat();
     let bound = match read(schema::NEXT_INO, &bound_key, 1)?.first() {
-        Some((_, v)) => u64::from_be_bytes(
-            v.as_slice()
-                .try_into()
-                .map_err(|_| MetaError::Corrupt { key: "N".into(), msg: "next inode is not 8 bytes".into() })?,
-        ),
+        Some((_, v)) => decode_bound(v)?,
         None => u64::MAX,
     };
     // Keys past the bound (none a volume gives out): read to the end.
@@ -212,15 +208,18 @@ pub(crate) fn for_each_page_by_ino(
 }
 
 /// The volume's inode bound as `txn` reads it (see [`Namespace::inode_bound`]).
-pub(crate) fn inode_bound_in(txn: &mut (impl KvRead + ?Sized)) -> MetaResult<Ino> {
+fn inode_bound_in(txn: &mut (impl KvRead + ?Sized)) -> MetaResult<Ino> {
     match txn.get(schema::NEXT_INO)? {
-        Some(v) => Ok(u64::from_be_bytes(
-            v.as_slice()
-                .try_into()
-                .map_err(|_| MetaError::Corrupt { key: "N".into(), msg: "next inode is not 8 bytes".into() })?,
-        )),
+        Some(v) => decode_bound(&v),
         None => Ok(ROOT_INO + 1),
     }
+}
+
+/// The value of the `N` key: the next unallocated inode number.
+fn decode_bound(v: &[u8]) -> MetaResult<Ino> {
+    let bytes =
+        v.try_into().map_err(|_| MetaError::Corrupt { key: "N".into(), msg: "next inode is not 8 bytes".into() })?;
+    Ok(u64::from_be_bytes(bytes))
 }
 
 /// The keys under `prefix` of the inodes in `inos` (`u64::MAX` as the end:
@@ -644,13 +643,7 @@ impl Namespace {
         let mut range = self.next_ino.lock();
         if range.0 == range.1 {
             let start = self.write(Durability::Durable, |txn| {
-                let cur = match txn.get(schema::NEXT_INO)? {
-                    Some(v) => u64::from_be_bytes(v.as_slice().try_into().map_err(|_| MetaError::Corrupt {
-                        key: "N".into(),
-                        msg: "next inode is not 8 bytes".into(),
-                    })?),
-                    None => ROOT_INO + 1,
-                };
+                let cur = inode_bound_in(txn)?;
                 txn.put(schema::NEXT_INO, &(cur + INO_BATCH).to_be_bytes());
                 Ok(cur)
             })?;
@@ -734,7 +727,8 @@ mod tests {
             }
         }
         keys.insert(b"D".to_vec(), Vec::new()); // past the prefix
-                                                // Fewer keys than a page: one read.
+
+        // Fewer keys than a page: one read.
         let mut reads = 0;
         let few = |_: &[u8], _: &[u8], _: usize| -> MetaResult<Pairs> {
             reads += 1;
