@@ -210,11 +210,7 @@ impl State {
 
     /// The engine's records of `[start, end)` when they are known here.
     fn known_range(&self, start: &[u8], end: &[u8]) -> Option<Records> {
-        let ino = match schema::range_subject(start, end) {
-            Subject::Names(i) | Subject::Inode(i) | Subject::File(i) => i,
-            _ => return None,
-        };
-        let known = self.known(ino)?;
+        let known = self.known(schema::range_subject(start, end).ino()?)?;
         Some(
             known
                 .range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
@@ -305,10 +301,7 @@ impl DeferredKv {
     /// known) are not; one that arrives too early or too late to tell
     /// counts as another node's, which costs reads, never a stale answer.
     fn observed(&self, key: &[u8], value: Option<&[u8]>) {
-        let ino = match schema::subject(key) {
-            Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) => ino,
-            _ => return,
-        };
+        let Some(ino) = schema::subject(key).ino() else { return };
         let mut st = self.state.lock();
         if !st.born.contains_key(&ino) {
             return;
@@ -512,7 +505,7 @@ impl DeferredKv {
             return Look::Pending(p.value.clone(), p.seq);
         }
         if !plain {
-            if let Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) = schema::subject(key) {
+            if let Some(ino) = schema::subject(key).ino() {
                 if let Some(known) = st.known(ino) {
                     return Look::Known(known.get(key).map(|v| v.as_ref().clone()));
                 }
@@ -697,14 +690,10 @@ impl DeferredKv {
         if !mine.is_empty() {
             st.epoch += 1;
         }
-        let subject_ino = |s: Subject| match s {
-            Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) => Some(ino),
-            _ => None,
-        };
         match outcome {
             Outcome::Committed(rev) => {
                 for (s, e) in ranges {
-                    let Some(born) = subject_ino(schema::range_subject(s, e)).and_then(|i| st.born.get_mut(&i)) else {
+                    let Some(born) = schema::range_subject(s, e).ino().and_then(|i| st.born.get_mut(&i)) else {
                         continue;
                     };
                     let gone: Vec<Vec<u8>> = born
@@ -722,7 +711,7 @@ impl DeferredKv {
                 for (k, v) in writes {
                     held_now(&mut st, &self.node, k, v.as_deref(), Some(rev));
                     let subject = schema::subject(k);
-                    let Some(ino) = subject_ino(subject) else { continue };
+                    let Some(ino) = subject.ino() else { continue };
                     // Written past the overlay: another path may reach it now
                     // (a link elsewhere): no longer this node's alone.
                     if matches!(subject, Subject::Inode(_) | Subject::File(_)) && !st.holding(ino) {
@@ -739,9 +728,9 @@ impl DeferredKv {
             Outcome::Unknown => {
                 let touched = writes
                     .keys()
-                    .map(|k| schema::subject(k))
-                    .chain(ranges.iter().map(|(s, e)| schema::range_subject(s, e)));
-                for ino in touched.filter_map(subject_ino).collect::<Vec<_>>() {
+                    .filter_map(|k| schema::subject(k).ino())
+                    .chain(ranges.iter().filter_map(|(s, e)| schema::range_subject(s, e).ino()));
+                for ino in touched.collect::<Vec<_>>() {
                     if let Some(born) = st.born.get_mut(&ino) {
                         born.unsure = true;
                     }
@@ -942,7 +931,7 @@ fn committed(st: &mut State, b: &Batch, rev: i64) {
         if st.overlay.get(k).is_some_and(|p| p.seq == *seq) {
             st.overlay.remove(k);
         }
-        if let Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) = schema::subject(k) {
+        if let Some(ino) = schema::subject(k).ino() {
             if let Some(born) = st.born.get_mut(&ino) {
                 match v {
                     Some(v) => born.committed.insert(k.clone(), v.clone()),

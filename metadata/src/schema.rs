@@ -317,6 +317,16 @@ pub enum Subject<'a> {
     Other,
 }
 
+impl Subject<'_> {
+    /// The inode whose records these are (names, attributes or layout).
+    pub fn ino(&self) -> Option<Ino> {
+        match *self {
+            Subject::Names(ino) | Subject::Inode(ino) | Subject::File(ino) => Some(ino),
+            Subject::Answered(_) | Subject::Other => None,
+        }
+    }
+}
+
 /// The [`Subject`] of `key`.
 pub fn subject(key: &[u8]) -> Subject<'_> {
     let ino = || key.get(1..9).map(|b| Ino::from_be_bytes(b.try_into().expect("8 bytes")));
