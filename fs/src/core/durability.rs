@@ -319,20 +319,14 @@ impl Core {
                 }
             }
             if !later.is_empty() {
-                // Ahead of the ends queued meanwhile: the newest end of a
-                // file is the one a flush keeps.
-                let mut queued = self.pending.session_ends.lock();
-                let newer = std::mem::replace(&mut *queued, later);
-                queued.extend(newer);
+                self.requeue_ends(later);
             }
             let r = self.ns.end_sessions(&now);
             drop(held);
             if let Err(e) = r {
                 let mut again = now;
                 again.extend(batches[i + 1..].iter().flat_map(|b| b.iter().copied()));
-                let mut queued = self.pending.session_ends.lock();
-                let newer = std::mem::replace(&mut *queued, again);
-                queued.extend(newer);
+                self.requeue_ends(again);
                 return Err(e.into());
             }
             if let Some(t) = self.tier.get() {
@@ -342,6 +336,14 @@ impl Core {
             }
         }
         Ok(())
+    }
+
+    /// Queue `ends` for the next flush ahead of the ends queued meanwhile:
+    /// the newest end of a file is the one a flush keeps.
+    fn requeue_ends(&self, ends: Vec<SessionEnd>) {
+        let mut queued = self.pending.session_ends.lock();
+        let newer = std::mem::replace(&mut *queued, ends);
+        queued.extend(newer);
     }
 
     /// Re-create the metadata reserve once the disk has room again.
