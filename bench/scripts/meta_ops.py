@@ -6,7 +6,10 @@
 Phases, each timed from the moment every process is ready to the last one's
 end: create (open O_CREAT + close of an empty file), first stat after create
 (no cache dropped: what the kernel kept from the create, or a round trip),
-cached stat (the same names again), unlink. Files are named p<j>-<i>, all in
+cached stat (the same names again), unlink. From one process in one
+directory, also a stat of each name 11 s after the cached stat ("late
+stat"), once the kernel's attributes (10 s) have expired: the daemon answers,
+from its own cache or from the metadata service. Files are named p<j>-<i>, all in
 DIR, so processes share one parent directory as an unpacking job does; with
 --spread each process works in a directory of its own (DIR/j<j>), as shard
 writers do. (The kernel serialises creates and unlinks within one directory
@@ -40,7 +43,7 @@ def work(phase, d, j, n, procs, ready, go):
     if phase == "create":
         for p in names:
             os.close(os.open(p, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644))
-    elif phase in ("first_stat", "cached_stat"):
+    elif phase in ("first_stat", "cached_stat", "late_stat"):
         for p in names:
             os.stat(p)
     elif phase == "unlink":
@@ -82,7 +85,12 @@ def main():
     for j in range(procs if spread else 0):
         os.makedirs(os.path.join(d, f"j{j}"), exist_ok=True)
     res = {}
-    for phase in ("create", "first_stat", "cached_stat", "unlink"):
+    phases = ["create", "first_stat", "cached_stat", "unlink"]
+    if procs == 1 and not spread:
+        phases.insert(3, "late_stat")
+    for phase in phases:
+        if phase == "late_stat":
+            time.sleep(11)
         res[phase] = run(phase, d, n, procs, stats_path, spread)
     print(json.dumps(res))
 

@@ -16,8 +16,12 @@
 //! commit's revision. A change made by another node reaches this cache through
 //! [`KvEngine::watch`] and evicts the key; a fill that raced with an eviction
 //! is not kept, and a fill older than the entry it would replace is dropped.
-//! Entries also expire after [`CACHE_TTL`], a bound on staleness should the
-//! feed break.
+//! The feed vouches for itself: it asks etcd every second to confirm it is
+//! current, and when it breaks, falls silent for
+//! [`WATCH_SILENCE`](crate::kv_etcd::WATCH_SILENCE) or is created anew,
+//! every subscriber hears "start over" and this cache drops everything. So
+//! an entry lives until the feed evicts it, for [`CACHE_TTL`] at most (a
+//! bound on memory, not on staleness).
 //!
 //! Locks: `Listings::dirs`, `dropped` and a moka entry's own (held only
 //! inside `and_compute_with`, which reads its key's epoch) are leaves, each taken
@@ -32,8 +36,16 @@ use parking_lot::Mutex;
 
 use crate::kv::{ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, Versioned};
 
-/// Longest an entry lives without an eviction from the change feed.
-pub const CACHE_TTL: Duration = Duration::from_secs(10);
+/// Longest an entry lives without an eviction from the change feed: a
+/// file made or read minutes ago is still stat-ed, looked up and unlinked
+/// without a read from etcd.
+pub const CACHE_TTL: Duration = Duration::from_secs(300);
+/// Ranges remembered in `CachedKv::dropped` at most (one per unlinked
+/// inode, for [`CACHE_TTL`]); past it the cache starts over instead.
+const DROPPED_MAX: usize = 1 << 16;
+/// Listings kept at most (directories, and inodes' xattrs); past it the
+/// expired ones go, and when none has expired, all of them.
+const LISTINGS_MAX: usize = 1 << 16;
 const CAPACITY: u64 = 1 << 20;
 
 /// A cached record: its value (`None`: absent), its version and the engine
@@ -62,7 +74,7 @@ pub struct CachedKv {
     /// directory's, see [`KvEngine::forget_below`]), by start: end,
     /// the commit's revision, and when. A cached entry in one known at an
     /// older revision is stale. Kept for [`CACHE_TTL`], after which every
-    /// such entry has expired anyway.
+    /// such entry has expired anyway; at most [`DROPPED_MAX`] of them.
     dropped: Mutex<std::collections::BTreeMap<Vec<u8>, DroppedRange>>,
     listings: Arc<Listings>,
 }
@@ -194,7 +206,20 @@ impl Listings {
     fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, since: u64) {
         let mut dirs = self.dirs.lock();
         if self.changes(dir) == since {
+            Self::make_room(&mut dirs);
             dirs.insert(dir.to_vec(), Listing { keys, since: std::time::Instant::now(), partial: false });
+        }
+    }
+
+    /// Keep the listings under [`LISTINGS_MAX`]: the expired go, and when
+    /// none has, all (a listing dropped is listed again on a miss).
+    fn make_room(dirs: &mut std::collections::HashMap<Vec<u8>, Listing>) {
+        if dirs.len() < LISTINGS_MAX {
+            return;
+        }
+        dirs.retain(|_, l| l.since.elapsed() < CACHE_TTL);
+        if dirs.len() >= LISTINGS_MAX {
+            dirs.clear();
         }
     }
 
@@ -207,7 +232,9 @@ impl Listings {
     /// until [`CACHE_TTL`] passed.
     fn set_partial(&self, dir: &[u8]) {
         let since = std::time::Instant::now();
-        self.dirs.lock().insert(dir.to_vec(), Listing { keys: Default::default(), since, partial: true });
+        let mut dirs = self.dirs.lock();
+        Self::make_room(&mut dirs);
+        dirs.insert(dir.to_vec(), Listing { keys: Default::default(), since, partial: true });
     }
 
     /// An eviction: bump `key`'s epoch, and drop `key`'s directory and
@@ -341,11 +368,24 @@ impl CachedKv {
 
     fn drop_ranges(&self, ranges: Vec<(Vec<u8>, Vec<u8>)>, rev: i64) {
         let now = std::time::Instant::now();
-        let mut dropped = self.dropped.lock();
-        dropped.retain(|_, d| now.duration_since(d.when) < CACHE_TTL);
-        for (start, end) in ranges {
-            dropped.insert(start, DroppedRange { end, rev, when: now });
+        {
+            let mut dropped = self.dropped.lock();
+            if dropped.len() + ranges.len() > DROPPED_MAX {
+                dropped.retain(|_, d| now.duration_since(d.when) < CACHE_TTL);
+            }
+            if dropped.len() + ranges.len() <= DROPPED_MAX {
+                for (start, end) in ranges {
+                    dropped.insert(start, DroppedRange { end, rev, when: now });
+                }
+                return;
+            }
         }
+        // Too many to keep apart: everything cached goes first (the epochs
+        // bump, so no fill of a read begun before lands after), then the
+        // ranges, which no entry left can be stale in.
+        self.listings.evict(b"", &self.epochs);
+        self.cache.invalidate_all();
+        self.dropped.lock().clear();
     }
 
     fn evict(&self, key: &[u8]) {

@@ -74,6 +74,13 @@ const OP_OVERHEAD: usize = 16;
 /// Own revisions remembered for the change feed.
 const OWN_REVISIONS: usize = 4096;
 
+/// How often the watch asks etcd to confirm it is current (a progress
+/// request: one small message each way).
+const WATCH_PROBE: Duration = Duration::from_secs(1);
+/// A watch that neither delivers events nor answers its probes for this
+/// long is taken for broken (see `EtcdKv::watch`).
+pub const WATCH_SILENCE: Duration = Duration::from_secs(4);
+
 /// The revisions of this client's commits, and the commits still waiting
 /// for their answer. On loopback the watch often delivers a commit's event
 /// before the commit's own answer arrives: an event whose revision is not
@@ -724,8 +731,10 @@ impl KvEngine for EtcdKv {
         Some(self)
     }
     /// One etcd watch over the volume's records (but the holder index),
-    /// re-established when it
-    /// breaks (then subscribers hear an empty key: start over).
+    /// re-established when it breaks or falls silent (then subscribers hear
+    /// an empty key: start over). Subscribers also hear an empty key each
+    /// time the watch is (re)created, once etcd confirmed it: what they
+    /// learned before may predate the first revision it covers.
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
         let client = self.client.clone();
         let prefix = self.prefix.clone();
@@ -742,8 +751,39 @@ impl KvEngine for EtcdKv {
                 }
                 let mut watch = client.watch_client();
                 match watch.watch(prefix.clone(), Some(opts)).await {
-                    Ok(mut stream) => {
-                        while let Ok(Some(resp)) = stream.message().await {
+                    Ok(stream) => {
+                        let (mut ask, mut answers) = stream.split();
+                        // The feed proves itself alive: etcd answers a
+                        // progress request at once when the watch is
+                        // current, and sends events otherwise. A watch
+                        // that says nothing for WATCH_SILENCE (a connection
+                        // hung without a reset) is started over, so a
+                        // node's cache never answers from a feed that
+                        // stopped (see kv_cache.rs).
+                        let mut heard = tokio::time::Instant::now();
+                        let mut probe = tokio::time::interval(WATCH_PROBE);
+                        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                        loop {
+                            let resp = tokio::select! {
+                                m = answers.message() => match m {
+                                    Ok(Some(resp)) => resp,
+                                    _ => break,
+                                },
+                                _ = probe.tick() => {
+                                    if heard.elapsed() > WATCH_SILENCE {
+                                        tracing::warn!(silent = ?heard.elapsed(), "etcd watch fell silent; starting it over");
+                                        break;
+                                    }
+                                    if ask.request_progress().await.is_err() {
+                                        break;
+                                    }
+                                    continue;
+                                }
+                            };
+                            heard = tokio::time::Instant::now();
+                            if resp.created() {
+                                on_change(b"", None);
+                            }
                             if resp.canceled() {
                                 // Compacted past `from`: changes were missed.
                                 from = 0;

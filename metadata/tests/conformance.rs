@@ -296,6 +296,148 @@ fn cached_reads_in_transactions_never_lose_an_update() {
     }
 }
 
+/// A TCP relay to `target` whose traffic can be held: the connection stays
+/// up and says nothing, as a partition without a reset leaves it.
+struct Relay {
+    addr: String,
+    held: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    fn to(target: &str) -> Relay {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering::Relaxed;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let held = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (target, h) = (target.to_string(), held.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = std::net::TcpStream::connect(&target) else { continue };
+                let pairs = [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)];
+                for (mut from, mut to) in pairs {
+                    let held = h.clone();
+                    std::thread::spawn(move || {
+                        let wait = || {
+                            while held.load(Relaxed) {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
+                        };
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            wait();
+                            let n = match from.read(&mut buf) {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            // Bytes read just as the hold began wait with the rest.
+                            wait();
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Relay { addr, held }
+    }
+
+    fn hold(&self, on: bool) {
+        self.held.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Put `value` at `key` as another node would.
+fn put_now(kv: &dyn KvEngine, key: &[u8], value: &[u8]) {
+    let mut t = kv.write_txn().unwrap();
+    t.put(key, value);
+    t.commit(Durability::Buffered).unwrap();
+}
+
+/// Read `key` through `kv` until a read of it costs no request (the
+/// cache holds it; the feed's start may drop what the first read cached).
+fn until_cached(kv: &dyn KvEngine, key: &[u8]) -> Option<Vec<u8>> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = converged_metadata::round_trips::on_this_thread();
+        let v = kv.read_txn().unwrap().get(key).unwrap();
+        if converged_metadata::round_trips::on_this_thread() == before {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "the node cache never kept {key:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A node's cache keeps a record for minutes while its change feed is
+/// alive (a stat, lookup or unlink of a file made a minute ago costs no
+/// read), and still sees at once what another node changes. Records used
+/// to expire after 10 s, the bound on staleness should the feed fail.
+#[test]
+fn a_cached_record_outlives_ten_seconds_and_still_sees_other_nodes_changes() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let a = CachedKv::wrap(Arc::new(EtcdKv::connect(&cluster.endpoints, "alive", Duration::from_secs(5)).unwrap()))
+        .unwrap();
+    let b = EtcdKv::connect(&cluster.endpoints, "alive", Duration::from_secs(5)).unwrap();
+    put_now(&b, b"I-kept", b"one");
+    put_now(&b, b"I-changed", b"one");
+    assert_eq!(until_cached(a.as_ref(), b"I-kept").as_deref(), Some(&b"one"[..]));
+    assert_eq!(until_cached(a.as_ref(), b"I-changed").as_deref(), Some(&b"one"[..]));
+    std::thread::sleep(Duration::from_secs(6));
+    put_now(&b, b"I-changed", b"two");
+    std::thread::sleep(Duration::from_secs(6));
+    let before = converged_metadata::round_trips::on_this_thread();
+    let kept = a.read_txn().unwrap().get(b"I-kept").unwrap();
+    let reads = converged_metadata::round_trips::on_this_thread() - before;
+    assert_eq!(kept.as_deref(), Some(&b"one"[..]));
+    assert_eq!(reads, 0, "a record cached 12 s ago was read from etcd again");
+    assert_eq!(
+        a.read_txn().unwrap().get(b"I-changed").unwrap().as_deref(),
+        Some(&b"two"[..]),
+        "the cache kept a record another node changed"
+    );
+}
+
+/// When a node's connection to etcd hangs without a reset (a partition),
+/// its change feed falls silent; within a few seconds the node stops
+/// answering from its cache what another node may have changed meanwhile
+/// (a read then waits for etcd, and fails at its deadline), and once the
+/// connection is back it reads the other node's change.
+#[test]
+fn a_node_whose_change_feed_falls_silent_stops_answering_from_its_cache() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let relay = Relay::to(&cluster.endpoints[0]);
+    let kv = EtcdKv::connect(std::slice::from_ref(&relay.addr), "silent", Duration::from_secs(2)).unwrap();
+    let a = CachedKv::wrap(Arc::new(kv)).unwrap();
+    let b = EtcdKv::connect(&cluster.endpoints, "silent", Duration::from_secs(5)).unwrap();
+    const KEY: &[u8] = b"I-record";
+    put_now(&b, KEY, b"old");
+    assert_eq!(until_cached(a.as_ref(), KEY).as_deref(), Some(&b"old"[..]));
+    relay.hold(true);
+    put_now(&b, KEY, b"new");
+    std::thread::sleep(converged_metadata::kv_etcd::WATCH_SILENCE + Duration::from_secs(2));
+    let got = a.read_txn().and_then(|mut t| t.get(KEY));
+    assert!(
+        !matches!(&got, Ok(Some(v)) if v == b"old"),
+        "read {:?} after the feed fell silent: the cache answered the record another node had changed",
+        converged_metadata::kv_etcd::WATCH_SILENCE + Duration::from_secs(2)
+    );
+    relay.hold(false);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match a.read_txn().and_then(|mut t| t.get(KEY)) {
+            Ok(Some(v)) if v == b"new" => break,
+            other => {
+                assert!(std::time::Instant::now() < deadline, "after the connection came back: {other:?}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
 // ---- KvEngine contract ----
 
 fn kv_commit_is_atomic_and_abort_discards(name: &str, kv: Arc<dyn KvEngine>) {
