@@ -208,7 +208,17 @@ pub trait KvEngine: Send + Sync + 'static {
         let _ = on_change;
         Ok(false)
     }
+    /// [`KvEngine::watch`], each change with the revision it committed at
+    /// (what a node cache needs to keep a record it holds current instead
+    /// of dropping it). An engine that does not know it says 0.
+    fn watch_revisions(&self, on_change: RevisionFeed) -> KvResult<bool> {
+        self.watch(std::sync::Arc::new(move |key: &[u8], value: Option<&[u8]>| on_change(key, value, 0)))
+    }
 }
 
 /// A subscriber to [`KvEngine::watch`].
 pub type ChangeFeed = std::sync::Arc<dyn Fn(&[u8], Option<&[u8]>) + Send + Sync>;
+
+/// A subscriber to [`KvEngine::watch_revisions`]: a change's key, the value
+/// it now holds (`None`: deleted) and its revision (0: not known).
+pub type RevisionFeed = std::sync::Arc<dyn Fn(&[u8], Option<&[u8]>, i64) + Send + Sync>;

@@ -14,7 +14,9 @@
 //! commit. A commit that lost (the cache was behind) evicts what it assumed,
 //! and the retry reads the engine. What a commit wrote enters the cache at the
 //! commit's revision. A change made by another node reaches this cache through
-//! [`KvEngine::watch`] and evicts the key; a fill that raced with an eviction
+//! [`KvEngine::watch_revisions`]: a key held takes the new value at the
+//! change's revision (one not held stays out, and an engine that gives no
+//! revision evicts it); a fill that raced with the change
 //! is not kept, and a fill older than the entry it would replace is dropped.
 //! The feed vouches for itself: it asks etcd every second to confirm it is
 //! current, and when it breaks, falls silent for
@@ -34,7 +36,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::kv::{ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, Versioned};
+use crate::kv::{ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, RevisionFeed, Versioned};
 
 /// Longest an entry lives without an eviction from the change feed: a
 /// file made or read minutes ago is still stat-ed, looked up and unlinked
@@ -286,6 +288,25 @@ impl Listings {
     }
 }
 
+/// Another node's change of `key`, committed at `rev` and reported by the
+/// change feed (which bumped the key's epoch first, so a fill of an older
+/// read begun before does not land after): an entry held from before takes
+/// the new value, so a record this node reads or checks stays a hit after
+/// another node changed it (a file it stats that another node writes, or
+/// the inode record of a file another node purged, which the holder of a
+/// copy checks before it deletes the copy). A key not held stays out: the
+/// node caches what it uses, not all the cluster writes.
+fn renew(cache: &Cache, key: &[u8], value: Option<&[u8]>, rev: i64) {
+    cache.entry(key.to_vec()).and_compute_with(|old| match old {
+        Some(e) if e.value().at < rev => moka::ops::compute::Op::Put(Entry {
+            value: value.map(|v| Arc::new(v.to_vec())),
+            version: if value.is_some() { rev } else { 0 },
+            at: rev,
+        }),
+        _ => moka::ops::compute::Op::Nop,
+    });
+}
+
 /// Records any read may take from the cache (the schema decides).
 fn cacheable(key: &[u8]) -> bool {
     crate::schema::node_cached(key)
@@ -304,23 +325,26 @@ impl CachedKv {
         let epochs = Arc::new(Epochs::new());
         let subscribers: Arc<Mutex<Vec<ChangeFeed>>> = Arc::default();
         let listings = Arc::new(Listings::default());
-        let feed: ChangeFeed = {
+        let feed: RevisionFeed = {
             let (cache, epochs, subscribers) = (cache.clone(), epochs.clone(), subscribers.clone());
             let listings = listings.clone();
-            Arc::new(move |key: &[u8], value: Option<&[u8]>| {
+            Arc::new(move |key: &[u8], value: Option<&[u8]>, rev: i64| {
                 if key.is_empty() {
                     listings.evict(key, &epochs);
                     cache.invalidate_all();
                 } else if cacheable_in_writes(key) {
                     listings.evict(key, &epochs);
-                    cache.invalidate(key);
+                    match rev {
+                        0 => cache.invalidate(key),
+                        _ => renew(&cache, key, value, rev),
+                    }
                 }
                 for s in subscribers.lock().iter() {
                     s(key, value);
                 }
             })
         };
-        if !inner.watch(feed)? {
+        if !inner.watch_revisions(feed)? {
             return Ok(inner);
         }
         Ok(Arc::new(CachedKv { inner, cache, epochs, subscribers, dropped: Mutex::default(), listings }))

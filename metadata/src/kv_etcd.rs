@@ -19,7 +19,7 @@ use etcd_client::{
 use crate::group_commit::{self, Group, Limits, Span};
 use crate::kv::{
     merge_pending, pending_deletes, ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite,
-    PendingWrites, Versioned,
+    PendingWrites, RevisionFeed, Versioned,
 };
 use crate::membership::{Heartbeat, Member, Membership, NodeInfo};
 use crate::round_trips::{self, RoundTrip};
@@ -736,6 +736,11 @@ impl KvEngine for EtcdKv {
     /// time the watch is (re)created, once etcd confirmed it: what they
     /// learned before may predate the first revision it covers.
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
+        self.watch_revisions(Arc::new(move |key: &[u8], value: Option<&[u8]>, _| on_change(key, value)))
+    }
+
+    /// [`EtcdKv::watch`]; each change comes with its mod revision.
+    fn watch_revisions(&self, on_change: RevisionFeed) -> KvResult<bool> {
         let client = self.client.clone();
         let prefix = self.prefix.clone();
         let own = self.own.clone();
@@ -782,12 +787,12 @@ impl KvEngine for EtcdKv {
                             };
                             heard = tokio::time::Instant::now();
                             if resp.created() {
-                                on_change(b"", None);
+                                on_change(b"", None, 0);
                             }
                             if resp.canceled() {
                                 // Compacted past `from`: changes were missed.
                                 from = 0;
-                                on_change(b"", None);
+                                on_change(b"", None, 0);
                                 break;
                             }
                             for ev in resp.events() {
@@ -809,7 +814,7 @@ impl KvEngine for EtcdKv {
                                 }
                                 if let Some(key) = kv.key().strip_prefix(prefix.as_slice()) {
                                     let put = ev.event_type() == etcd_client::EventType::Put;
-                                    on_change(key, put.then(|| kv.value()));
+                                    on_change(key, put.then(|| kv.value()), kv.mod_revision());
                                 }
                             }
                         }
@@ -817,7 +822,7 @@ impl KvEngine for EtcdKv {
                     }
                     Err(e) => tracing::warn!(error = %e, "etcd watch failed; retrying"),
                 }
-                on_change(b"", None);
+                on_change(b"", None, 0);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });

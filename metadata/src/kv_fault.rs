@@ -142,4 +142,7 @@ impl KvEngine for FaultyKv {
     fn watch(&self, on_change: crate::kv::ChangeFeed) -> KvResult<bool> {
         self.inner.watch(on_change)
     }
+    fn watch_revisions(&self, on_change: crate::kv::RevisionFeed) -> KvResult<bool> {
+        self.inner.watch_revisions(on_change)
+    }
 }

@@ -401,6 +401,57 @@ fn a_cached_record_outlives_ten_seconds_and_still_sees_other_nodes_changes() {
     );
 }
 
+/// A record a node holds stays a hit when another node changes or deletes
+/// it: the change feed brings the new value and its revision, so the node
+/// reads it from etcd neither time, and a transaction that relies on it
+/// commits (the version it compares is the change's). A record the node
+/// never read is not cached from the feed.
+#[test]
+fn a_record_another_node_changes_is_kept_current_not_dropped() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let a = CachedKv::wrap(Arc::new(EtcdKv::connect(&cluster.endpoints, "current", Duration::from_secs(5)).unwrap()))
+        .unwrap();
+    let b = EtcdKv::connect(&cluster.endpoints, "current", Duration::from_secs(5)).unwrap();
+    const KEY: &[u8] = b"I-watched";
+    put_now(&b, KEY, b"one");
+    assert_eq!(until_cached(a.as_ref(), KEY).as_deref(), Some(&b"one"[..]));
+    // Reads until the node answers `want`; the read that first does must
+    // cost no request.
+    let until = |want: Option<&[u8]>| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let before = converged_metadata::round_trips::on_this_thread();
+            let v = a.read_txn().unwrap().get(KEY).unwrap();
+            let reads = converged_metadata::round_trips::on_this_thread() - before;
+            if v.as_deref() == want {
+                assert_eq!(reads, 0, "the node read {KEY:?} from etcd again after another node changed it");
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the node still answers {v:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    put_now(&b, KEY, b"two");
+    until(Some(b"two"));
+    let mut t = a.write_txn().unwrap();
+    assert_eq!(t.get(KEY).unwrap().as_deref(), Some(&b"two"[..]));
+    t.put(KEY, b"three");
+    t.commit(Durability::Buffered).expect("a commit comparing the version the feed gave");
+    let mut t = b.write_txn().unwrap();
+    t.delete(KEY);
+    t.commit(Durability::Buffered).unwrap();
+    until(None);
+    put_now(&b, b"I-unseen", b"x");
+    std::thread::sleep(Duration::from_millis(500));
+    let before = converged_metadata::round_trips::on_this_thread();
+    assert_eq!(a.read_txn().unwrap().get(b"I-unseen").unwrap().as_deref(), Some(&b"x"[..]));
+    assert_eq!(
+        converged_metadata::round_trips::on_this_thread() - before,
+        1,
+        "a record the node never read was cached from the feed"
+    );
+}
+
 /// When a node's connection to etcd hangs without a reset (a partition),
 /// its change feed falls silent; within a few seconds the node stops
 /// answering from its cache what another node may have changed meanwhile
