@@ -300,7 +300,16 @@ impl DeferredKv {
     /// engine from then on. This node's own changes (in the overlay, or as
     /// known) are not; one that arrives too early or too late to tell
     /// counts as another node's, which costs reads, never a stale answer.
+    /// The feed starting over (an empty key: it broke, fell silent or was
+    /// compacted past, and changes may have been missed) leaves no inode
+    /// made here known.
     fn observed(&self, key: &[u8], value: Option<&[u8]>) {
+        if key.is_empty() {
+            for born in self.state.lock().born.values_mut() {
+                born.unsure = true;
+            }
+            return;
+        }
         let Some(ino) = schema::subject(key).ino() else { return };
         let mut st = self.state.lock();
         if !st.born.contains_key(&ino) {

@@ -296,60 +296,6 @@ fn cached_reads_in_transactions_never_lose_an_update() {
     }
 }
 
-/// A TCP relay to `target` whose traffic can be held: the connection stays
-/// up and says nothing, as a partition without a reset leaves it.
-struct Relay {
-    addr: String,
-    held: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Relay {
-    fn to(target: &str) -> Relay {
-        use std::io::{Read, Write};
-        use std::sync::atomic::Ordering::Relaxed;
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let held = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (target, h) = (target.to_string(), held.clone());
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = std::net::TcpStream::connect(&target) else { continue };
-                let pairs = [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)];
-                for (mut from, mut to) in pairs {
-                    let held = h.clone();
-                    std::thread::spawn(move || {
-                        let wait = || {
-                            while held.load(Relaxed) {
-                                std::thread::sleep(Duration::from_millis(10));
-                            }
-                        };
-                        let mut buf = vec![0u8; 64 << 10];
-                        loop {
-                            wait();
-                            let n = match from.read(&mut buf) {
-                                Ok(0) | Err(_) => break,
-                                Ok(n) => n,
-                            };
-                            // Bytes read just as the hold began wait with the rest.
-                            wait();
-                            if to.write_all(&buf[..n]).is_err() {
-                                break;
-                            }
-                        }
-                        let _ = to.shutdown(std::net::Shutdown::Both);
-                    });
-                }
-            }
-        });
-        Relay { addr, held }
-    }
-
-    fn hold(&self, on: bool) {
-        self.held.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
 /// Put `value` at `key` as another node would.
 fn put_now(kv: &dyn KvEngine, key: &[u8], value: &[u8]) {
     let mut t = kv.write_txn().unwrap();
@@ -460,7 +406,7 @@ fn a_record_another_node_changes_is_kept_current_not_dropped() {
 #[test]
 fn a_node_whose_change_feed_falls_silent_stops_answering_from_its_cache() {
     let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
-    let relay = Relay::to(&cluster.endpoints[0]);
+    let relay = etcd_cluster::Relay::to(&cluster.endpoints[0]);
     let kv = EtcdKv::connect(std::slice::from_ref(&relay.addr), "silent", Duration::from_secs(2)).unwrap();
     let a = CachedKv::wrap(Arc::new(kv)).unwrap();
     let b = EtcdKv::connect(&cluster.endpoints, "silent", Duration::from_secs(5)).unwrap();

@@ -332,6 +332,42 @@ fn etcd_node(endpoints: &[String], volume: &str, id: &str, nowsync: bool) -> Nod
     node_over(plain, deferred, id)
 }
 
+/// When the change feed falls silent (the node's connection to etcd hangs
+/// without a reset), changes of the files a node made may be missed: it
+/// must stop answering their records from what its flusher committed, and
+/// read them again (here, with the connection still held, the read fails
+/// at its deadline instead of answering the replica list another node
+/// changed meanwhile). Once the connection is back it reads the change.
+#[test]
+fn a_node_whose_feed_fell_silent_answers_nothing_it_made_from_memory() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let relay = etcd_cluster::Relay::to(&cluster.endpoints[0]);
+    let a = etcd_node(std::slice::from_ref(&relay.addr), "silent", "a", true);
+    let b = etcd_node(&cluster.endpoints, "silent", "b", false);
+    let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    let f = a.ns.mknod(d.ino, b"f", &NewNode { unsealed: true, ..file() }).unwrap();
+    a.ns.seal(f.ino, &published(3), converged_metadata::Durability::Buffered).unwrap();
+    a.deferred.as_ref().unwrap().flush_all().unwrap();
+    assert_eq!(a.ns.chunks(f.ino).unwrap()[0].1.replicas, ["a"]);
+    relay.hold(true);
+    assert!(b.ns.add_replicas(f.ino, 0, 1, &["b".to_string()]).unwrap());
+    std::thread::sleep(converged_metadata::kv_etcd::WATCH_SILENCE + Duration::from_secs(2));
+    let got = a.ns.chunks(f.ino).map(|c| c[0].1.replicas.clone());
+    assert!(
+        !matches!(&got, Ok(r) if r == &["a"]),
+        "the node that made the file answered {got:?} from memory after its feed fell silent"
+    );
+    relay.hold(false);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match a.ns.chunks(f.ino).map(|c| c[0].1.replicas.clone()) {
+            Ok(r) if r == ["a", "b"] => break,
+            other => assert!(Instant::now() < deadline, "after the connection came back: {other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Repair, drains and rebalances change a file's chunk records by inode
 /// number, past its directory's delegation: the node that made the file,
 /// which answers its records from what its own flush committed, must take

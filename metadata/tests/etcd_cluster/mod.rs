@@ -177,3 +177,57 @@ impl Drop for EtcdCluster {
         }
     }
 }
+
+/// A TCP relay to `target` whose traffic can be held: the connection stays
+/// up and says nothing, as a partition without a reset leaves it.
+pub struct Relay {
+    pub addr: String,
+    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    pub fn to(target: &str) -> Relay {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering::Relaxed;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (target, h) = (target.to_string(), held.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = std::net::TcpStream::connect(&target) else { continue };
+                let pairs = [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)];
+                for (mut from, mut to) in pairs {
+                    let held = h.clone();
+                    std::thread::spawn(move || {
+                        let wait = || {
+                            while held.load(Relaxed) {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
+                        };
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            wait();
+                            let n = match from.read(&mut buf) {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            // Bytes read just as the hold began wait with the rest.
+                            wait();
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Relay { addr, held }
+    }
+
+    pub fn hold(&self, on: bool) {
+        self.held.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+}
