@@ -446,6 +446,12 @@ pub fn parse_held_chunk(node: &str, key: &[u8]) -> Option<(Ino, u32)> {
     Some((ino, index))
 }
 
+/// Whether `key` is an `I` record (an inode's attributes). Its deletion is
+/// the inode's purge, for good: inode numbers are never handed out again.
+pub fn is_inode(key: &[u8]) -> bool {
+    key.first() == Some(&INODE) && key.len() == 9
+}
+
 /// Whether `key` is a `C` record (a chunk of a file's layout).
 pub fn is_chunk(key: &[u8]) -> bool {
     key.first() == Some(&CHUNK)

@@ -502,6 +502,40 @@ fn taking_a_writers_copies_costs_the_receiving_node_no_read_per_file() {
     }
 }
 
+/// A node that holds the copies of files another node deletes drops them
+/// asking etcd next to nothing: the purge the change feed reports is what
+/// both the deleting node's request (to drop a copy) and the sweep check,
+/// not a read of each file's records. Counted from the holder's own
+/// metrics; a read per file (which the holder made before) is 200 here.
+#[test]
+fn dropping_the_copies_of_deleted_files_costs_the_holder_no_read_per_file() {
+    let Some((c, ports, dir)) = metered_pair("dropped") else { return };
+    let mut inos = Vec::new();
+    for i in 0..COPIED {
+        let p = dir.join(format!("f{i}"));
+        fs::write(&p, pattern(2048, i + 1)).unwrap();
+        inos.push(fs::metadata(&p).unwrap().ino());
+    }
+    eventually(30, "every file has its copy on n2", || inos.iter().all(|ino| c.holds(1, *ino)));
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let before = etcd_requests(&ports[1]);
+    for i in 0..COPIED {
+        fs::remove_file(dir.join(format!("f{i}"))).unwrap();
+    }
+    eventually(30, "n2 dropped its copies of the deleted files", || !inos.iter().any(|ino| c.holds(1, *ino)));
+    // The sweep looks at what the feed reported every second: give it a few.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let after = etcd_requests(&ports[1]);
+    let reads = after.get("read").copied().unwrap_or(0) - before.get("read").copied().unwrap_or(0);
+    eprintln!("n2 read etcd {reads} times while dropping its copies of {COPIED} deleted files");
+    assert!(
+        reads <= COPIED / 4,
+        "n2 read etcd {reads} times while dropping its copies of {COPIED} deleted files: a read per file is back"
+    );
+    let warm = fs::metadata(dir.join("warm")).unwrap().ino();
+    assert!(c.holds(1, warm), "n2 dropped the copy of a file nobody deleted");
+}
+
 /// Unlinks from many threads at once share commits (group commit), also
 /// when each purges a written file and needs the chunk records its commit
 /// removed to tell the holders: every commit in a shared transaction gets

@@ -94,9 +94,14 @@ impl Core {
     /// Whether a peer may have this node drop its copies of `ino`: only
     /// once the file is gone from the metadata (its purge, which removed
     /// its chunk records in the same transaction, is committed: the only
-    /// time a node sends a delete). Read past the node-local cache.
+    /// time a node sends a delete). Known without a read when the change
+    /// feed reported the purge (usually before the request arrives); read
+    /// past the node-local cache otherwise.
     pub(crate) fn peer_may_delete(&self, ino: Ino) -> Result<(), converged_transport::ServiceError> {
         self.refuse_peers_if_read_only(|| format!("delete of inode {ino}"))?;
+        if self.sweep_hints().purged(ino) {
+            return Ok(());
+        }
         match self.ns.layout(ino) {
             Err(converged_metadata::MetaError::NotFound) => Ok(()),
             Ok(_) => Err(converged_transport::ServiceError {

@@ -109,7 +109,16 @@ struct Hinted {
     files: BTreeSet<Ino>,
     /// Changes may have been missed: look at every copy.
     everything: bool,
+    /// Files whose inode record the feed reported deleted (their purge is
+    /// committed, for good), the last [`PURGED_KEPT`] of them, oldest first.
+    purged: HashSet<Ino>,
+    purged_order: std::collections::VecDeque<Ino>,
 }
+
+/// Purges heard from the change feed that are remembered: a node told to
+/// drop its copy of one of them, or whose sweep looks at one, needs no read
+/// of its records to know the file is gone.
+const PURGED_KEPT: usize = 65_536;
 
 impl SweepHints {
     pub fn note(&self, ino: Ino) {
@@ -122,6 +131,26 @@ impl SweepHints {
             h.files.clear();
             h.everything = true;
         }
+    }
+
+    /// `ino`'s inode record was deleted (by another node: the feed does not
+    /// report this node's own changes): the file is purged.
+    fn note_purged(&self, ino: Ino) {
+        self.note(ino);
+        let mut h = self.0.lock();
+        if h.purged.insert(ino) {
+            h.purged_order.push_back(ino);
+            if h.purged_order.len() > PURGED_KEPT {
+                if let Some(old) = h.purged_order.pop_front() {
+                    h.purged.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// Whether the change feed reported `ino`'s purge.
+    pub fn purged(&self, ino: Ino) -> bool {
+        self.0.lock().purged.contains(&ino)
     }
 
     pub fn note_everything(&self) {
@@ -138,17 +167,19 @@ impl SweepHints {
 
     /// A change feed subscriber that notes the files whose records another
     /// node changed in a way that may leave a copy on `node` unneeded: an
-    /// inode or chunk record deleted, a chunk record that no longer names
-    /// `node`, a batched layout. A new file's records naming `node`, and
+    /// inode or chunk record deleted (an inode record deleted is also kept
+    /// as the file's purge, see [`SweepHints::purged`]), a chunk record
+    /// that no longer names `node`, a batched layout. A new file's records naming `node`, and
     /// attribute, lease and tier changes, are no work for the sweep (a file
     /// busy with a writer is looked at again anyway; the safety pass covers
     /// the rest).
     pub fn feed(self: &Arc<Self>, node: String) -> converged_metadata::ChangeFeed {
-        use converged_metadata::schema::{is_batched_layout, is_chunk};
+        use converged_metadata::schema::{is_batched_layout, is_chunk, is_inode};
         let hints = self.clone();
         Arc::new(move |key: &[u8], value: Option<&[u8]>| match change_of(key) {
             Change::Everything => hints.note_everything(),
             Change::Inode(ino) => match value {
+                None if is_inode(key) => hints.note_purged(ino),
                 None => hints.note(ino),
                 Some(v) if is_chunk(key) && converged_metadata::chunk_held_by(key, v, &node).is_none() => {
                     hints.note(ino)
@@ -163,11 +194,15 @@ impl SweepHints {
 
 impl Core {
     /// One look at this node's copy of `ino`: its inode and chunk records
-    /// in one read, its write lease and its tier record. `live`: the live
-    /// nodes other than this one.
+    /// in one read, its write lease and its tier record; no read for a
+    /// file whose purge the change feed reported. `live`: the live nodes
+    /// other than this one.
     fn look(&self, ino: Ino, live: &HashSet<String>) -> FsResult<Look> {
         if self.open.get(ino).is_some() || self.spares.holds(ino) || self.ns.upcoming_inos(u64::MAX).contains(&ino) {
             return Ok(Look::Busy);
+        }
+        if self.sweep_hints.purged(ino) {
+            return Ok(Look::Purged);
         }
         let (inode, chunks) = match self.ns.layout(ino) {
             Ok(l) => l,
