@@ -318,6 +318,12 @@ fn until_cached(kv: &dyn KvEngine, key: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
+/// Two nodes of `volume`: one behind the node cache, one asking etcd.
+fn cached_and_plain(endpoints: &[String], volume: &str) -> (Arc<dyn KvEngine>, EtcdKv) {
+    let a = CachedKv::wrap(Arc::new(EtcdKv::connect(endpoints, volume, Duration::from_secs(5)).unwrap())).unwrap();
+    (a, EtcdKv::connect(endpoints, volume, Duration::from_secs(5)).unwrap())
+}
+
 /// A node's cache keeps a record for minutes while its change feed is
 /// alive (a stat, lookup or unlink of a file made a minute ago costs no
 /// read), and still sees at once what another node changes. Records used
@@ -325,9 +331,7 @@ fn until_cached(kv: &dyn KvEngine, key: &[u8]) -> Option<Vec<u8>> {
 #[test]
 fn a_cached_record_outlives_ten_seconds_and_still_sees_other_nodes_changes() {
     let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
-    let a = CachedKv::wrap(Arc::new(EtcdKv::connect(&cluster.endpoints, "alive", Duration::from_secs(5)).unwrap()))
-        .unwrap();
-    let b = EtcdKv::connect(&cluster.endpoints, "alive", Duration::from_secs(5)).unwrap();
+    let (a, b) = cached_and_plain(&cluster.endpoints, "alive");
     put_now(&b, b"I-kept", b"one");
     put_now(&b, b"I-changed", b"one");
     assert_eq!(until_cached(a.as_ref(), b"I-kept").as_deref(), Some(&b"one"[..]));
@@ -355,9 +359,7 @@ fn a_cached_record_outlives_ten_seconds_and_still_sees_other_nodes_changes() {
 #[test]
 fn a_record_another_node_changes_is_kept_current_not_dropped() {
     let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
-    let a = CachedKv::wrap(Arc::new(EtcdKv::connect(&cluster.endpoints, "current", Duration::from_secs(5)).unwrap()))
-        .unwrap();
-    let b = EtcdKv::connect(&cluster.endpoints, "current", Duration::from_secs(5)).unwrap();
+    let (a, b) = cached_and_plain(&cluster.endpoints, "current");
     const KEY: &[u8] = b"I-watched";
     put_now(&b, KEY, b"one");
     assert_eq!(until_cached(a.as_ref(), KEY).as_deref(), Some(&b"one"[..]));

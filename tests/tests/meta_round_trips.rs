@@ -466,6 +466,25 @@ fn metered_pair(name: &str) -> Option<(Cluster, Vec<String>, std::path::PathBuf)
 
 const COPIED: u64 = 200;
 
+/// Write `COPIED` small files in `dir` (on n1) and wait until n2 holds a
+/// copy of each: their inode numbers.
+fn write_copied(c: &Cluster, dir: &Path) -> Vec<u64> {
+    let mut inos = Vec::new();
+    for i in 0..COPIED {
+        let p = dir.join(format!("f{i}"));
+        fs::write(&p, pattern(2048, i + 1)).unwrap();
+        inos.push(fs::metadata(&p).unwrap().ino());
+    }
+    eventually(30, "every file has its copy on n2", || inos.iter().all(|ino| c.holds(1, *ino)));
+    inos
+}
+
+/// Reads of etcd the node serving its metrics at `metrics` made since `before`.
+fn reads_since(metrics: &str, before: &BTreeMap<String, u64>) -> u64 {
+    let read = |m: &BTreeMap<String, u64>| m.get("read").copied().unwrap_or(0);
+    read(&etcd_requests(metrics)) - read(before)
+}
+
 /// A node that takes the copies of files another node writes asks etcd
 /// next to nothing for them: whether the writer holds the file's write lease
 /// (which a peer must before it stores a copy) and whether the layout
@@ -479,17 +498,10 @@ fn taking_a_writers_copies_costs_the_receiving_node_no_read_per_file() {
     eventually(30, "the first file has its copy on n2", || c.holds(1, warm));
     std::thread::sleep(std::time::Duration::from_secs(3));
     let before = etcd_requests(&ports[1]);
-    let mut inos = Vec::new();
-    for i in 0..COPIED {
-        let p = dir.join(format!("f{i}"));
-        fs::write(&p, pattern(2048, i + 1)).unwrap();
-        inos.push(fs::metadata(&p).unwrap().ino());
-    }
-    eventually(30, "every file has its copy on n2", || inos.iter().all(|ino| c.holds(1, *ino)));
+    let inos = write_copied(&c, &dir);
     // The settler looks at new copies every second: give it a few.
     std::thread::sleep(std::time::Duration::from_secs(3));
-    let after = etcd_requests(&ports[1]);
-    let reads = after.get("read").copied().unwrap_or(0) - before.get("read").copied().unwrap_or(0);
+    let reads = reads_since(&ports[1], &before);
     eprintln!("n2 read etcd {reads} times while taking copies of {COPIED} files");
     assert!(
         reads <= COPIED / 4,
@@ -510,13 +522,7 @@ fn taking_a_writers_copies_costs_the_receiving_node_no_read_per_file() {
 #[test]
 fn dropping_the_copies_of_deleted_files_costs_the_holder_no_read_per_file() {
     let Some((c, ports, dir)) = metered_pair("dropped") else { return };
-    let mut inos = Vec::new();
-    for i in 0..COPIED {
-        let p = dir.join(format!("f{i}"));
-        fs::write(&p, pattern(2048, i + 1)).unwrap();
-        inos.push(fs::metadata(&p).unwrap().ino());
-    }
-    eventually(30, "every file has its copy on n2", || inos.iter().all(|ino| c.holds(1, *ino)));
+    let inos = write_copied(&c, &dir);
     std::thread::sleep(std::time::Duration::from_secs(3));
     let before = etcd_requests(&ports[1]);
     for i in 0..COPIED {
@@ -525,8 +531,7 @@ fn dropping_the_copies_of_deleted_files_costs_the_holder_no_read_per_file() {
     eventually(30, "n2 dropped its copies of the deleted files", || !inos.iter().any(|ino| c.holds(1, *ino)));
     // The sweep looks at what the feed reported every second: give it a few.
     std::thread::sleep(std::time::Duration::from_secs(3));
-    let after = etcd_requests(&ports[1]);
-    let reads = after.get("read").copied().unwrap_or(0) - before.get("read").copied().unwrap_or(0);
+    let reads = reads_since(&ports[1], &before);
     eprintln!("n2 read etcd {reads} times while dropping its copies of {COPIED} deleted files");
     assert!(
         reads <= COPIED / 4,
