@@ -74,8 +74,9 @@ const OP_OVERHEAD: usize = 16;
 /// Own revisions remembered for the change feed.
 const OWN_REVISIONS: usize = 4096;
 
-/// How often the watch asks etcd to confirm it is current (a progress
-/// request: one small message each way).
+/// How often a watch that heard nothing asks etcd to confirm it is current
+/// (a progress request on the watch's own stream: one small message each
+/// way, no request of its own).
 const WATCH_PROBE: Duration = Duration::from_secs(1);
 /// A watch that neither delivers events nor answers its probes for this
 /// long is taken for broken (see `EtcdKv::watch`).
@@ -779,7 +780,8 @@ impl KvEngine for EtcdKv {
                                         tracing::warn!(silent = ?heard.elapsed(), "etcd watch fell silent; starting it over");
                                         break;
                                     }
-                                    if ask.request_progress().await.is_err() {
+                                    // A watch that delivers events needs no probe.
+                                    if heard.elapsed() >= WATCH_PROBE && ask.request_progress().await.is_err() {
                                         break;
                                     }
                                     continue;
