@@ -18,8 +18,8 @@
 //! change's revision (one not held stays out, and an engine that gives no
 //! revision evicts it); a fill that raced with the change
 //! is not kept, and a fill older than the entry it would replace is dropped.
-//! The feed vouches for itself: it asks etcd every second to confirm it is
-//! current, and when it breaks, falls silent for
+//! The feed vouches for itself: after a second without news it asks etcd to
+//! confirm it is current, and when it breaks, falls silent for
 //! [`WATCH_SILENCE`](crate::kv_etcd::WATCH_SILENCE) or is created anew,
 //! every subscriber hears "start over" and this cache drops everything. So
 //! an entry lives until the feed evicts it, for [`CACHE_TTL`] at most (a

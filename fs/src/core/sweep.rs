@@ -120,24 +120,29 @@ struct Hinted {
 /// of its records to know the file is gone.
 const PURGED_KEPT: usize = 65_536;
 
-impl SweepHints {
-    pub fn note(&self, ino: Ino) {
-        let mut h = self.0.lock();
-        if h.everything {
+impl Hinted {
+    fn note(&mut self, ino: Ino) {
+        if self.everything {
             return;
         }
-        h.files.insert(ino);
-        if h.files.len() > HINTS_MAX {
-            h.files.clear();
-            h.everything = true;
+        self.files.insert(ino);
+        if self.files.len() > HINTS_MAX {
+            self.files.clear();
+            self.everything = true;
         }
+    }
+}
+
+impl SweepHints {
+    pub fn note(&self, ino: Ino) {
+        self.0.lock().note(ino);
     }
 
     /// `ino`'s inode record was deleted (by another node: the feed does not
     /// report this node's own changes): the file is purged.
     fn note_purged(&self, ino: Ino) {
-        self.note(ino);
         let mut h = self.0.lock();
+        h.note(ino);
         if h.purged.insert(ino) {
             h.purged_order.push_back(ino);
             if h.purged_order.len() > PURGED_KEPT {
