@@ -1,25 +1,33 @@
 //! `RedbKv`: the embedded engine (one file, no server), the single-node default.
 //!
-//! redb runs one write transaction at a time, so transactions never conflict.
-//! Buffered commits use `Durability::None`; a durable commit (or `sync`) makes
-//! every earlier commit durable too, which is how fsync is honoured cheaply.
+//! One write transaction runs at a time (the engine's write slot), so
+//! transactions never conflict. A durable commit (or `sync`) makes every
+//! earlier commit durable too, which is how fsync is honoured cheaply.
+//!
+//! A buffered commit does not write the database: it is appended, as its
+//! final puts and deletes, to a redo log beside the database (one
+//! `write(2)`, never synced: it lives in the page cache, as long as the
+//! process crash it covers) and kept in memory as a layer over the
+//! database, which reads consult first. Every 32 buffered commits the layers
+//! go into the database in one redb transaction (`Durability::None`),
+//! which stores the number of the last record it holds; a durable commit
+//! writes the layers and its own writes in one durable transaction. One
+//! redb commit per create cost more than the rest of the create (its page
+//! copies, checksums and allocator work); in a batch it is shared.
 //!
 //! A daemon that dies (kill -9, a crash) must not lose its buffered commits:
 //! its kernel connection may outlive it, and the kernel then holds names and
-//! handles those commits made. So each buffered commit is also appended, as
-//! its final puts and deletes, to a redo log beside the database (one
-//! `write(2)`, never synced: it lives in the page cache, as long as the
-//! process crash it covers) while the commit holds redb's write slot, so the
-//! log's order is the commit order. The next open applies the records the
-//! last durable commit does not include (each durable commit stores the
-//! sequence number of the last record it covers) and empties the log. After
-//! a power loss, the records that reached the disk form a prefix of the
-//! commits (a record that is torn or out of sequence ends the replay), which
-//! is what a durable commit just before the loss would have kept.
+//! handles those commits made. The next open applies the records the
+//! database does not hold and empties the log; the log is emptied also when
+//! everything in it is durable. After a power loss, the records that
+//! reached the disk form a prefix of the commits (a record that is torn or
+//! out of sequence ends the replay), which is what a durable commit just
+//! before the loss would have kept.
 //!
 //! After an I/O error (a full disk) redb refuses all further work until the
 //! database is reopened; `RedbKv` reopens it on the next transaction, which
-//! rolls back to the last durable commit.
+//! rolls the database back to its last durable commit, and applies the redo
+//! log again, so no buffered commit is lost to the error.
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -40,7 +48,30 @@ pub struct RedbKv {
     path: std::path::PathBuf,
     db: parking_lot::RwLock<Option<Arc<Database>>>,
     redo: RedoLog,
+    /// The write slot: held by a write transaction from `write_txn` to its
+    /// commit or drop, so each builds on the state the last one left. A
+    /// durable commit holds it across its redb commit, as redb's own slot
+    /// was held when every transaction was a redb transaction: a gate of
+    /// the engine, not a lock of the core's order (taken before `recent`
+    /// and redb's slot, never after them).
+    writer: parking_lot::Mutex<()>,
+    /// Buffered commits the database does not hold yet, oldest first.
+    /// Replaced whole (readers keep the list they took); held only to
+    /// take or replace it.
+    recent: parking_lot::RwLock<Arc<Vec<Arc<Layer>>>>,
+    /// An inline flush is under way: other committers go on without one.
+    flushing: std::sync::atomic::AtomicBool,
 }
+
+/// One buffered commit: its redo record's number and its writes.
+struct Layer {
+    seq: u64,
+    writes: PendingWrites,
+}
+
+/// Buffered commits kept in memory before they go into the database in one
+/// transaction: a read checks at most this many layers before the database.
+const FLUSH_AT: usize = 32;
 
 /// The redo log of buffered commits (see the module comment). Its fields
 /// change only under redb's write slot.
@@ -52,8 +83,9 @@ struct RedoLog {
     durable: std::sync::atomic::AtomicU64,
 }
 
-/// Where a durable commit stores the last redo record it covers. Outside
-/// every key range of the schema (which starts at printable prefixes).
+/// The last redo record whose writes the database holds, stored by every
+/// transaction that writes records into it (durable or not). Outside every
+/// key range of the schema (which starts at printable prefixes).
 const REDO_KEY: &[u8] = b"\x00redo-seq";
 
 impl RedoLog {
@@ -61,7 +93,7 @@ impl RedoLog {
         db.with_extension("redo")
     }
 
-    /// Record in a durable commit that it covers the log up to `seq`.
+    /// Record in a transaction that the database holds the log up to `seq`.
     fn cover(table: &mut redb::Table<&'static [u8], &'static [u8]>, seq: u64) -> Result<(), redb::StorageError> {
         table.insert(REDO_KEY, seq.to_le_bytes().as_slice()).map(drop)
     }
@@ -142,29 +174,46 @@ impl RedbKv {
     pub fn open(path: &Path, wait: Duration) -> KvResult<Self> {
         let db = Self::open_db(path, wait)?;
         let redo = Self::replay(&db, path)?;
-        Ok(Self { path: path.to_path_buf(), db: parking_lot::RwLock::new(Some(Arc::new(db))), redo })
+        Ok(Self {
+            path: path.to_path_buf(),
+            db: parking_lot::RwLock::new(Some(Arc::new(db))),
+            redo,
+            writer: parking_lot::Mutex::new(()),
+            recent: parking_lot::RwLock::new(Arc::new(Vec::new())),
+            flushing: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
-    /// Apply the buffered commits of the last daemon that its last durable
-    /// commit does not include, durably, and start an empty log.
+    /// Apply the buffered commits of the last daemon that the database does
+    /// not hold, durably, and start an empty log.
     fn replay(db: &Database, path: &Path) -> KvResult<RedoLog> {
         use std::sync::atomic::AtomicU64;
         let log_path = RedoLog::path(path);
-        let bytes = match std::fs::read(&log_path) {
+        let last = Self::apply_log(db, &log_path)?;
+        std::fs::write(&log_path, b"").map_err(|e| KvError::backend(format!("{}: {e}", log_path.display())))?;
+        // Appending: each record goes at the end, also after the log is emptied.
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| KvError::backend(format!("{}: {e}", log_path.display())))?;
+        Ok(RedoLog { file, appended: AtomicU64::new(last), durable: AtomicU64::new(last) })
+    }
+
+    /// Write into `db`, durably, the records of the log at `log_path` it does
+    /// not hold, in order up to the first torn or missing one. Returns the
+    /// last record the database then holds.
+    fn apply_log(db: &Database, log_path: &Path) -> KvResult<u64> {
+        let bytes = match std::fs::read(log_path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(KvError::backend(format!("{}: {e}", log_path.display()))),
         };
         let txn = db.begin_write().map_err(KvError::backend)?;
-        let covered = {
-            let table = txn.open_table(TABLE).map_err(KvError::backend)?;
-            let v = table.get(REDO_KEY).map_err(KvError::backend)?;
-            v.and_then(|v| v.value().try_into().ok()).map_or(0, u64::from_le_bytes)
-        };
-        let mut last = covered;
         let mut applied = 0usize;
-        {
+        let last = {
             let mut table = txn.open_table(TABLE).map_err(KvError::backend)?;
+            let covered = held_seq(&table).map_err(KvError::backend)?;
+            let mut last = covered;
             for (seq, writes) in RedoLog::decode(&bytes) {
                 if seq <= covered {
                     continue;
@@ -173,29 +222,18 @@ impl RedbKv {
                     // A gap: what follows never had what it builds on.
                     break;
                 }
-                for (k, v) in &writes {
-                    match v {
-                        Some(v) => table.insert(k.as_slice(), v.as_slice()).map(drop),
-                        None => table.remove(k.as_slice()).map(drop),
-                    }
-                    .map_err(KvError::backend)?;
-                }
+                apply(&mut table, &writes).map_err(KvError::backend)?;
                 last = seq;
                 applied += 1;
             }
             RedoLog::cover(&mut table, last).map_err(KvError::backend)?;
-        }
+            last
+        };
         txn.commit().map_err(KvError::backend)?;
         if applied > 0 {
-            tracing::info!(commits = applied, "replayed buffered metadata commits a stopped daemon had not synced");
+            tracing::info!(commits = applied, "applied buffered metadata commits the database did not hold");
         }
-        std::fs::write(&log_path, b"").map_err(|e| KvError::backend(format!("{}: {e}", log_path.display())))?;
-        // Appending: each record goes at the end, also after the log is emptied.
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&log_path)
-            .map_err(|e| KvError::backend(format!("{}: {e}", log_path.display())))?;
-        Ok(RedoLog { file, appended: AtomicU64::new(last), durable: AtomicU64::new(last) })
+        Ok(last)
     }
 
     fn open_db(path: &Path, wait: Duration) -> KvResult<Database> {
@@ -218,7 +256,9 @@ impl RedbKv {
         Ok(db)
     }
 
-    /// The open database, reopening it after redb poisoned itself.
+    /// The open database, reopening it after redb poisoned itself: the
+    /// reopened database is at its last durable commit, and takes the
+    /// buffered commits after it from the redo log again.
     fn db(&self) -> KvResult<Arc<Database>> {
         if let Some(db) = self.db.read().as_ref() {
             return Ok(db.clone());
@@ -228,7 +268,10 @@ impl RedbKv {
             return Ok(db.clone());
         }
         tracing::warn!(path = %self.path.display(), "reopening the metadata database after an I/O error");
-        let db = Arc::new(Self::open_db(&self.path, Duration::from_secs(5))?);
+        let db = Self::open_db(&self.path, Duration::from_secs(5))?;
+        let last = Self::apply_log(&db, &RedoLog::path(&self.path))?;
+        self.redo.durable.fetch_max(last, Ordering::SeqCst);
+        let db = Arc::new(db);
         *slot = Some(db.clone());
         Ok(db)
     }
@@ -241,11 +284,125 @@ impl RedbKv {
         }
         KvError::backend(e)
     }
+
+    /// What a transaction reads: the buffered commits the database does not
+    /// hold, over a snapshot of the database. The layers are taken first:
+    /// a flush that removes some commits from them has committed them to the
+    /// database before, so the snapshot taken after has them (the
+    /// snapshot's record number says which layers it already holds).
+    fn view(&self) -> KvResult<View> {
+        let layers = self.recent.read().clone();
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(|e| self.check(e))?;
+        let table = txn.open_table(TABLE).map_err(|e| self.check(e))?;
+        let from = match layers.is_empty() {
+            true => 0,
+            false => {
+                let held = held_seq(&table).map_err(|e| self.check(e))?;
+                layers.partition_point(|l| l.seq <= held)
+            }
+        };
+        Ok(View { _db: db, table, layers, from })
+    }
+
+    /// Write the buffered commits into the database in one transaction, then
+    /// `extra` (a durable commit's own writes, which have no record), and
+    /// drop the layers it then holds. `durable`: the transaction is durable,
+    /// and so is every commit before it.
+    fn flush(&self, durable: bool, extra: Option<&PendingWrites>) -> KvResult<()> {
+        let db = self.db()?;
+        let mut txn = db.begin_write().map_err(|e| self.check(e))?;
+        let level = if durable { redb::Durability::Immediate } else { redb::Durability::None };
+        txn.set_durability(level).map_err(|e| self.check(e))?;
+        // Taken under redb's slot: no other flush removes layers meanwhile.
+        let layers = self.recent.read().clone();
+        let held = {
+            let mut table = txn.open_table(TABLE).map_err(|e| self.check(e))?;
+            let before = held_seq(&table).map_err(|e| self.check(e))?;
+            let mut held = before;
+            for l in layers.iter().filter(|l| l.seq > before) {
+                apply(&mut table, &l.writes).map_err(|e| self.check(e))?;
+                held = l.seq;
+            }
+            if let Some(w) = extra {
+                apply(&mut table, w).map_err(|e| self.check(e))?;
+            }
+            RedoLog::cover(&mut table, held).map_err(|e| self.check(e))?;
+            held
+        };
+        txn.commit().map_err(|e| self.check(e))?;
+        if durable {
+            self.redo.durable.fetch_max(held, Ordering::SeqCst);
+        }
+        let mut recent = self.recent.write();
+        if recent.first().is_some_and(|l| l.seq <= held) {
+            *recent = Arc::new(recent.iter().filter(|l| l.seq > held).cloned().collect());
+        }
+        Ok(())
+    }
+
+    /// A buffered commit: its record appended to the redo log and its
+    /// writes laid over the database. Called holding the write slot.
+    fn commit_buffered(&self, writes: PendingWrites) -> KvResult<usize> {
+        let redo = &self.redo;
+        let seq = redo.appended.load(Ordering::SeqCst);
+        if redo.durable.load(Ordering::SeqCst) == seq {
+            // Everything logged is durable: start the log again.
+            redo.file.set_len(0).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
+        }
+        let rec = RedoLog::encode(seq + 1, &writes);
+        std::io::Write::write_all(&mut &redo.file, &rec).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
+        redo.appended.store(seq + 1, Ordering::SeqCst);
+        let mut recent = self.recent.write();
+        let mut layers = Vec::with_capacity(recent.len() + 1);
+        layers.extend(recent.iter().cloned());
+        layers.push(Arc::new(Layer { seq: seq + 1, writes }));
+        let n = layers.len();
+        *recent = Arc::new(layers);
+        Ok(n)
+    }
+
+    /// The flush a committer does once enough layers piled up, unless one
+    /// is under way. Its failure fails no commit (each is in the redo log
+    /// and in memory): the next flush tries again.
+    fn flush_inline(&self) {
+        if self.flushing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Err(e) = self.flush(false, None) {
+            tracing::warn!(error = %e, "could not write buffered metadata commits into the database; kept in memory and in the redo log");
+        }
+        self.flushing.store(false, Ordering::Release);
+    }
 }
 
-struct RedbRead {
+/// The record number a database snapshot holds the redo log up to.
+fn held_seq<T: ReadableTable<&'static [u8], &'static [u8]>>(table: &T) -> Result<u64, redb::StorageError> {
+    let v = table.get(REDO_KEY)?;
+    Ok(v.and_then(|v| v.value().try_into().ok()).map_or(0, u64::from_le_bytes))
+}
+
+/// Write `writes` into `table`.
+fn apply(
+    table: &mut redb::Table<&'static [u8], &'static [u8]>,
+    writes: &PendingWrites,
+) -> Result<(), redb::StorageError> {
+    for (k, v) in writes {
+        match v {
+            Some(v) => table.insert(k.as_slice(), v.as_slice()).map(drop)?,
+            None => table.remove(k.as_slice()).map(drop)?,
+        }
+    }
+    Ok(())
+}
+
+/// A consistent view: `layers[from..]` (buffered commits, oldest first)
+/// over a database snapshot that holds the ones before `from`.
+struct View {
     _db: Arc<Database>,
     table: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
+    layers: Arc<Vec<Arc<Layer>>>,
+    from: usize,
 }
 
 fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
@@ -263,25 +420,38 @@ fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
     Ok(out)
 }
 
-impl KvRead for RedbRead {
+impl KvRead for View {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+        for l in self.layers[self.from..].iter().rev() {
+            if let Some(v) = l.writes.get(key) {
+                return Ok(v.clone());
+            }
+        }
         Ok(self.table.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec()))
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        collect_range(&self.table, start, end, limit)
+        let layers = &self.layers[self.from..];
+        if layers.is_empty() {
+            return collect_range(&self.table, start, end, limit);
+        }
+        let mut over = PendingWrites::new();
+        for l in layers {
+            for (k, v) in l.writes.range::<[u8], _>((Bound::Included(start), Bound::Excluded(end))) {
+                over.insert(k.clone(), v.clone());
+            }
+        }
+        let extra = pending_deletes(&over, start, end);
+        let base = collect_range(&self.table, start, end, limit.saturating_add(extra))?;
+        Ok(merge_pending(base, &over, start, end, limit))
     }
 }
 
-/// Writes are buffered and applied at commit, because a redb `Table` borrows
-/// its transaction and cannot live beside it in one struct. Reads go to a
-/// read snapshot taken right after the write lock: redb runs one writer at a
-/// time, so that snapshot is exactly the state this transaction builds on,
-/// and reading it avoids reopening the table on every get.
+/// A write transaction: the write slot, a view of the state the last
+/// commit left, and the writes, applied at commit.
 struct RedbWrite<'a> {
     kv: &'a RedbKv,
-    _db: Arc<Database>,
-    txn: redb::WriteTransaction,
-    base: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
+    slot: parking_lot::MutexGuard<'a, ()>,
+    view: View,
     pending: PendingWrites,
 }
 
@@ -290,12 +460,11 @@ impl KvRead for RedbWrite<'_> {
         if let Some(v) = self.pending.get(key) {
             return Ok(v.clone());
         }
-        let v = self.base.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec());
-        Ok(v)
+        self.view.get(key)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let extra = pending_deletes(&self.pending, start, end);
-        let base = collect_range(&self.base, start, end, limit.saturating_add(extra))?;
+        let base = self.view.scan(start, end, limit.saturating_add(extra))?;
         Ok(merge_pending(base, &self.pending, start, end, limit))
     }
 }
@@ -308,46 +477,25 @@ impl KvWrite for RedbWrite<'_> {
         self.pending.insert(key.to_vec(), None);
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
-        let RedbWrite { kv, _db, mut txn, base, pending } = *self;
-        drop(base);
-        let level = match durability {
-            Durability::Buffered => redb::Durability::None,
-            Durability::Durable => redb::Durability::Immediate,
-        };
-        txn.set_durability(level).map_err(|e| kv.check(e))?;
-        let redo = &kv.redo;
-        let seq = redo.appended.load(Ordering::SeqCst);
-        {
-            let mut table = txn.open_table(TABLE).map_err(|e| kv.check(e))?;
-            if durability == Durability::Durable {
-                RedoLog::cover(&mut table, seq).map_err(|e| kv.check(e))?;
+        let RedbWrite { kv, slot, view, pending } = *self;
+        drop(view);
+        match durability {
+            Durability::Durable => {
+                // Under the slot: the commits before it, then its own writes.
+                let done = kv.flush(true, Some(&pending));
+                drop(slot);
+                done
             }
-            for (k, v) in &pending {
-                match v {
-                    Some(v) => {
-                        table.insert(k.as_slice(), v.as_slice()).map_err(|e| kv.check(e))?;
-                    }
-                    None => {
-                        table.remove(k.as_slice()).map_err(|e| kv.check(e))?;
-                    }
+            Durability::Buffered if pending.is_empty() => Ok(()),
+            Durability::Buffered => {
+                let layers = kv.commit_buffered(pending)?;
+                drop(slot);
+                if layers >= FLUSH_AT {
+                    kv.flush_inline();
                 }
+                Ok(())
             }
         }
-        if durability == Durability::Buffered && !pending.is_empty() {
-            // Still holding redb's write slot: no other commit appends meanwhile.
-            if redo.durable.load(Ordering::SeqCst) == seq {
-                // Everything logged is durable: start the log again.
-                redo.file.set_len(0).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
-            }
-            let rec = RedoLog::encode(seq + 1, &pending);
-            std::io::Write::write_all(&mut &redo.file, &rec).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
-            redo.appended.store(seq + 1, Ordering::SeqCst);
-        }
-        txn.commit().map_err(|e| kv.check(e))?;
-        if durability == Durability::Durable {
-            redo.durable.store(seq, Ordering::SeqCst);
-        }
-        Ok(())
     }
 }
 
@@ -356,28 +504,14 @@ impl KvEngine for RedbKv {
         "redb"
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
-        let db = self.db()?;
-        let txn = db.begin_read().map_err(|e| self.check(e))?;
-        let table = txn.open_table(TABLE).map_err(|e| self.check(e))?;
-        Ok(Box::new(RedbRead { _db: db, table }))
+        Ok(Box::new(self.view()?))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        let db = self.db()?;
-        let txn = db.begin_write().map_err(|e| self.check(e))?;
-        let base = db.begin_read().map_err(|e| self.check(e))?.open_table(TABLE).map_err(|e| self.check(e))?;
-        Ok(Box::new(RedbWrite { kv: self, _db: db, txn, base, pending: BTreeMap::new() }))
+        let slot = self.writer.lock();
+        let view = self.view()?;
+        Ok(Box::new(RedbWrite { kv: self, slot, view, pending: BTreeMap::new() }))
     }
     fn sync(&self) -> KvResult<()> {
-        let db = self.db()?;
-        let mut txn = db.begin_write().map_err(|e| self.check(e))?;
-        txn.set_durability(redb::Durability::Immediate).map_err(|e| self.check(e))?;
-        let seq = self.redo.appended.load(Ordering::SeqCst);
-        {
-            let mut table = txn.open_table(TABLE).map_err(|e| self.check(e))?;
-            RedoLog::cover(&mut table, seq).map_err(|e| self.check(e))?;
-        }
-        txn.commit().map_err(|e| self.check(e))?;
-        self.redo.durable.store(seq, Ordering::SeqCst);
-        Ok(())
+        self.flush(true, None)
     }
 }
