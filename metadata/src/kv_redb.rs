@@ -440,6 +440,9 @@ impl KvRead for View {
                 over.insert(k.clone(), v.clone());
             }
         }
+        if over.is_empty() {
+            return collect_range(&self.table, start, end, limit);
+        }
         let extra = pending_deletes(&over, start, end);
         let base = collect_range(&self.table, start, end, limit.saturating_add(extra))?;
         Ok(merge_pending(base, &over, start, end, limit))
