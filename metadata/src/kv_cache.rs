@@ -356,11 +356,20 @@ impl CachedKv {
         let fresh = Entry { value: value.map(Arc::new), version, at };
         // The epoch is checked under the entry's lock: an eviction bumps it
         // before it removes the entry, so it either stops this fill or
-        // removes what it put.
+        // removes what it put. A fill stopped so removes the entry too, and
+        // bumps the epoch as an eviction does: a read of an older state
+        // still under way (a kernel's revalidating lookup, which runs beside
+        // a create in the same directory) must not land in the place this
+        // fill leaves empty, where nothing would say it is older. A later
+        // state already there stays.
         let mut raced = false;
         self.cache.entry(key.to_vec()).and_compute_with(|old| {
             if self.epochs.of(key) != epoch {
+                if old.as_ref().is_some_and(|e| e.value().at >= at) {
+                    return moka::ops::compute::Op::Nop;
+                }
                 raced = true;
+                self.epochs.bump(key);
                 return moka::ops::compute::Op::Remove;
             }
             match old {
@@ -752,5 +761,166 @@ impl KvEngine for CachedKv {
             ranges.push(crate::schema::prefix_range(p));
         }
         self.drop_ranges(ranges, rev);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The cache against an engine whose reads can be held between the
+    //! engine's answer and the fill, to order a race exactly.
+    use std::collections::BTreeMap;
+    use std::sync::atomic::AtomicI64;
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::kv::PendingWrites;
+
+    /// A read held after the engine answered: `reached` says so, `go` lets it on.
+    struct Hold {
+        reached: mpsc::Sender<()>,
+        go: mpsc::Receiver<()>,
+    }
+
+    /// Each key's value and mod revision.
+    type Records = BTreeMap<Vec<u8>, (Vec<u8>, i64)>;
+
+    /// An engine with revisions and a change feed the test drives.
+    #[derive(Default)]
+    struct RevKv {
+        data: Mutex<Records>,
+        rev: AtomicI64,
+        feed: Mutex<Option<RevisionFeed>>,
+        hold: Mutex<Option<Hold>>,
+    }
+
+    struct RevRead<'a>(&'a RevKv);
+
+    impl KvRead for RevRead<'_> {
+        fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+            Ok(self.get_versioned(key)?.0)
+        }
+        fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
+            let (value, version, at) = {
+                let data = self.0.data.lock();
+                let found = data.get(key).cloned();
+                (found.as_ref().map(|(v, _)| v.clone()), found.map_or(0, |(_, r)| r), self.0.rev.load(Ordering::SeqCst))
+            };
+            if let Some(h) = self.0.hold.lock().take() {
+                h.reached.send(()).unwrap();
+                h.go.recv().unwrap();
+            }
+            Ok((value.clone(), Some(Versioned { value, version, at })))
+        }
+        fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+            let data = self.0.data.lock();
+            Ok(data.range(start.to_vec()..end.to_vec()).take(limit).map(|(k, (v, _))| (k.clone(), v.clone())).collect())
+        }
+    }
+
+    struct RevWrite<'a>(&'a RevKv, PendingWrites);
+
+    impl KvRead for RevWrite<'_> {
+        fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
+            match self.1.get(key) {
+                Some(v) => Ok(v.clone()),
+                None => RevRead(self.0).get(key),
+            }
+        }
+        fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+            let base = RevRead(self.0).scan(start, end, usize::MAX)?;
+            Ok(crate::kv::merge_pending(base, &self.1, start, end, limit))
+        }
+    }
+
+    impl KvWrite for RevWrite<'_> {
+        fn put(&mut self, key: &[u8], value: &[u8]) {
+            self.1.insert(key.to_vec(), Some(value.to_vec()));
+        }
+        fn delete(&mut self, key: &[u8]) {
+            self.1.insert(key.to_vec(), None);
+        }
+        fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
+            self.commit_at(durability).map(drop)
+        }
+        fn commit_at(self: Box<Self>, _: Durability) -> KvResult<Option<i64>> {
+            let mut data = self.0.data.lock();
+            let rev = self.0.rev.fetch_add(1, Ordering::SeqCst) + 1;
+            for (k, v) in self.1 {
+                match v {
+                    Some(v) => data.insert(k, (v, rev)),
+                    None => data.remove(&k),
+                };
+            }
+            Ok(Some(rev))
+        }
+    }
+
+    impl KvEngine for RevKv {
+        fn name(&self) -> &'static str {
+            "rev"
+        }
+        fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+            Ok(Box::new(RevRead(self)))
+        }
+        fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+            Ok(Box::new(RevWrite(self, PendingWrites::new())))
+        }
+        fn sync(&self) -> KvResult<()> {
+            Ok(())
+        }
+        fn watch_revisions(&self, on_change: RevisionFeed) -> KvResult<bool> {
+            *self.feed.lock() = Some(on_change);
+            Ok(true)
+        }
+    }
+
+    /// A lookup that read a name before this node's commit changed it,
+    /// and fills after that commit's own fill was stopped by another
+    /// node's change in the same epoch stripe, must not leave its older
+    /// answer cached: the name made is found, the name removed is not.
+    #[test]
+    fn a_read_of_an_older_state_does_not_land_after_a_commit_it_raced() {
+        for removing in [false, true] {
+            let engine = Arc::new(RevKv::default());
+            let kv = CachedKv::wrap(engine.clone()).unwrap();
+            let x = crate::schema::dentry(7, b"x");
+            if removing {
+                // Made before, and not cached here (it expired, or was never read).
+                let rev = engine.rev.fetch_add(1, Ordering::SeqCst) + 1;
+                engine.data.lock().insert(x.clone(), (b"file".to_vec(), rev));
+            }
+            // Another node's record, in the same stripe of epochs as x.
+            let y = (0u32..)
+                .map(|i| crate::schema::dentry(9, format!("y{i}").as_bytes()))
+                .find(|y| Epochs::index(y) == Epochs::index(&x))
+                .unwrap();
+            // This node's change of x begins...
+            let mut w = kv.write_txn().unwrap();
+            match removing {
+                false => w.put(&x, b"file"),
+                true => w.delete(&x),
+            }
+            // ...another node changes y (the feed bumps the stripe)...
+            let feed = engine.feed.lock().clone().unwrap();
+            feed(&y, Some(b"other"), engine.rev.fetch_add(1, Ordering::SeqCst) + 1);
+            // ...a lookup of x reads it as it was (and is held there)...
+            let (reached, held) = mpsc::channel();
+            let (go, wait) = mpsc::channel();
+            *engine.hold.lock() = Some(Hold { reached, go: wait });
+            let lookup = {
+                let kv = kv.clone();
+                let x = x.clone();
+                std::thread::spawn(move || kv.read_txn().unwrap().get(&x).unwrap())
+            };
+            held.recv().unwrap();
+            // ...the change commits (its own fill stopped by the bump)...
+            w.commit(Durability::Buffered).unwrap();
+            // ...and the lookup fills what it read, afterwards.
+            go.send(()).unwrap();
+            let seen = lookup.join().unwrap();
+            assert_eq!(seen.is_some(), removing, "the lookup read x as it was before the commit");
+            let now = kv.read_txn().unwrap().get(&x).unwrap();
+            assert_eq!(now.is_some(), !removing, "removing: {removing}: x as committed, not as the older read saw it");
+        }
     }
 }
