@@ -321,8 +321,23 @@ impl CachedKv {
     /// Wrap `inner`; returns `inner` unchanged (no cache) when it has no
     /// change feed, since a cache without one could serve stale records.
     pub fn wrap(inner: Arc<dyn KvEngine>) -> KvResult<Arc<dyn KvEngine>> {
-        let cache: Cache = moka::sync::Cache::builder().max_capacity(CAPACITY).time_to_live(CACHE_TTL).build();
         let epochs = Arc::new(Epochs::new());
+        // An entry the cache drops to make room leaves no trace of the
+        // state it knew: a read of an older state still under way must not
+        // land in its place, as after an eviction (see `fill`).
+        let dropped_for_room = {
+            let epochs = epochs.clone();
+            move |key: Arc<Vec<u8>>, _: Entry, cause: moka::notification::RemovalCause| {
+                if cause == moka::notification::RemovalCause::Size {
+                    epochs.bump(&key);
+                }
+            }
+        };
+        let cache: Cache = moka::sync::Cache::builder()
+            .max_capacity(CAPACITY)
+            .time_to_live(CACHE_TTL)
+            .eviction_listener(dropped_for_room)
+            .build();
         let subscribers: Arc<Mutex<Vec<ChangeFeed>>> = Arc::default();
         let listings = Arc::new(Listings::default());
         let feed: RevisionFeed = {
