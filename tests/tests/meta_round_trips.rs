@@ -479,10 +479,16 @@ fn write_copied(c: &Cluster, dir: &Path) -> Vec<u64> {
     inos
 }
 
-/// Reads of etcd the node serving its metrics at `metrics` made since `before`.
-fn reads_since(metrics: &str, before: &BTreeMap<String, u64>) -> u64 {
+/// After the node's once-a-second background pass had a few turns, the
+/// node serving its metrics at `metrics` read etcd at most once for every
+/// 4 of the [`COPIED`] files since `before` (a read per file is what
+/// `doing` must not cost).
+fn assert_few_reads_since(metrics: &str, before: &BTreeMap<String, u64>, doing: &str) {
+    std::thread::sleep(std::time::Duration::from_secs(3));
     let read = |m: &BTreeMap<String, u64>| m.get("read").copied().unwrap_or(0);
-    read(&etcd_requests(metrics)) - read(before)
+    let reads = read(&etcd_requests(metrics)) - read(before);
+    eprintln!("n2 read etcd {reads} times while {doing} {COPIED} files");
+    assert!(reads <= COPIED / 4, "n2 read etcd {reads} times while {doing} {COPIED} files: a read per file is back");
 }
 
 /// A node that takes the copies of files another node writes asks etcd
@@ -499,14 +505,8 @@ fn taking_a_writers_copies_costs_the_receiving_node_no_read_per_file() {
     std::thread::sleep(std::time::Duration::from_secs(3));
     let before = etcd_requests(&ports[1]);
     let inos = write_copied(&c, &dir);
-    // The settler looks at new copies every second: give it a few.
-    std::thread::sleep(std::time::Duration::from_secs(3));
-    let reads = reads_since(&ports[1], &before);
-    eprintln!("n2 read etcd {reads} times while taking copies of {COPIED} files");
-    assert!(
-        reads <= COPIED / 4,
-        "n2 read etcd {reads} times while taking copies of {COPIED} files: a read per copy is back"
-    );
+    // The settler looks at new copies every second.
+    assert_few_reads_since(&ports[1], &before, "taking copies of");
     // The copies are the files' bytes, readable on n2 (close-to-open).
     for (i, _) in inos.iter().enumerate().step_by(40) {
         let got = fs::read(c.node(1).mnt.join("copied").join(format!("f{i}"))).unwrap();
@@ -529,14 +529,8 @@ fn dropping_the_copies_of_deleted_files_costs_the_holder_no_read_per_file() {
         fs::remove_file(dir.join(format!("f{i}"))).unwrap();
     }
     eventually(30, "n2 dropped its copies of the deleted files", || !inos.iter().any(|ino| c.holds(1, *ino)));
-    // The sweep looks at what the feed reported every second: give it a few.
-    std::thread::sleep(std::time::Duration::from_secs(3));
-    let reads = reads_since(&ports[1], &before);
-    eprintln!("n2 read etcd {reads} times while dropping its copies of {COPIED} deleted files");
-    assert!(
-        reads <= COPIED / 4,
-        "n2 read etcd {reads} times while dropping its copies of {COPIED} deleted files: a read per file is back"
-    );
+    // The sweep looks at what the feed reported every second.
+    assert_few_reads_since(&ports[1], &before, "dropping its copies of the deleted");
     let warm = fs::metadata(dir.join("warm")).unwrap().ino();
     assert!(c.holds(1, warm), "n2 dropped the copy of a file nobody deleted");
 }
