@@ -394,7 +394,8 @@ impl EtcdKv {
         let mut c = self.client.kv_client();
         round_trips::count(RoundTrip::Commit);
         let mut in_flight = self.own.begin();
-        let resp = self.run(c.txn(txn))?;
+        // Timed apart from the whole `write`: what of a commit is etcd's.
+        let resp = crate::timed("etcd_txn", || self.run(c.txn(txn)))?;
         if resp.succeeded() {
             in_flight.revision = resp.header().map(|h| h.revision());
         }
