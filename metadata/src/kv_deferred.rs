@@ -226,6 +226,29 @@ impl State {
             .collect()
     }
 
+    /// The overlay's changes in `[start, end)`.
+    fn overlay_in(&self, start: &[u8], end: &[u8]) -> PendingWrites {
+        self.overlay
+            .range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
+            .map(|(k, p)| (k.clone(), p.value.as_ref().map(|v| v.as_ref().clone())))
+            .collect()
+    }
+
+    /// A range as this node sees it before the engine is asked: the
+    /// overlay's changes in it (with their sequence numbers) and, for an
+    /// inode made here, what the engine holds of it. Taken in one hold of
+    /// the lock: a flush that commits between two reads of them moves a
+    /// change from the overlay into what the engine holds, and a reader
+    /// holding the older one of each would see neither (a name it removed
+    /// still listed, or one it made missing).
+    fn range_view(&self, start: &[u8], end: &[u8], plain: bool) -> RangeView {
+        RangeView {
+            seen: self.in_overlay(start, end),
+            overlay: self.overlay_in(start, end),
+            known: if plain { None } else { self.known_range(start, end) },
+        }
+    }
+
     /// Whether an op is held back with a file still being written.
     fn held_back(&self, op: &Op) -> bool {
         op.files
@@ -1063,8 +1086,7 @@ impl KvRead for DeferredRead<'_> {
         }
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let over = self.kv.overlay_in(start, end);
-        let known = self.kv.state.lock().known_range(start, end);
+        let RangeView { overlay: over, known, .. } = self.kv.state.lock().range_view(start, end, false);
         let base = match known {
             Some(records) => records,
             None => {
@@ -1096,15 +1118,38 @@ impl KvRead for DeferredRead<'_> {
     }
 }
 
-impl DeferredKv {
-    /// The overlay's changes in `[start, end)`.
-    fn overlay_in(&self, start: &[u8], end: &[u8]) -> PendingWrites {
-        let st = self.state.lock();
-        st.overlay
-            .range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
-            .map(|(k, p)| (k.clone(), p.value.as_ref().map(|v| v.as_ref().clone())))
-            .collect()
+/// Hooks for tests, run at points where a race with another thread can
+/// land (`test-util` builds only).
+#[cfg(feature = "test-util")]
+pub mod test_hooks {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static AFTER_RANGE_VIEW: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
     }
+
+    /// Run `f` once, on this thread, right after the next range read of a
+    /// read-write transaction took its view of the overlay and of what
+    /// this node knows the engine holds (a flush landing there).
+    pub fn once_after_range_view(f: impl FnOnce() + 'static) {
+        AFTER_RANGE_VIEW.with(|h| *h.borrow_mut() = Some(Box::new(f)));
+    }
+
+    pub(super) fn after_range_view() {
+        if let Some(f) = AFTER_RANGE_VIEW.with(|h| h.borrow_mut().take()) {
+            f();
+        }
+    }
+}
+
+/// A range as [`State::range_view`] found it, in one hold of the lock.
+struct RangeView {
+    /// The overlay's keys in it, with their sequence numbers.
+    seen: Vec<(Vec<u8>, u64)>,
+    /// The overlay's changes in it.
+    overlay: PendingWrites,
+    /// What the engine holds of it, when this node knows it all.
+    known: Option<Records>,
 }
 
 /// A read-write transaction: reads see the overlay; the commit queues it
@@ -1146,12 +1191,11 @@ impl DeferredTxn<'_> {
     /// is this node's alone (a file's layout made here): the delete can then
     /// be acknowledged as deletes of those keys. None for any other range.
     fn expand(&mut self, start: &[u8], end: &[u8]) -> KvResult<Option<Records>> {
-        let (owned, known, seen) = {
+        let (owned, RangeView { seen, overlay: mut layered, known }) = {
             let st = self.kv.state.lock();
             let owned =
                 schema::range_subject(start, end) != Subject::Other && st.own(&self.kv.node, start, &[]) != Own::No;
-            let known = if self.plain { None } else { st.known_range(start, end) };
-            (owned, known, st.in_overlay(start, end))
+            (owned, st.range_view(start, end, self.plain))
         };
         if !owned {
             return Ok(None);
@@ -1162,7 +1206,6 @@ impl DeferredTxn<'_> {
             Some(records) => records,
             None => self.inner.scan(start, end, usize::MAX >> 1)?,
         };
-        let mut layered = self.kv.overlay_in(start, end);
         for (k, v) in self.writes.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end))) {
             layered.insert(k.clone(), v.clone());
         }
@@ -1207,12 +1250,9 @@ impl KvRead for DeferredTxn<'_> {
         }
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        let (seen, known) = {
-            let st = self.kv.state.lock();
-            let known = if self.plain { None } else { st.known_range(start, end) };
-            (st.in_overlay(start, end), known)
-        };
-        let mut layered = self.kv.overlay_in(start, end);
+        let RangeView { seen, overlay: mut layered, known } = self.kv.state.lock().range_view(start, end, self.plain);
+        #[cfg(feature = "test-util")]
+        test_hooks::after_range_view();
         for (k, v) in self.writes.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end))) {
             layered.insert(k.clone(), v.clone());
         }

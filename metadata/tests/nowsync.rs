@@ -322,6 +322,31 @@ fn a_removal_sent_past_the_overlay_is_what_the_directory_made_here_lists_after()
     assert!(a.ns.lookup(ROOT_INO, b"top").is_err());
 }
 
+/// `rm -rf` right after an untar, the flusher committing beside it: a file
+/// made in a directory made here was committed by one flush and its unlink
+/// waits for the next, so `rmdir` reads the directory from what this node
+/// knows the engine holds (the name) under the overlay (its removal). A
+/// flush that lands while it reads moves the removal from one to the
+/// other: a read of the two at different moments found it in neither,
+/// listed the name, and `rmdir` failed with ENOTEMPTY on an empty directory.
+#[test]
+fn rmdir_reads_one_view_while_a_flush_commits_the_removals_it_empties() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let a = etcd_node(&cluster.endpoints, "relisted", "a", true);
+    let deferred = a.deferred.clone().unwrap();
+    let top = a.ns.mknod(ROOT_INO, b"top", &dir()).unwrap();
+    let d = a.ns.mknod(top.ino, b"d", &dir()).unwrap();
+    a.ns.mknod(d.ino, b"f", &file()).unwrap();
+    deferred.flush_all().unwrap();
+    a.ns.unlink(d.ino, b"f").unwrap();
+    assert!(deferred.backlog().0 > 0, "the unlink is acknowledged, not committed");
+    let flusher = deferred.clone();
+    converged_metadata::kv_deferred::test_hooks::once_after_range_view(move || flusher.flush_all().unwrap());
+    a.ns.rmdir(top.ino, b"d").unwrap();
+    assert_eq!(deferred.backlog().0, 0, "the hook's flush ran");
+    assert!(a.ns.readdir(top.ino).unwrap().is_empty());
+}
+
 /// Node `id` of volume `volume` on a real etcd, through the node cache a
 /// cluster mount uses, deferring (`nowsync`) or not; no flusher.
 fn etcd_node(endpoints: &[String], volume: &str, id: &str, nowsync: bool) -> Node {

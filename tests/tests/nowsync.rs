@@ -77,6 +77,47 @@ fn a_tree_made_here_is_removed_whole_by_rm_rf() {
     assert!(!b.path("t").exists());
 }
 
+/// `rm -rf` at once after an untar, while the releases of what it wrote
+/// and the flusher's commits go on: each `rmdir` reads a directory made
+/// here while flushes move its removals from the overlay into what the
+/// node knows the engine holds. A race that made `rmdir` fail with
+/// ENOTEMPTY on an empty directory hit about one such untar in ten
+/// (2,000 files); `metadata/tests/nowsync.rs` lands a flush exactly there
+/// (`rmdir_reads_one_view_while_a_flush_commits_the_removals_it_empties`),
+/// and this checks the whole path through the kernel.
+#[test]
+fn an_untarred_tree_is_removed_by_rm_rf_at_once() {
+    let Some(c) = Cluster::start(2, &["--nowsync"]) else { return };
+    let (a, b) = (c.node(0), c.node(1));
+    for round in 0..4 {
+        let top = a.path(&format!("r{round}"));
+        for d in 0..10 {
+            fs::create_dir_all(top.join(format!("tree/d{d}"))).unwrap();
+        }
+        for i in 0..600 {
+            let (name, data) = small(i);
+            fs::write(top.join(format!("tree/d{}/{name}", i % 10)), &data[..data.len().min(4096)]).unwrap();
+        }
+        if let Err(e) = fs::remove_dir_all(&top) {
+            let left: Vec<String> = walk(&top).into_iter().map(|p| p.display().to_string()).collect();
+            panic!("round {round}: rm -rf failed ({e}); left now: {left:?}");
+        }
+        assert!(!b.path(&format!("r{round}")).exists());
+    }
+}
+
+/// Every path below `dir` (none when it is gone).
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten() {
+            out.push(e.path());
+            out.extend(walk(&e.path()));
+        }
+    }
+    out
+}
+
 #[test]
 fn creates_on_one_node_commit_before_a_listing_on_another_sees_them() {
     let Some(c) = Cluster::start(2, &["--nowsync"]) else { return };
