@@ -20,7 +20,8 @@
 //! it acknowledged there. Any other transaction is sent as before, after
 //! the queued changes of the keys it touches: it reads no acknowledged,
 //! uncommitted state. A durable commit (fsync) and [`KvEngine::sync`]
-//! flush everything first.
+//! first flush everything acknowledged before they began (not what comes
+//! in meanwhile: see [`DeferredKv::durable_change`]).
 //!
 //! A file made here is held back while its writer has it open and has not
 //! published it (up to [`HOLD_MAX`]), and from its close to its publish
@@ -353,6 +354,28 @@ impl DeferredKv {
         self.flush(Flush::Due)
     }
 
+    /// Commit what was acknowledged up to now and is not held back; what
+    /// is acknowledged meanwhile is left to the flusher (a flush of all
+    /// that is due would not end beside a steady stream of changes).
+    pub fn flush_acknowledged(&self) -> KvResult<()> {
+        let seq = self.state.lock().seq;
+        self.flush(Flush::Through(seq))
+    }
+
+    /// A durable change begins (fsync): what was acknowledged before now
+    /// is what it makes durable first, committed here, and what its
+    /// transactions on this thread flush before they commit, however many
+    /// times they start over, while the guard lives. Changes acknowledged
+    /// after now are not part of its promise: beside a steady stream of
+    /// them (an untar next to the fsync) a bound that moved with each
+    /// attempt would have every attempt flush and start over again.
+    pub fn durable_change(&self) -> KvResult<DurableChange> {
+        let seq = self.state.lock().seq;
+        self.flush(Flush::Through(seq))?;
+        DURABLE_SINCE.with(|d| d.set(Some(seq)));
+        Ok(DurableChange(()))
+    }
+
     /// Whether a directory made now may be delegated here (under [`HELD_MAX`]).
     pub fn may_delegate(&self) -> bool {
         self.state.lock().held.len() < HELD_MAX
@@ -522,10 +545,11 @@ impl DeferredKv {
         Ok(Sent::Committed(txn.commit_at(Durability::Buffered)?.unwrap_or(0)))
     }
 
-    /// Whether some queued change is due (not held back).
-    fn has_due(&self) -> bool {
+    /// Whether some change queued up to sequence number `seq` is due (not
+    /// held back).
+    fn has_due_through(&self, seq: u64) -> bool {
         let st = self.state.lock();
-        st.queue.iter().any(|op| !st.held_back(op))
+        st.queue.iter().any(|op| op.seq <= seq && !st.held_back(op))
     }
 
     /// Whether `key` holds an acknowledged change, or belongs to an inode
@@ -1064,6 +1088,22 @@ thread_local! {
     static PLAIN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+thread_local! {
+    /// Set while a durable change runs on this thread (see
+    /// [`DeferredKv::durable_change`]): what its commit makes durable first.
+    static DURABLE_SINCE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// While it lives, the durable change begun on this thread bounds what its
+/// transactions flush first (see [`DeferredKv::durable_change`]).
+pub struct DurableChange(());
+
+impl Drop for DurableChange {
+    fn drop(&mut self) {
+        DURABLE_SINCE.with(|d| d.set(None));
+    }
+}
+
 /// A read view: the overlay over the engine's.
 struct DeferredRead<'a> {
     kv: &'a DeferredKv,
@@ -1158,6 +1198,9 @@ struct DeferredTxn<'a> {
     kv: &'a DeferredKv,
     inner: Box<dyn KvWrite + 'a>,
     epoch: u64,
+    /// The last change acknowledged when it began: what a durable commit
+    /// of it makes durable first.
+    since: u64,
     /// Keys read, with the overlay's sequence number of each (0: none).
     reads: Vec<(Vec<u8>, u64)>,
     /// Ranges scanned, with the overlay's keys in each.
@@ -1314,13 +1357,16 @@ impl KvWrite for DeferredTxn<'_> {
         if self.writes.is_empty() && self.ranges.is_empty() {
             return self.inner.commit_at(durability);
         }
-        if durability == Durability::Durable && kv.has_due() {
+        if durability == Durability::Durable && kv.has_due_through(self.since) {
             // fsync's promise: what was acknowledged before is durable too
             // (but files still held back: a name without its bytes is not
             // what any close acknowledged). What this transaction read of
-            // the overlay is stale after it.
+            // the overlay is stale after it. Changes acknowledged after it
+            // began are not part of the promise: waiting for none to be
+            // due would never end beside a steady stream of them (an untar).
+            let since = self.since;
             drop(self);
-            kv.flush(Flush::Due)?;
+            kv.flush(Flush::Through(since))?;
             return Err(KvError::Conflict);
         }
         match kv.fate(&self, durability) {
@@ -1383,11 +1429,15 @@ impl KvEngine for DeferredKv {
         self.inner.txn_limit()
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        let epoch = self.state.lock().epoch;
+        let (epoch, since) = {
+            let st = self.state.lock();
+            (st.epoch, DURABLE_SINCE.with(|d| d.get()).unwrap_or(st.seq))
+        };
         Ok(Box::new(DeferredTxn {
             kv: self,
             inner: self.inner.write_txn()?,
             epoch,
+            since,
             reads: Vec::new(),
             scans: Vec::new(),
             writes: PendingWrites::new(),
@@ -1403,7 +1453,7 @@ impl KvEngine for DeferredKv {
     /// Commits what is due (files still held back stay queued: see
     /// [`DeferredKv::flush_all`] for all of it), then syncs the engine.
     fn sync(&self) -> KvResult<()> {
-        self.flush(Flush::Due)?;
+        self.flush_acknowledged()?;
         self.inner.sync()
     }
     fn membership(&self) -> Option<&dyn crate::membership::Membership> {

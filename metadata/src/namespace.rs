@@ -577,6 +577,13 @@ impl Namespace {
         crate::held_locks::assert_none_held("a KV transaction");
         let mut attempt = 0;
         let mut freed = false;
+        // What was acknowledged before a durable change commits before it
+        // reads (--nowsync), once: its attempts then rest on none of it,
+        // and changes acknowledged meanwhile do not make them start over.
+        let _durable = match (durability, &self.deferred) {
+            (Durability::Durable, Some(deferred)) => Some(deferred.durable_change()?),
+            _ => None,
+        };
         loop {
             attempt += 1;
             let mut txn = self.kv.write_txn()?;
