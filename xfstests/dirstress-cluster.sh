@@ -12,6 +12,7 @@
 # README.md here). ITERATIONS defaults to 50. Environment:
 #   CONVERGED   converged binary [<repo>/target/release/converged]
 #   WORK        work directory, emptied first [/var/tmp/converged-dirstress]
+#   MOUNT_OPTS  mount options of both nodes, e.g. --nowsync [none]
 set -euo pipefail
 
 die() { echo "dirstress-cluster: $*" >&2; exit 1; }
@@ -29,11 +30,17 @@ WORK=${WORK:-/var/tmp/converged-dirstress}
 case $WORK in /*) ;; *) die "WORK must be an absolute path" ;; esac
 [[ $WORK != / ]] || die "WORK must not be /"
 
+OPTS=()
+for o in ${MOUNT_OPTS:-}; do
+    [[ $o == --* ]] || die "MOUNT_OPTS=$MOUNT_OPTS: expected options such as --nowsync"
+    OPTS+=("--mount-opt=$o")
+done
+
 rm -rf "$WORK"
 mkdir -p "$WORK"
 python3 "$REPO/bench/scripts/make_tree.py" "$WORK/tree.tar" 2000 20 >/dev/null
 mkfifo "$WORK/out"
-"$CONVERGED" dev-cluster --nodes 2 --dir "$WORK/dev" >"$WORK/out" 2>"$WORK/dev.err" &
+"$CONVERGED" dev-cluster --nodes 2 --dir "$WORK/dev" "${OPTS[@]}" >"$WORK/out" 2>"$WORK/dev.err" &
 CLUSTER=$!
 exec 3<"$WORK/out"
 while IFS= read -r -u 3 line; do
