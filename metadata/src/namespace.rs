@@ -577,11 +577,10 @@ impl Namespace {
         crate::held_locks::assert_none_held("a KV transaction");
         let mut attempt = 0;
         let mut freed = false;
-        // What was acknowledged before a durable change commits before it
-        // reads (--nowsync), once: its attempts then rest on none of it,
-        // and changes acknowledged meanwhile do not make them start over.
+        // A durable change makes durable what was acknowledged before it
+        // began (--nowsync), not what is acknowledged while it retries.
         let _durable = match (durability, &self.deferred) {
-            (Durability::Durable, Some(deferred)) => Some(deferred.durable_change()?),
+            (Durability::Durable, Some(deferred)) => Some(deferred.durable_change()),
             _ => None,
         };
         loop {
