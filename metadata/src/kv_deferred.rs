@@ -227,14 +227,6 @@ impl State {
             .collect()
     }
 
-    /// The overlay's changes in `[start, end)`.
-    fn overlay_in(&self, start: &[u8], end: &[u8]) -> PendingWrites {
-        self.overlay
-            .range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
-            .map(|(k, p)| (k.clone(), p.value.as_ref().map(|v| v.as_ref().clone())))
-            .collect()
-    }
-
     /// A range as this node sees it before the engine is asked: the
     /// overlay's changes in it (with their sequence numbers) and, for an
     /// inode made here, what the engine holds of it. Taken in one hold of
@@ -243,11 +235,14 @@ impl State {
     /// holding the older one of each would see neither (a name it removed
     /// still listed, or one it made missing).
     fn range_view(&self, start: &[u8], end: &[u8], plain: bool) -> RangeView {
-        RangeView {
-            seen: self.in_overlay(start, end),
-            overlay: self.overlay_in(start, end),
-            known: if plain { None } else { self.known_range(start, end) },
+        let mut seen = Vec::new();
+        let mut overlay = PendingWrites::new();
+        for (k, p) in self.overlay.range::<[u8], _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
+        {
+            seen.push((k.clone(), p.seq));
+            overlay.insert(k.clone(), p.value.as_ref().map(|v| v.as_ref().clone()));
         }
+        RangeView { seen, overlay, known: if plain { None } else { self.known_range(start, end) } }
     }
 
     /// Whether an op is held back with a file still being written.
@@ -1085,9 +1080,6 @@ thread_local! {
     /// memory: it runs again after [`Fate::FlushFirst`] or [`Fate::Plain`],
     /// and will be sent.
     static PLAIN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-thread_local! {
     /// Set while a durable change runs on this thread (see
     /// [`DeferredKv::durable_change`]): what its commit makes durable first.
     static DURABLE_SINCE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
