@@ -40,6 +40,9 @@
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   CKPT_ROUNDS checkpoint rounds [3]
 #   SAVE        1: also save the table under bench/results/ [0]
+#   META        1: also run bench/metadata.sh (TARGETS="raw cluster nowsync") and append its
+#               table: creates, stats, unlinks, the untar of TREE files [1]
+#   TREE        files in the metadata untar test [20000]
 #   PEERS       1: also run the replicated write and the checkpoint on MooseFS
 #               (goal 2) and GlusterFS (replica 2) started from ../shared/peers [0]
 #
@@ -60,6 +63,8 @@ MOUNT_OPTS=${MOUNT_OPTS:-}
 DEFAULT_CONVERGED=$REPO/target/release/converged
 CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
 SAVE=${SAVE:-0}
+META=${META:-1}
+TREE=${TREE:-20000}
 PEERS=${PEERS:-0}
 PEERS_DIR=$REPO/../shared/peers
 PEERS_UP=()
@@ -72,9 +77,10 @@ command -v fio >/dev/null || die "fio not found (apt-get install fio)"
 command -v python3 >/dev/null || die "python3 not found"
 [[ -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
 [[ $SIZE =~ ^[1-9][0-9]*[kKmMgGtT]?$ ]] || die "SIZE=$SIZE: expected a number with an optional k/m/g/t suffix"
-for v in NFILES STAT_LOOPS JOBS; do
+for v in NFILES STAT_LOOPS JOBS TREE; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
 done
+[[ $META == 0 || $META == 1 ]] || die "META=$META: expected 0 or 1"
 case $BENCH_DIR in /*) ;; *) die "BENCH_DIR must be an absolute path" ;; esac
 [[ $BENCH_DIR != *[[:space:]]* ]] || die "BENCH_DIR must not contain white space"
 
@@ -401,6 +407,27 @@ print(f"  local (n1)   {lat_us('rand1-local'):>9.0f} us {ops('rand16-local'):>10
 print(f"  remote (n2)  {lat_us('rand1-remote'):>9.0f} us {ops('rand16-remote'):>10,.0f} IOPS")
 PY
 } > "$REPORT"
+
+# The metadata figures (bench/metadata.sh, its table appended to this one):
+# creates, first, cached and later stats and unlinks from 1 and 16
+# processes, etcd's own ceiling where etcd is used, and the untar, ls -lR
+# and rm -rf of TREE small files, on ext4 and 2 nodes on etcd, default and --nowsync.
+if [[ $META == 1 ]]; then
+    # Its clusters get the host to themselves.
+    if [[ -n $DEV_PID ]] && kill -0 "$DEV_PID" 2>/dev/null; then
+        kill -TERM "$DEV_PID"
+        wait "$DEV_PID" || true
+    fi
+    DEV_PID=
+    log "metadata: bench/metadata.sh with TARGETS=\"raw cluster nowsync\""
+    BENCH_DIR=$BENCH_DIR/meta TARGETS="raw cluster nowsync" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 PEERS=$PEERS \
+        "$SCRIPT_DIR/metadata.sh" > "$JSON/metadata.txt" || die "bench/metadata.sh failed"
+    {
+        echo
+        echo "metadata (bench/metadata.sh, TARGETS=\"raw cluster nowsync\" NFILES=$NFILES TREE=$TREE):"
+        sed '1{/^$/d}' "$JSON/metadata.txt"
+    } >> "$REPORT"
+fi
 echo
 cat "$REPORT"
 if [[ $SAVE == 1 ]]; then

@@ -9,6 +9,10 @@
 #   sudo bench/metadata.sh
 #   sudo NFILES=2000 TREE=5000 bench/metadata.sh       # quick check
 #   sudo SAVE=1 bench/metadata.sh                      # also save bench/results/metadata-<date>.txt
+#   sudo TARGETS="raw one" bench/metadata.sh           # ext4 and the single node only
+#
+# bench/single-node.sh runs it with TARGETS="raw one" and bench/cluster.sh
+# with TARGETS="raw cluster nowsync", and append its table to theirs.
 #
 # What it prints (bench/scripts/meta_ops.py, one directory unless "spread"):
 #   create        open(O_CREAT|O_EXCL) + close of an empty file
@@ -36,6 +40,10 @@
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   PEERS       1: also run on MooseFS and GlusterFS (../shared/peers) [0]
 #   SAVE        1: also save the table under bench/results/ [0]
+#   TARGETS     what to measure, space separated, from: raw (ext4), one (a
+#               single-node mount, and one with --attr-timeout 0), cluster
+#               (2 nodes on etcd), nowsync (the same with --nowsync)
+#               [raw one cluster nowsync]
 set -euo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -45,6 +53,7 @@ NFILES=${NFILES:-10000}
 TREE=${TREE:-20000}
 PEERS=${PEERS:-0}
 SAVE=${SAVE:-0}
+read -r -a TARGETS <<<"${TARGETS:-raw one cluster nowsync}"
 DEFAULT_CONVERGED=$REPO/target/release/converged
 CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
 RATE=$REPO/target/release/examples/etcd_rate
@@ -55,7 +64,14 @@ log() { echo "== $*" >&2; }
 
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts need it): sudo $0"
 command -v python3 >/dev/null || die "python3 not found"
-[[ -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
+wants() { [[ " ${TARGETS[*]} " == *" $1 "* ]]; }
+((${#TARGETS[@]} > 0)) || die "TARGETS is empty: name at least one of raw one cluster nowsync"
+for t in "${TARGETS[@]}"; do
+    case $t in raw | one | cluster | nowsync) ;; *) die "TARGETS: unknown target '$t' (raw, one, cluster, nowsync)" ;; esac
+done
+CLUSTERED=0
+if wants cluster || wants nowsync; then CLUSTERED=1; fi
+[[ $CLUSTERED == 0 || -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
 for v in NFILES TREE; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
 done
@@ -67,7 +83,7 @@ if [[ ! -x $CONVERGED ]]; then
     log "building converged (cargo build --release -p converged-fs)"
     (cd "$REPO" && cargo build --release -p converged-fs) || die "build failed"
 fi
-if [[ ! -x $RATE ]]; then
+if [[ $CLUSTERED == 1 && ! -x $RATE ]]; then
     log "building the etcd rate probe (cargo build --release -p converged-metadata --example etcd_rate)"
     (cd "$REPO" && cargo build --release -p converged-metadata --example etcd_rate) || die "build failed"
 fi
@@ -111,9 +127,11 @@ trap 'exit 143' TERM
 rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$OUT"
 mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$OUT"
 
-log "single-node mounts (embedded metadata): default, and --attr-timeout 0"
-"$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data"
-"$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0
+if wants one; then
+    log "single-node mounts (embedded metadata): default, and --attr-timeout 0"
+    "$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data"
+    "$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0
+fi
 
 start_cluster() { # DIR NAME [mount options...]: sets STARTED_PID and STARTED_ENDPOINT
     local dir=$1 name=$2
@@ -137,12 +155,17 @@ start_cluster() { # DIR NAME [mount options...]: sets STARTED_PID and STARTED_EN
     exec 3<&-
     STARTED_ENDPOINT=$endpoint
 }
-start_cluster "$DEV" dev
-DEV_PID=$STARTED_PID ENDPOINT=$STARTED_ENDPOINT
-start_cluster "$NW" nowsync --nowsync
-NW_PID=$STARTED_PID
+ENDPOINT=
+if wants cluster; then
+    start_cluster "$DEV" dev
+    DEV_PID=$STARTED_PID ENDPOINT=$STARTED_ENDPOINT
+fi
+if wants nowsync; then
+    start_cluster "$NW" nowsync --nowsync
+    NW_PID=$STARTED_PID
+    [[ -n $ENDPOINT ]] || ENDPOINT=$STARTED_ENDPOINT
+fi
 
-TARGETS=(raw one cluster nowsync)
 declare -A DIR=([raw]=$RAW [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
 declare -A STATS=([raw]="" [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
 if [[ $PEERS == 1 ]]; then
@@ -158,8 +181,10 @@ if [[ $PEERS == 1 ]]; then
     done
 fi
 
-log "etcd's own ceiling at $ENDPOINT"
-for t in 1 16; do "$RATE" "$ENDPOINT" "$t" 3000 > "$OUT/etcd-$t.txt"; done
+if [[ -n $ENDPOINT ]]; then
+    log "etcd's own ceiling at $ENDPOINT"
+    for t in 1 16; do "$RATE" "$ENDPOINT" "$t" 3000 > "$OUT/etcd-$t.txt"; done
+fi
 
 ops() { # TARGET TAG [--spread] PROCS DIR
     local target=$1 tag=$2
@@ -174,8 +199,10 @@ for t in "${TARGETS[@]}"; do
     ops "$t" p16 "$d/p16" "$NFILES" 16
     ops "$t" spread --spread "$d/spread" "$NFILES" 16
 done
-STATS[zero]=""
-ops zero p1 "$ZERO/mnt/bench-meta" "$NFILES" 1
+if wants one; then
+    STATS[zero]=""
+    ops zero p1 "$ZERO/mnt/bench-meta" "$NFILES" 1
+fi
 
 log "tree of $TREE small files in 100 directories"
 python3 "$SCRIPT_DIR/scripts/make_tree.py" "$OUT/tree.tar" "$TREE" 100
@@ -200,13 +227,15 @@ done
 REPORT=$OUT/table.txt
 {
     echo "converged metadata benchmark, $(date '+%Y-%m-%d %H:%M:%S %z')"
-    echo "host $(hostname), kernel $(uname -r), $(nproc) CPUs, $(/usr/bin/etcd --version | head -n 1)"
+    etcd_version=
+    [[ $CLUSTERED == 1 ]] && etcd_version=", $(/usr/bin/etcd --version | head -n 1)"
+    echo "host $(hostname), kernel $(uname -r), $(nproc) CPUs$etcd_version"
     rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
     git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
     echo "converged ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR; NFILES=$NFILES TREE=$TREE"
     echo
-    python3 - "$OUT" "${TARGETS[*]}" <<'PY'
-import json, re, sys
+    TREE=$TREE python3 - "$OUT" "${TARGETS[*]}" <<'PY'
+import json, os, re, sys
 
 out, targets = sys.argv[1], sys.argv[2].split()
 names = {"raw": "ext4", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "etcd+nowsync",
@@ -221,6 +250,8 @@ def load(t, tag):
 
 def etcd(threads):
     rates = {}
+    if not os.path.exists(f"{out}/etcd-{threads}.txt"):
+        return None
     with open(f"{out}/etcd-{threads}.txt") as f:
         for line in f:
             m = re.match(r"\d+ threads, (alone|grouped), (\d+) reads \+ (\d+) compares \+ (\d+) puts per txn: (\d+) txn/s", line)
@@ -229,11 +260,13 @@ def etcd(threads):
     return rates
 
 e1, e16 = etcd(1), etcd(16)
-print("etcd on this host, txn/s:  1 client: %d (one put), %d (a create's shape: 3 compares + 4 puts);"
-      "  16 clients: %d, %d" % (e1[("alone", 0, 0, 1)], e1[("alone", 0, 3, 4)], e16[("alone", 0, 0, 1)], e16[("alone", 0, 3, 4)]))
-print("the same through a node's group commit, 16 threads: %d (one put), %d (a create's shape)"
-      % (e16[("grouped", 0, 0, 1)], e16[("grouped", 0, 3, 4)]))
-print()
+if e1 and e16:
+    print("etcd on this host, txn/s:  1 client: %d (one put), %d (a create's shape: 3 compares + 4 puts);"
+          "  16 clients: %d, %d" % (e1[("alone", 0, 0, 1)], e1[("alone", 0, 3, 4)], e16[("alone", 0, 0, 1)],
+                                    e16[("alone", 0, 3, 4)]))
+    print("the same through a node's group commit, 16 threads: %d (one put), %d (a create's shape)"
+          % (e16[("grouped", 0, 0, 1)], e16[("grouped", 0, 3, 4)]))
+    print()
 cols = "".join(f"{names[t]:>15}" for t in targets)
 print(f"{'ops/s (etcd round trips per op)':<34}{cols}")
 rows = [("create, 1 process", "p1", "create"), ("create, 16 in one dir", "p16", "create"),
@@ -258,22 +291,46 @@ z = load("zero", "p1")
 if z:
     print(f"{'stat, attr-timeout 0 (1 node)':<34}{'':>15}{z['first_stat']['ops_s']:>15,.0f}")
 print()
+def met(ok):
+    return "met" if ok else "MISSED"
+
+o = load("one", "p1")
+if o:
+    print("1 node against its targets (1 process):")
+    for phase, label, floor in (("create", "create", 10_000), ("unlink", "unlink", 20_000),
+                                ("first_stat", "first stat after create", 200_000)):
+        v = o[phase]["ops_s"]
+        print(f"  {label:<25}{v:>10,.0f}/s   (target >= {floor:,}/s: {met(v >= floor)})")
+    print()
 for target, label in (("cluster", "2 nodes on etcd"), ("nowsync", "2 nodes on etcd with --nowsync")):
     c1, c16 = load(target, "p1"), load(target, "spread")
-    if c1 and c16:
+    if c1 and c16 and e1 and e16:
         print(f"{label} against etcd's ceiling (one-put transactions):")
-        print(f"  create, 1 process      {c1['create']['ops_s'] / e1[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
-        print(f"  create, 16 processes   {c16['create']['ops_s'] / e16[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
-        print(f"  unlink, 1 process      {c1['unlink']['ops_s'] / e1[('alone', 0, 0, 1)]:.2f}x   (target >= 0.8x)")
+        for what, r, e in (("create, 1 process", c1["create"], e1), ("create, 16 processes", c16["create"], e16),
+                           ("unlink, 1 process", c1["unlink"], e1)):
+            x = r["ops_s"] / e[("alone", 0, 0, 1)]
+            print(f"  {what:<25}{x:>10.2f}x   (target >= 0.8x: {met(x >= 0.8)})")
+        v = c1["first_stat"]["ops_s"]
+        print(f"  {'first stat after create':<25}{v:>10,.0f}/s   (target >= 50,000/s: {met(v >= 50_000)})")
+        if target == "nowsync":
+            v = c1["create"]["ops_s"]
+            print(f"  {'create, 1 process':<25}{v:>10,.0f}/s   (target >= 5,000/s: {met(v >= 5_000)})")
         print()
 print(f"{'tree of small files, seconds':<34}" + "".join(f"{names[t]:>15}" for t in targets))
-for what, label in (("untar", "untar"), ("untar_fsync", "untar, then fsync(dir)"), ("ls", "ls -lR (other node)"),
+for what, label in (("untar", "untar"), ("untar_fsync", "untar, then fsync(dir)"), ("ls", "ls -lR (clusters: other node)"),
                     ("rm", "rm -rf")):
     line = f"{label:<34}"
     for t in targets:
         vals = dict(l.split() for l in open(f"{out}/{t}-tree.txt"))
         line += f"{float(vals[what]):>15.2f}"
     print(line)
+untar = {t: float(dict(l.split() for l in open(f"{out}/{t}-tree.txt"))["untar"]) for t in targets}
+for t, limit in (("cluster", 20.0), ("nowsync", 5.0)):
+    if t in untar and int(os.environ["TREE"]) != 20_000:
+        print(f"untar on {names[t]}: {untar[t]:.2f} s (its target, <= {limit:.0f} s, is for TREE=20000)")
+    elif t in untar:
+        ahead = f", ahead of MooseFS ({untar['moosefs']:.2f} s): {met(untar[t] < untar['moosefs'])}" if "moosefs" in untar else ""
+        print(f"untar on {names[t]}: {untar[t]:.2f} s (target <= {limit:.0f} s: {met(untar[t] <= limit)}{ahead})")
 PY
 } > "$REPORT"
 echo

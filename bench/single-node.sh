@@ -15,6 +15,9 @@
 #   STAT_LOOPS  stat passes over the NFILES files [10]
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   SAVE        1: also save the table under bench/results/ [0]
+#   META        1: also run bench/metadata.sh (TARGETS="raw one") and append its
+#               table: creates, stats, unlinks, the untar of TREE files [1]
+#   TREE        files in the metadata untar test [20000]
 #
 # Needs root (drop_caches, FUSE mounts), fio and python3. See bench/README.md.
 set -euo pipefail
@@ -31,6 +34,8 @@ STAT_LOOPS=${STAT_LOOPS:-10}
 DEFAULT_CONVERGED=$REPO/target/release/converged
 CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
 SAVE=${SAVE:-0}
+META=${META:-1}
+TREE=${TREE:-20000}
 
 die() { echo "single-node: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
@@ -46,9 +51,10 @@ case ${BASH_REMATCH[2],,} in
     g) SIZE_BYTES=$((BASH_REMATCH[1] << 30)) ;;
     t) SIZE_BYTES=$((BASH_REMATCH[1] << 40)) ;;
 esac
-for v in NFILES STAT_LOOPS RAND_PCT; do
+for v in NFILES STAT_LOOPS RAND_PCT TREE; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
 done
+[[ $META == 0 || $META == 1 ]] || die "META=$META: expected 0 or 1"
 ((RAND_PCT <= 100)) || die "RAND_PCT=$RAND_PCT: at most 100"
 # Reads per random-read thread: each of the 4 threads reads RAND_PCT% of the
 # 4 KiB blocks of its quarter of the file.
@@ -304,6 +310,21 @@ if disk:
         print(f"{label:<{w[0]}}{cells[0]:<{w[1]}}{cells[1]}".rstrip())
 PY
 } > "$REPORT"
+
+# The metadata figures (bench/metadata.sh, its table appended to this one):
+# creates, first, cached and later stats and unlinks from 1 and 16
+# processes, etcd's own ceiling where etcd is used, and the untar, ls -lR
+# and rm -rf of TREE small files, on ext4 and one node.
+if [[ $META == 1 ]]; then
+    log "metadata: bench/metadata.sh with TARGETS=\"raw one\""
+    BENCH_DIR=$BENCH_DIR/meta TARGETS="raw one" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 \
+        "$SCRIPT_DIR/metadata.sh" > "$JSON/metadata.txt" || die "bench/metadata.sh failed"
+    {
+        echo
+        echo "metadata (bench/metadata.sh, TARGETS=\"raw one\" NFILES=$NFILES TREE=$TREE):"
+        sed '1{/^$/d}' "$JSON/metadata.txt"
+    } >> "$REPORT"
+fi
 echo
 cat "$REPORT"
 if [[ $SAVE == 1 ]]; then
