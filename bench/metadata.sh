@@ -228,7 +228,7 @@ REPORT=$OUT/table.txt
 {
     echo "converged metadata benchmark, $(date '+%Y-%m-%d %H:%M:%S %z')"
     etcd_version=
-    [[ $CLUSTERED == 1 ]] && etcd_version=", $(/usr/bin/etcd --version | head -n 1)"
+    if [[ $CLUSTERED == 1 ]]; then etcd_version=", $(/usr/bin/etcd --version | sed -n 1p)"; fi
     echo "host $(hostname), kernel $(uname -r), $(nproc) CPUs$etcd_version"
     rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
     git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
