@@ -353,8 +353,12 @@ impl DeferredKv {
     /// is acknowledged meanwhile is left to the flusher (a flush of all
     /// that is due would not end beside a steady stream of changes).
     pub fn flush_acknowledged(&self) -> KvResult<()> {
-        let seq = self.state.lock().seq;
-        self.flush(Flush::Through(seq))
+        self.flush(Flush::Through(self.acknowledged()))
+    }
+
+    /// The sequence number of the last change acknowledged.
+    fn acknowledged(&self) -> u64 {
+        self.state.lock().seq
     }
 
     /// A durable change begins (fsync): what was acknowledged before now
@@ -365,9 +369,8 @@ impl DeferredKv {
     /// steady stream of them (an untar next to the fsync) a bound that
     /// moved with each attempt had every attempt flush and start over.
     pub fn durable_change(&self) -> DurableChange {
-        let seq = self.state.lock().seq;
-        DURABLE_SINCE.with(|d| d.set(Some(seq)));
-        DurableChange(())
+        let seq = self.acknowledged();
+        DurableChange(DURABLE_SINCE.with(|d| d.replace(Some(seq))))
     }
 
     /// Whether a directory made now may be delegated here (under [`HELD_MAX`]).
@@ -1086,12 +1089,13 @@ thread_local! {
 }
 
 /// While it lives, the durable change begun on this thread bounds what its
-/// transactions flush first (see [`DeferredKv::durable_change`]).
-pub struct DurableChange(());
+/// transactions flush first (see [`DeferredKv::durable_change`]); dropped,
+/// it puts back the bound it replaced.
+pub struct DurableChange(Option<u64>);
 
 impl Drop for DurableChange {
     fn drop(&mut self) {
-        DURABLE_SINCE.with(|d| d.set(None));
+        DURABLE_SINCE.with(|d| d.set(self.0));
     }
 }
 
@@ -1420,9 +1424,10 @@ impl KvEngine for DeferredKv {
         self.inner.txn_limit()
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+        let durable = DURABLE_SINCE.with(|d| d.get());
         let (epoch, since) = {
             let st = self.state.lock();
-            (st.epoch, DURABLE_SINCE.with(|d| d.get()).unwrap_or(st.seq))
+            (st.epoch, durable.unwrap_or(st.seq))
         };
         Ok(Box::new(DeferredTxn {
             kv: self,
@@ -1441,8 +1446,9 @@ impl KvEngine for DeferredKv {
             plain: PLAIN.with(|p| p.replace(false)),
         }))
     }
-    /// Commits what is due (files still held back stay queued: see
-    /// [`DeferredKv::flush_all`] for all of it), then syncs the engine.
+    /// Commits what was acknowledged before it and is due (files still
+    /// held back stay queued: see [`DeferredKv::flush_all`] for all of
+    /// it), then syncs the engine.
     fn sync(&self) -> KvResult<()> {
         self.flush_acknowledged()?;
         self.inner.sync()
