@@ -420,13 +420,8 @@ if [[ $META == 1 ]]; then
     fi
     DEV_PID=
     log "metadata: bench/metadata.sh with TARGETS=\"raw cluster nowsync\""
-    BENCH_DIR=$BENCH_DIR/meta TARGETS="raw cluster nowsync" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 PEERS=$PEERS \
+    BENCH_DIR=$BENCH_DIR/meta TARGETS="raw cluster nowsync" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 PEERS=$PEERS APPEND_TO=$REPORT \
         "$SCRIPT_DIR/metadata.sh" > "$JSON/metadata.txt" || die "bench/metadata.sh failed"
-    {
-        echo
-        echo "metadata (bench/metadata.sh, TARGETS=\"raw cluster nowsync\" NFILES=$NFILES TREE=$TREE):"
-        sed '1{/^$/d}' "$JSON/metadata.txt"
-    } >> "$REPORT"
 fi
 echo
 cat "$REPORT"

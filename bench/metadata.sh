@@ -12,7 +12,7 @@
 #   sudo TARGETS="raw one" bench/metadata.sh           # ext4 and the single node only
 #
 # bench/single-node.sh runs it with TARGETS="raw one" and bench/cluster.sh
-# with TARGETS="raw cluster nowsync", and append its table to theirs.
+# with TARGETS="raw cluster nowsync", with APPEND_TO naming their table.
 #
 # What it prints (bench/scripts/meta_ops.py, one directory unless "spread"):
 #   create        open(O_CREAT|O_EXCL) + close of an empty file
@@ -44,6 +44,8 @@
 #               single-node mount, and one with --attr-timeout 0), cluster
 #               (2 nodes on etcd), nowsync (the same with --nowsync)
 #               [raw one cluster nowsync]
+#   APPEND_TO   a file to append the table to as well, under a line naming
+#               TARGETS, NFILES and TREE (another bench's table) []
 set -euo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -54,6 +56,7 @@ TREE=${TREE:-20000}
 PEERS=${PEERS:-0}
 SAVE=${SAVE:-0}
 read -r -a TARGETS <<<"${TARGETS:-raw one cluster nowsync}"
+ASKED="${TARGETS[*]}"
 DEFAULT_CONVERGED=$REPO/target/release/converged
 CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
 RATE=$REPO/target/release/examples/etcd_rate
@@ -316,15 +319,15 @@ for target, label in (("cluster", "2 nodes on etcd"), ("nowsync", "2 nodes on et
             v = c1["create"]["ops_s"]
             print(f"  {'create, 1 process':<25}{v:>10,.0f}/s   (target >= 5,000/s: {met(v >= 5_000)})")
         print()
+trees = {t: {k: float(v) for k, v in (l.split() for l in open(f"{out}/{t}-tree.txt"))} for t in targets}
 print(f"{'tree of small files, seconds':<34}" + "".join(f"{names[t]:>15}" for t in targets))
 for what, label in (("untar", "untar"), ("untar_fsync", "untar, then fsync(dir)"), ("ls", "ls -lR (clusters: other node)"),
                     ("rm", "rm -rf")):
     line = f"{label:<34}"
     for t in targets:
-        vals = dict(l.split() for l in open(f"{out}/{t}-tree.txt"))
-        line += f"{float(vals[what]):>15.2f}"
+        line += f"{trees[t][what]:>15.2f}"
     print(line)
-untar = {t: float(dict(l.split() for l in open(f"{out}/{t}-tree.txt"))["untar"]) for t in targets}
+untar = {t: trees[t]["untar"] for t in targets}
 for t, limit in (("cluster", 20.0), ("nowsync", 5.0)):
     if t in untar and int(os.environ["TREE"]) != 20_000:
         print(f"untar on {names[t]}: {untar[t]:.2f} s (its target, <= {limit:.0f} s, is for TREE=20000)")
@@ -340,4 +343,11 @@ if [[ $SAVE == 1 ]]; then
     dest=$SCRIPT_DIR/results/metadata-$(date +%Y-%m-%d-%H%M%S).txt
     cp "$REPORT" "$dest"
     echo "saved to $dest"
+fi
+if [[ -n ${APPEND_TO:-} ]]; then
+    {
+        echo
+        echo "metadata (bench/metadata.sh, TARGETS=\"$ASKED\" NFILES=$NFILES TREE=$TREE):"
+        cat "$REPORT"
+    } >> "$APPEND_TO"
 fi

@@ -317,13 +317,8 @@ PY
 # and rm -rf of TREE small files, on ext4 and one node.
 if [[ $META == 1 ]]; then
     log "metadata: bench/metadata.sh with TARGETS=\"raw one\""
-    BENCH_DIR=$BENCH_DIR/meta TARGETS="raw one" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 \
+    BENCH_DIR=$BENCH_DIR/meta TARGETS="raw one" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 APPEND_TO=$REPORT \
         "$SCRIPT_DIR/metadata.sh" > "$JSON/metadata.txt" || die "bench/metadata.sh failed"
-    {
-        echo
-        echo "metadata (bench/metadata.sh, TARGETS=\"raw one\" NFILES=$NFILES TREE=$TREE):"
-        sed '1{/^$/d}' "$JSON/metadata.txt"
-    } >> "$REPORT"
 fi
 echo
 cat "$REPORT"
