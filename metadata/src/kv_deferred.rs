@@ -878,14 +878,9 @@ enum Fate {
 /// taken together or not at all, so that no commit leaves the file's name
 /// without the bytes its close acknowledged.
 fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
-    let queue: Vec<&Arc<Op>> = st.queue.iter().collect();
+    let queue = &st.queue;
     // Where each file being written is settled, if that is queued yet.
-    let mut settled_at: HashMap<Ino, usize> = HashMap::new();
-    for (i, op) in queue.iter().enumerate() {
-        for f in &op.settles {
-            settled_at.entry(*f).or_insert(i);
-        }
-    }
+    let mut settled = SettledAt::default();
     let takeable = |op: &Op| match what {
         Flush::All => true,
         Flush::Through(_) | Flush::Due => !st.held_back(op),
@@ -906,7 +901,7 @@ fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
         let mut k = 0;
         while k < group.len() {
             for f in &queue[group[k]].opens {
-                if let Some(&j) = settled_at.get(f) {
+                if let Some(j) = settled.find(queue, *f) {
                     if !group.contains(&j) && !chosen.contains(&j) {
                         group.push(j);
                     }
@@ -914,7 +909,7 @@ fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
             }
             k += 1;
         }
-        if group.iter().any(|&j| !takeable(queue[j])) {
+        if group.iter().any(|&j| !takeable(&queue[j])) {
             continue;
         }
         let new_keys: HashSet<&[u8]> = group
@@ -940,7 +935,7 @@ fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
     let mut compare: HashSet<Ino> = HashSet::new();
     // Directories born in this batch: no record to compare yet.
     let mut born_here: HashSet<Ino> = HashSet::new();
-    for op in chosen.into_iter().map(|i| queue[i]) {
+    for op in chosen.into_iter().map(|i| &queue[i]) {
         for (k, v) in &op.writes {
             // A later change of the key already committed: it stays.
             if st.overlay.get(k).is_none_or(|p| p.seq < op.seq) {
@@ -976,10 +971,41 @@ fn pick(st: &State, what: Flush, limit: &usize) -> Batch {
     b
 }
 
+/// Where in the queue the first change settling a file is, found by
+/// walking the queue from the front only as far as a question needs (a
+/// publish follows the create it settles closely in an untar), not over
+/// the whole queue for each batch: this runs under the state lock that
+/// every namespace operation takes, beside queues of thousands.
+#[derive(Default)]
+struct SettledAt {
+    at: HashMap<Ino, usize>,
+    walked: usize,
+}
+
+impl SettledAt {
+    fn find(&mut self, queue: &VecDeque<Arc<Op>>, file: Ino) -> Option<usize> {
+        if let Some(&i) = self.at.get(&file) {
+            return Some(i);
+        }
+        while self.walked < queue.len() {
+            let i = self.walked;
+            self.walked += 1;
+            for f in &queue[i].settles {
+                self.at.entry(*f).or_insert(i);
+            }
+            if let Some(&j) = self.at.get(&file) {
+                return Some(j);
+            }
+        }
+        None
+    }
+}
+
 /// A batch committed at `rev`: its changes leave the queue, and the
 /// overlay keeps only keys a later change still has queued.
 fn committed(st: &mut State, b: &Batch, rev: i64) {
-    st.queue.retain(|op| !b.ops.contains(&op.seq));
+    let sent: HashSet<u64> = b.ops.iter().copied().collect();
+    st.queue.retain(|op| !sent.contains(&op.seq));
     for ((k, v), seq) in b.writes.iter().zip(&b.seqs) {
         if st.overlay.get(k).is_some_and(|p| p.seq == *seq) {
             st.overlay.remove(k);
