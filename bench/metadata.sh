@@ -32,6 +32,10 @@
 #   by an fsync of the directory it went into (what makes an untar durable
 #   under --nowsync; on ext4 it syncs only that directory), `ls -lR` of it
 #   from the other node, and `rm -rf` of it: wall seconds
+#   where the untar's time goes on converged (bench/scripts/profile_run.py),
+#   per file: FUSE requests by operation and the mean time of one, etcd
+#   transactions and the mean time of one, CPU milliseconds of tar, of the
+#   node's daemon, of the other node's and of etcd, and context switches
 #
 # Environment (defaults in brackets):
 #   BENCH_DIR   work directory, on the disk under test [/var/tmp/converged-meta-bench]
@@ -214,8 +218,27 @@ for t in "${TARGETS[@]}"; do
     mkdir -p "$d"
     sync
     log "$t: untar, ls -lR, rm -rf"
-    s=$(date +%s.%N); tar -xf "$OUT/tree.tar" -C "$d"; e=$(date +%s.%N)
+    s=$(date +%s.%N)
+    case $t in
+        # Where the untar's time goes: the daemons' counters, and the CPU
+        # and context switches of every process serving it.
+        one) python3 "$SCRIPT_DIR/scripts/profile_run.py" "$OUT/$t-untar-profile.json" --stats "$ONE/mnt" \
+            --proc "node=mount $ONE/mnt --data-dir" -- tar -xf "$OUT/tree.tar" -C "$d" ;;
+        cluster | nowsync)
+            c=$DEV
+            [[ $t == nowsync ]] && c=$NW
+            python3 "$SCRIPT_DIR/scripts/profile_run.py" "$OUT/$t-untar-profile.json" --stats "$c/n1/mnt" \
+                --proc "node=mount $c/n1/mnt --data-dir" --proc "other=mount $c/n2/mnt --data-dir" \
+                --proc "etcd=etcd --name dev --data-dir $c/etcd" -- tar -xf "$OUT/tree.tar" -C "$d" ;;
+        *) tar -xf "$OUT/tree.tar" -C "$d" ;;
+    esac
+    e=$(date +%s.%N)
     python3 -c 'import os, sys; os.fsync(os.open(sys.argv[1], os.O_RDONLY))' "$d"; f=$(date +%s.%N)
+    if [[ -f $OUT/$t-untar-profile.json ]]; then
+        # tar's own wall time, without the profiler's start-up
+        s=$(python3 -c 'import json, sys; print(float(sys.argv[2]) - json.load(open(sys.argv[1]))["wall"])' \
+            "$OUT/$t-untar-profile.json" "$e")
+    fi
     echo "untar $(awk "BEGIN { print $e - $s }")" > "$OUT/$t-tree.txt"
     echo "untar_fsync $(awk "BEGIN { print $f - $s }")" >> "$OUT/$t-tree.txt"
     listing=$d
@@ -327,6 +350,41 @@ for what, label in (("untar", "untar"), ("untar_fsync", "untar, then fsync(dir)"
     for t in targets:
         line += f"{trees[t][what]:>15.2f}"
     print(line)
+profiles = {}
+for t in targets:
+    try:
+        with open(f"{out}/{t}-untar-profile.json") as f:
+            profiles[t] = json.load(f)
+    except FileNotFoundError:
+        pass
+if profiles:
+    n = int(os.environ["TREE"])
+    shown = [t for t in targets if t in profiles]
+    print()
+    print(f"{'the untar, per file':<34}" + "".join(f"{names[t]:>15}" for t in shown))
+    def row(label, value):
+        cells = []
+        for t in shown:
+            v = value(profiles[t])
+            cells.append(f"{'-':>15}" if v is None else f"{v:>15.2f}")
+        print(f"{label:<34}" + "".join(cells))
+    row("wall, ms", lambda p: 1000 * p["wall"] / n)
+    row("FUSE requests", lambda p: sum(c for c, _ in p["fuse"].values()) / n)
+    ops = sorted({op for t in shown for op, (c, _) in profiles[t]["fuse"].items() if c >= n / 20},
+                 key=lambda op: -max(profiles[t]["fuse"].get(op, [0])[0] for t in shown))
+    for op in ops:
+        cells = []
+        for t in shown:
+            c, secs = profiles[t]["fuse"].get(op, (0, 0))
+            cells.append(f"{'-':>15}" if not c else f"{f'{c / n:.2f} x {1000 * secs / c:.3f}':>15}")
+        print(f"{'  ' + op + ' (per file x ms)':<34}" + "".join(cells))
+    row("etcd transactions", lambda p: p["etcd_txn"][0] / n if p["etcd_txn"][0] else None)
+    row("  ms each", lambda p: 1000 * p["etcd_txn"][1] / p["etcd_txn"][0] if p["etcd_txn"][0] else None)
+    for who, label in (("cmd", "tar"), ("node", "this node's daemon"), ("other", "the other node's daemon"),
+                       ("etcd", "etcd")):
+        row(f"CPU ms, {label}", lambda p: 1000 * p["cpu"][who] / n if who in p["cpu"] else None)
+    row("context switches, all of them", lambda p: sum(p["switches"].values()) / n)
+    print("(an operation's FUSE requests per file x the mean ms of one; CPU summed over each process's threads)")
 untar = {t: trees[t]["untar"] for t in targets}
 for t, limit in (("cluster", 20.0), ("nowsync", 5.0)):
     if t in untar and int(os.environ["TREE"]) != 20_000:

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Run a command and say where its time went: what a converged mount's
+daemon counted, and the CPU and context switches of the processes that
+served it.
+
+    profile_run.py OUT.json [--stats MNT] [--proc NAME=PATTERN ...] -- CMD [ARG ...]
+
+--stats MNT   a converged mount: its daemon's counters (`user.converged.stats`
+              of the mount's root) are read before and after; OUT gets the
+              FUSE requests by operation (count, seconds), the metadata round
+              trips charged to them, and etcd transactions (count, seconds)
+--proc NAME=PATTERN   processes whose command line matches PATTERN (as
+              `pgrep -f`), all threads: CPU seconds (user + system) and
+              context switches (voluntary and not) while CMD ran, as NAME
+              (repeatable: the node's daemon, the other node's, etcd)
+
+CMD's own CPU (its children's rusage) is recorded as "cmd". Prints nothing
+but errors; OUT is one JSON object:
+    {"wall": s, "cpu": {NAME: s}, "switches": {NAME: n},
+     "fuse": {op: [count, seconds]}, "trips": n, "etcd_txn": [count, seconds]}
+"""
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+
+def pids(pattern):
+    r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return [int(p) for p in r.stdout.split() if int(p) != os.getpid()]
+
+
+def usage(pid_list):
+    """CPU seconds (all threads) and context switches of these processes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu, switches = 0.0, 0
+    for pid in pid_list:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu += (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/status") as f:
+                    for line in f:
+                        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                            switches += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return cpu, switches
+
+
+def stats(mnt):
+    """FUSE op -> (count, ns), trips in all, etcd txn (count, ns)."""
+    fuse, trips, txn = {}, 0, (0, 0)
+    text = os.getxattr(mnt, "user.converged.stats").decode()
+    for line in text.splitlines():
+        f = line.split()
+        if f[0] == "trips":
+            trips += int(f[2])
+        elif f[0] in ("fuse", "meta") and len(f) > 3:
+            entry = (sum(int(c) for c in f[3:]), int(f[2]))
+            if f[0] == "fuse":
+                fuse[f[1]] = entry
+            elif f[1] == "etcd_txn":
+                txn = entry
+    return fuse, trips, txn
+
+
+def main():
+    args = sys.argv[1:]
+    if "--" not in args or args.index("--") < 1:
+        sys.exit(__doc__)
+    cmd = args[args.index("--") + 1:]
+    opts, out = args[1:args.index("--")], args[0]
+    mnt, procs = None, {}
+    while opts:
+        o = opts.pop(0)
+        if o == "--stats" and opts:
+            mnt = opts.pop(0)
+        elif o == "--proc" and opts and re.match(r"^[\w.-]+=.+", opts[0]):
+            name, pattern = opts.pop(0).split("=", 1)
+            procs[name] = pattern
+        else:
+            sys.exit(f"profile_run: unexpected argument {o!r}\n{__doc__}")
+    if not cmd:
+        sys.exit(__doc__)
+    found = {name: pids(p) for name, p in procs.items()}
+    for name, p in found.items():
+        if not p:
+            sys.exit(f"profile_run: no process matches {procs[name]!r} ({name})")
+    before = {name: usage(p) for name, p in found.items()}
+    s0 = stats(mnt) if mnt else None
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    rc = subprocess.run(cmd).returncode
+    wall = time.monotonic() - t0
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if rc != 0:
+        sys.exit(f"profile_run: {' '.join(cmd)} exited {rc}")
+    result = {"wall": wall, "cpu": {}, "switches": {}}
+    result["cpu"]["cmd"] = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
+    result["switches"]["cmd"] = (kids1.ru_nvcsw + kids1.ru_nivcsw) - (kids0.ru_nvcsw + kids0.ru_nivcsw)
+    for name, p in found.items():
+        cpu, sw = usage(p)
+        result["cpu"][name] = cpu - before[name][0]
+        result["switches"][name] = sw - before[name][1]
+    if mnt:
+        s1 = stats(mnt)
+        result["fuse"] = {op: [c - s0[0].get(op, (0, 0))[0], (ns - s0[0].get(op, (0, 0))[1]) / 1e9]
+                          for op, (c, ns) in s1[0].items() if c != s0[0].get(op, (0, 0))[0]}
+        result["trips"] = s1[1] - s0[1]
+        result["etcd_txn"] = [s1[2][0] - s0[2][0], (s1[2][1] - s0[2][1]) / 1e9]
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
