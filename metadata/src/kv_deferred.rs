@@ -1501,3 +1501,46 @@ impl Drop for DeferredKv {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(seq: u64, key: &str, opens: &[Ino], settles: &[Ino]) -> Arc<Op> {
+        Arc::new(Op {
+            seq,
+            writes: vec![(key.as_bytes().to_vec(), Some(Arc::new(vec![1])))],
+            dirs: Vec::new(),
+            files: Vec::new(),
+            opens: opens.to_vec(),
+            settles: settles.to_vec(),
+            absent: Vec::new(),
+            empty: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn the_first_change_settling_a_file_is_found_wherever_the_walk_stopped() {
+        let queue: VecDeque<Arc<Op>> =
+            [op(1, "a", &[5], &[]), op(2, "b", &[], &[7]), op(3, "c", &[], &[5]), op(4, "d", &[], &[5])].into();
+        let mut at = SettledAt::default();
+        assert_eq!(at.find(&queue, 5), Some(2), "the first of two settling changes");
+        assert_eq!(at.find(&queue, 7), Some(1), "one walked past on the way");
+        assert_eq!(at.find(&queue, 9), None, "settled nowhere");
+        assert_eq!(at.find(&queue, 5), Some(2), "asked again after the walk reached the end");
+    }
+
+    #[test]
+    fn a_batch_takes_a_new_file_with_the_change_that_settles_it_or_neither() {
+        let st = State {
+            queue: [op(1, "a", &[5], &[]), op(2, "b", &[], &[]), op(3, "c", &[], &[5])].into(),
+            ..State::default()
+        };
+        // Room for two keys: the create and its settle, the unrelated change next time.
+        assert_eq!(pick(&st, Flush::All, &2).ops, vec![1, 3]);
+        // Room for one: the first group goes whole all the same (every flush
+        // moves the queue on), and nothing after it.
+        assert_eq!(pick(&st, Flush::All, &1).ops, vec![1, 3]);
+        assert_eq!(pick(&st, Flush::All, &100).ops, vec![1, 2, 3]);
+    }
+}
