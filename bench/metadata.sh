@@ -218,23 +218,26 @@ for t in "${TARGETS[@]}"; do
     mkdir -p "$d"
     sync
     log "$t: untar, ls -lR, rm -rf"
-    s=$(date +%s.%N)
+    # Where the untar's time goes on converged: the daemons' counters, and
+    # the CPU and context switches of every process serving it.
+    profile=()
     case $t in
-        # Where the untar's time goes: the daemons' counters, and the CPU
-        # and context switches of every process serving it.
-        one) python3 "$SCRIPT_DIR/scripts/profile_run.py" "$OUT/$t-untar-profile.json" --stats "$ONE/mnt" \
-            --proc "node=mount $ONE/mnt --data-dir" -- tar -xf "$OUT/tree.tar" -C "$d" ;;
+        one) profile=(--stats "$ONE/mnt" --proc "node=mount $ONE/mnt --data-dir") ;;
         cluster | nowsync)
             c=$DEV
             [[ $t == nowsync ]] && c=$NW
-            python3 "$SCRIPT_DIR/scripts/profile_run.py" "$OUT/$t-untar-profile.json" --stats "$c/n1/mnt" \
-                --proc "node=mount $c/n1/mnt --data-dir" --proc "other=mount $c/n2/mnt --data-dir" \
-                --proc "etcd=etcd --name dev --data-dir $c/etcd" -- tar -xf "$OUT/tree.tar" -C "$d" ;;
-        *) tar -xf "$OUT/tree.tar" -C "$d" ;;
+            profile=(--stats "$c/n1/mnt" --proc "node=mount $c/n1/mnt --data-dir"
+                --proc "other=mount $c/n2/mnt --data-dir" --proc "etcd=etcd --name dev --data-dir $c/etcd") ;;
     esac
+    s=$(date +%s.%N)
+    if ((${#profile[@]})); then
+        python3 "$SCRIPT_DIR/scripts/profile_run.py" "$OUT/$t-untar-profile.json" "${profile[@]}" -- tar -xf "$OUT/tree.tar" -C "$d"
+    else
+        tar -xf "$OUT/tree.tar" -C "$d"
+    fi
     e=$(date +%s.%N)
     python3 -c 'import os, sys; os.fsync(os.open(sys.argv[1], os.O_RDONLY))' "$d"; f=$(date +%s.%N)
-    if [[ -f $OUT/$t-untar-profile.json ]]; then
+    if ((${#profile[@]})); then
         # tar's own wall time, without the profiler's start-up
         s=$(python3 -c 'import json, sys; print(float(sys.argv[2]) - json.load(open(sys.argv[1]))["wall"])' \
             "$OUT/$t-untar-profile.json" "$e")

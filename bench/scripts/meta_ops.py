@@ -27,13 +27,14 @@ import os
 import sys
 import time
 
+from profile_run import stats as daemon_stats
+
 
 def trips(stats_path):
     """Metadata round trips charged to FUSE operations so far, in total."""
     if not stats_path:
         return None
-    text = os.getxattr(stats_path, "user.converged.stats").decode()
-    return sum(int(line.split()[2]) for line in text.splitlines() if line.startswith("trips "))
+    return daemon_stats(stats_path)[1]
 
 
 def work(phase, d, j, n, procs, ready, go):
