@@ -98,7 +98,10 @@ struct OwnCommits {
 struct OwnState {
     next_ticket: u64,
     in_flight: std::collections::BTreeSet<u64>,
-    revisions: std::collections::VecDeque<i64>,
+    /// The revisions this client's recent commits took, the lowest
+    /// dropped first past [`OWN_REVISIONS`] (a set: each change the feed
+    /// reports is looked up here, several per commit).
+    revisions: std::collections::BTreeSet<i64>,
 }
 
 /// A commit in flight; its answer (a revision, or none) is recorded on drop.
@@ -145,9 +148,9 @@ impl Drop for InFlight<'_> {
         let mut st = self.own.state.lock();
         st.in_flight.remove(&self.ticket);
         if let Some(rev) = self.revision {
-            st.revisions.push_back(rev);
+            st.revisions.insert(rev);
             if st.revisions.len() > OWN_REVISIONS {
-                st.revisions.pop_front();
+                st.revisions.pop_first();
             }
         }
         drop(st);
