@@ -90,8 +90,11 @@ fn a_dead_nodes_chunks_are_rebuilt_before_a_second_failure() {
     assert!(clean, "fsck after the repair: {report}");
     eprintln!("repaired 600 MiB of n1's copies {:.1}s after kill -9 (lease 3s + repair delay 4s)", took.as_secs_f64());
     assert!(node_line(&c, "n1").contains(" dead("), "{}", node_line(&c, "n1"));
-    let n1 = node_line(&c, "n1");
-    assert_eq!(n1.split_whitespace().nth(7), Some("0"), "no record names n1: {n1}");
+    // Repair records a chunk's new copy, then drops the dead holder in a
+    // second step: in between the chunk has its two live copies and still
+    // names n1 (seen once in a full run), so the last drops may trail the
+    // health line by a moment.
+    eventually(30, "no record names n1", || node_line(&c, "n1").split_whitespace().nth(7) == Some("0"));
 
     c.nodes[1].crash();
     eventually(30, "n2 is seen dead", || status(&c).contains("2 live, 2 dead"));
