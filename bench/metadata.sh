@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Metadata benchmark: what unpacking, writing and listing a dataset is made
-# of, on the raw disk (ext4), a single-node converged mount (embedded redb)
+# of, on the raw disk (ext4), the FUSE floor (fs/examples/fuse_floor.rs: a
+# filesystem in memory, mounted as converged mounts, that does nothing else:
+# the ceiling of any FUSE daemon on this host), a single-node converged mount (embedded redb)
 # and a 2-node converged cluster on etcd (`converged dev-cluster --nodes 2`),
 # in one run, the cluster also with --nowsync (creates acknowledged before
 # they commit, in directories the node made); with PEERS=1 also on MooseFS and GlusterFS started from
@@ -9,9 +11,9 @@
 #   sudo bench/metadata.sh
 #   sudo NFILES=2000 TREE=5000 bench/metadata.sh       # quick check
 #   sudo SAVE=1 bench/metadata.sh                      # also save bench/results/metadata-<date>.txt
-#   sudo TARGETS="raw one" bench/metadata.sh           # ext4 and the single node only
+#   sudo TARGETS="raw floor one" bench/metadata.sh     # ext4, FUSE itself and the single node only
 #
-# bench/single-node.sh runs it with TARGETS="raw one" and bench/cluster.sh
+# bench/single-node.sh runs it with TARGETS="raw floor one" and bench/cluster.sh
 # with TARGETS="raw cluster nowsync", with APPEND_TO naming their table.
 #
 # What it prints (bench/scripts/meta_ops.py, one directory unless "spread"):
@@ -26,6 +28,9 @@
 #   serialises a directory's creates on one mount) and from 16 processes in
 #   16 directories; with the etcd round trips each file cost (the daemon's
 #   own count, charged to the FUSE operations that made them)
+#   the FUSE floor's rates: what the kernel's FUSE transport and fuser cost
+#   for the same requests (a create is a lookup, a getattr of the
+#   directory, the create and a release), the single node's ceiling
 #   etcd's own ceiling on this host: one-put transactions, and transactions
 #   the shape of a create (3 compares, 4 puts), from 1 and 16 clients
 #   untar of TREE small files (1-4 KiB) in 100 directories, the same followed
@@ -44,10 +49,11 @@
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   PEERS       1: also run on MooseFS and GlusterFS (../shared/peers) [0]
 #   SAVE        1: also save the table under bench/results/ [0]
-#   TARGETS     what to measure, space separated, from: raw (ext4), one (a
+#   TARGETS     what to measure, space separated, from: raw (ext4), floor
+#               (the FUSE floor: creates, stats and unlinks only), one (a
 #               single-node mount, and one with --attr-timeout 0), cluster
 #               (2 nodes on etcd), nowsync (the same with --nowsync)
-#               [raw one cluster nowsync]
+#               [raw floor one cluster nowsync]
 #   APPEND_TO   a file to append the table to as well, under a line naming
 #               TARGETS, NFILES and TREE (another bench's table) []
 set -euo pipefail
@@ -59,22 +65,25 @@ NFILES=${NFILES:-10000}
 TREE=${TREE:-20000}
 PEERS=${PEERS:-0}
 SAVE=${SAVE:-0}
-read -r -a TARGETS <<<"${TARGETS:-raw one cluster nowsync}"
+read -r -a TARGETS <<<"${TARGETS:-raw floor one cluster nowsync}"
 ASKED="${TARGETS[*]}"
 DEFAULT_CONVERGED=$REPO/target/release/converged
 CONVERGED=${CONVERGED:-$DEFAULT_CONVERGED}
 RATE=$REPO/target/release/examples/etcd_rate
+FLOOR=$REPO/target/release/examples/fuse_floor
 PEERS_DIR=$REPO/../shared/peers
 
 die() { echo "metadata-bench: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
 
-[[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts need it): sudo $0"
+[[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and drop_caches need it): sudo $0"
 command -v python3 >/dev/null || die "python3 not found"
 wants() { [[ " ${TARGETS[*]} " == *" $1 "* ]]; }
-((${#TARGETS[@]} > 0)) || die "TARGETS is empty: name at least one of raw one cluster nowsync"
+((${#TARGETS[@]} > 0)) || die "TARGETS is empty: name at least one of raw floor one cluster nowsync"
 for t in "${TARGETS[@]}"; do
-    case $t in raw | one | cluster | nowsync) ;; *) die "TARGETS: unknown target '$t' (raw, one, cluster, nowsync)" ;; esac
+    case $t in raw | floor | one | cluster | nowsync) ;;
+        *) die "TARGETS: unknown target '$t' (raw, floor, one, cluster, nowsync)" ;;
+    esac
 done
 CLUSTERED=0
 if wants cluster || wants nowsync; then CLUSTERED=1; fi
@@ -90,6 +99,10 @@ if [[ ! -x $CONVERGED ]]; then
     log "building converged (cargo build --release -p converged-fs)"
     (cd "$REPO" && cargo build --release -p converged-fs) || die "build failed"
 fi
+if wants floor && [[ ! -x $FLOOR ]]; then
+    log "building the FUSE floor (cargo build --release -p converged-fs --example fuse_floor)"
+    (cd "$REPO" && cargo build --release -p converged-fs --example fuse_floor) || die "build failed"
+fi
 if [[ $CLUSTERED == 1 && ! -x $RATE ]]; then
     log "building the etcd rate probe (cargo build --release -p converged-metadata --example etcd_rate)"
     (cd "$REPO" && cargo build --release -p converged-metadata --example etcd_rate) || die "build failed"
@@ -101,6 +114,7 @@ BENCH_DIR=$(cd "$BENCH_DIR" && pwd -P)
 RAW=$BENCH_DIR/raw
 ONE=$BENCH_DIR/one
 ZERO=$BENCH_DIR/zero
+FLOOR_MNT=$BENCH_DIR/floor
 DEV=$BENCH_DIR/dev
 NW=$BENCH_DIR/nowsync
 OUT=$BENCH_DIR/out
@@ -109,6 +123,7 @@ N2=$DEV/n2/mnt
 
 DEV_PID=
 NW_PID=
+FLOOR_PID=
 PEERS_UP=()
 cleanup() {
     local rc=$?
@@ -117,6 +132,10 @@ cleanup() {
     for m in "$ONE/mnt" "$ZERO/mnt"; do
         grep -q " $m " /proc/mounts && "$CONVERGED" umount "$m"
     done
+    if [[ -n $FLOOR_PID ]]; then
+        grep -q " $FLOOR_MNT " /proc/mounts && umount "$FLOOR_MNT"
+        wait "$FLOOR_PID"
+    fi
     for pid in $DEV_PID $NW_PID; do
         if kill -0 "$pid" 2>/dev/null; then
             kill -TERM "$pid"
@@ -124,15 +143,27 @@ cleanup() {
         fi
     done
     for p in "${PEERS_UP[@]}"; do "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1; done
-    rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW"
+    rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$FLOOR_MNT"
     exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$OUT"
-mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$OUT"
+rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$FLOOR_MNT" "$OUT"
+mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$FLOOR_MNT" "$OUT"
+
+if wants floor; then
+    log "the FUSE floor (fuse_floor: names in memory, nothing else)"
+    "$FLOOR" "$FLOOR_MNT" 2>"$OUT/floor.err" &
+    FLOOR_PID=$!
+    for _ in $(seq 100); do
+        grep -q " $FLOOR_MNT " /proc/mounts && break
+        kill -0 "$FLOOR_PID" 2>/dev/null || die "fuse_floor failed: $(cat "$OUT/floor.err")"
+        sleep 0.1
+    done
+    grep -q " $FLOOR_MNT " /proc/mounts || die "fuse_floor did not mount $FLOOR_MNT"
+fi
 
 if wants one; then
     log "single-node mounts (embedded metadata): default, and --attr-timeout 0"
@@ -173,8 +204,8 @@ if wants nowsync; then
     [[ -n $ENDPOINT ]] || ENDPOINT=$STARTED_ENDPOINT
 fi
 
-declare -A DIR=([raw]=$RAW [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
-declare -A STATS=([raw]="" [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
+declare -A DIR=([raw]=$RAW [floor]=$FLOOR_MNT [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
+declare -A STATS=([raw]="" [floor]="" [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
 if [[ $PEERS == 1 ]]; then
     for p in moosefs gluster; do
         if [[ -x $PEERS_DIR/peer_$p.sh ]] && "$PEERS_DIR/peer_$p.sh" start >"$OUT/$p.log" 2>&1; then
@@ -193,9 +224,29 @@ if [[ -n $ENDPOINT ]]; then
     for t in 1 16; do "$RATE" "$ENDPOINT" "$t" 3000 > "$OUT/etcd-$t.txt"; done
 fi
 
+# Before each create phase and each untar, every target starts from the
+# same disk: ext4 passes over the inodes it freed in the last minutes while
+# their inode-table blocks are cached (for 6 minutes once a create dirties
+# the block again), so creates right after a mass unlink (the previous
+# target's) ran at a fifth of their rate on this host's disk, for ext4
+# itself as for the daemons writing to it. Dirty blocks are written and
+# clean ones dropped; then the programs under test are read back, so that
+# no target's first requests wait for its code to come from the disk.
+PROGRAMS=("$CONVERGED" "$FLOOR" /usr/bin/etcd "$(command -v python3)" /usr/sbin/mfsmaster
+    /usr/sbin/mfschunkserver /usr/bin/mfsmount /usr/sbin/glusterfsd /usr/sbin/glusterd)
+settle() {
+    sync
+    echo 1 > /proc/sys/vm/drop_caches
+    for p in "${PROGRAMS[@]}"; do
+        [[ -f $p ]] && cat "$p" > /dev/null
+    done
+    return 0
+}
+
 ops() { # TARGET TAG [--spread] PROCS DIR
     local target=$1 tag=$2
     shift 2
+    settle
     log "$target: meta_ops $*"
     python3 "$SCRIPT_DIR/scripts/meta_ops.py" "$@" ${STATS[$target]} > "$OUT/$target-$tag.json"
 }
@@ -214,9 +265,11 @@ fi
 log "tree of $TREE small files in 100 directories"
 python3 "$SCRIPT_DIR/scripts/make_tree.py" "$OUT/tree.tar" "$TREE" 100
 for t in "${TARGETS[@]}"; do
+    [[ $t == floor ]] && continue # it keeps no data
     d=${DIR[$t]}/bench-tree
     mkdir -p "$d"
-    sync
+    settle
+    cat "$OUT/tree.tar" > /dev/null # tar reads its archive from memory
     log "$t: untar, ls -lR, rm -rf"
     # Where the untar's time goes on converged: the daemons' counters, and
     # the CPU and context switches of every process serving it.
@@ -267,7 +320,7 @@ REPORT=$OUT/table.txt
 import json, os, re, sys
 
 out, targets = sys.argv[1], sys.argv[2].split()
-names = {"raw": "ext4", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "etcd+nowsync",
+names = {"raw": "ext4", "floor": "FUSE floor", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "etcd+nowsync",
          "moosefs": "MooseFS", "gluster": "GlusterFS"}
 
 def load(t, tag):
@@ -318,18 +371,23 @@ for label, tag, phase in rows:
     print(line)
 z = load("zero", "p1")
 if z:
-    print(f"{'stat, attr-timeout 0 (1 node)':<34}{'':>15}{z['first_stat']['ops_s']:>15,.0f}")
+    at = targets.index("one") if "one" in targets else 0  # under the 1-node column
+    print(f"{'stat, attr-timeout 0 (1 node)':<34}" + f"{'':>15}" * at + f"{z['first_stat']['ops_s']:>15,.0f}")
 print()
 def met(ok):
     return "met" if ok else "MISSED"
 
-o = load("one", "p1")
+o, fl = load("one", "p1"), load("floor", "p1")
 if o:
-    print("1 node against its targets (1 process):")
+    print("1 node against its targets (1 process)" + (", and against the FUSE floor:" if fl else ":"))
     for phase, label, floor in (("create", "create", 10_000), ("unlink", "unlink", 20_000),
                                 ("first_stat", "first stat after create", 200_000)):
         v = o[phase]["ops_s"]
-        print(f"  {label:<25}{v:>10,.0f}/s   (target >= {floor:,}/s: {met(v >= floor)})")
+        of = ""
+        if fl:
+            f = fl[phase]["ops_s"]
+            of = f"; the floor {f:,.0f}/s, 1 node {v / f:.2f}x of it"
+        print(f"  {label:<25}{v:>10,.0f}/s   (target >= {floor:,}/s: {met(v >= floor)}{of})")
     print()
 for target, label in (("cluster", "2 nodes on etcd"), ("nowsync", "2 nodes on etcd with --nowsync")):
     c1, c16 = load(target, "p1"), load(target, "spread")
@@ -339,12 +397,23 @@ for target, label in (("cluster", "2 nodes on etcd"), ("nowsync", "2 nodes on et
                            ("unlink, 1 process", c1["unlink"], e1)):
             x = r["ops_s"] / e[("alone", 0, 0, 1)]
             print(f"  {what:<25}{x:>10.2f}x   (target >= 0.8x: {met(x >= 0.8)})")
+        if fl and target == "cluster":
+            # A create or unlink that waits for one etcd commit pays the
+            # FUSE floor's requests and etcd's transaction one after the
+            # other: its ceiling, even with a daemon that costs nothing.
+            put = e1[("alone", 0, 0, 1)]
+            for what, phase in (("create", "create"), ("unlink", "unlink")):
+                ceiling = 1 / (1 / fl[phase]["ops_s"] + 1 / put)
+                print(f"  {what + ', FUSE floor + etcd':<25}{ceiling / put:>10.2f}x   "
+                      f"(the floor's {what} and one etcd commit in series: {ceiling:,.0f}/s; "
+                      f"2 nodes {c1[phase]['ops_s'] / ceiling:.2f}x of it)")
         v = c1["first_stat"]["ops_s"]
         print(f"  {'first stat after create':<25}{v:>10,.0f}/s   (target >= 50,000/s: {met(v >= 50_000)})")
         if target == "nowsync":
             v = c1["create"]["ops_s"]
             print(f"  {'create, 1 process':<25}{v:>10,.0f}/s   (target >= 5,000/s: {met(v >= 5_000)})")
         print()
+targets = [t for t in targets if t != "floor"]  # no tree on the floor: it keeps no data
 trees = {t: {k: float(v) for k, v in (l.split() for l in open(f"{out}/{t}-tree.txt"))} for t in targets}
 print(f"{'tree of small files, seconds':<34}" + "".join(f"{names[t]:>15}" for t in targets))
 for what, label in (("untar", "untar"), ("untar_fsync", "untar, then fsync(dir)"), ("ls", "ls -lR (clusters: other node)"),
