@@ -138,10 +138,13 @@ struct DroppedRange {
 /// from a scan of the whole directory; this node's own commits keep it; any
 /// other node's change of a name in it, a lost race, or a missed eviction
 /// drops it. It holds for [`CACHE_TTL`], as a cached record does, and a
-/// small directory whose listing expired is listed again in one request.
+/// directory whose listing expired is listed again, [`LISTING_MAX`] names
+/// a request, up to [`GROWN_MAX`] names. A directory this node fills (a
+/// dataset unpacked into it) stays listed as it grows, to [`GROWN_MAX`]
+/// names and while all listings together hold fewer than [`NAMES_MAX`].
 #[derive(Default)]
 struct Listings {
-    dirs: Mutex<std::collections::HashMap<Vec<u8>, Listing>>,
+    dirs: Mutex<Dirs>,
     /// Changes of names, by stripe of their range: bumped (under `dirs`)
     /// by every eviction from the change feed and every change this node's
     /// commits note. A listing read while its stripe moved may have missed
@@ -157,15 +160,70 @@ struct Listing {
     /// Dentry keys present.
     keys: std::collections::HashSet<Vec<u8>>,
     since: std::time::Instant,
-    /// The range held more than [`LISTING_MAX`] keys when listed on a miss:
-    /// not known whole, and not listed again until it expires (each key is
-    /// read on its own meanwhile).
+    /// The range held more names than a listing may when listed on a miss
+    /// (or than the budget left): not known whole, and not listed again
+    /// until it expires (each key is read on its own meanwhile).
     partial: bool,
 }
 
-/// Directories with more names are not kept whole (memory, and the scan
-/// that lists one again).
+/// The listings, and how many names they hold together (kept with them).
+#[derive(Default)]
+struct Dirs {
+    map: std::collections::HashMap<Vec<u8>, Listing>,
+    names: usize,
+}
+
+impl Dirs {
+    fn get(&self, dir: &[u8]) -> Option<&Listing> {
+        self.map.get(dir)
+    }
+
+    fn insert(&mut self, dir: Vec<u8>, l: Listing) {
+        self.names += l.keys.len();
+        if let Some(old) = self.map.insert(dir, l) {
+            self.names -= old.keys.len();
+        }
+    }
+
+    fn remove(&mut self, dir: &[u8]) {
+        if let Some(old) = self.map.remove(dir) {
+            self.names -= old.keys.len();
+        }
+    }
+
+    fn clear(&mut self) {
+        self.map.clear();
+        self.names = 0;
+    }
+
+    /// Make room for one more listing of `more` names: under
+    /// [`LISTINGS_MAX`] listings the expired go, and when that is not
+    /// enough, all (a listing dropped is listed again on a miss); under
+    /// [`NAMES_MAX`] names the expired go, and when that is not enough, the
+    /// answer is no (the new one is not kept whole; the others stay).
+    fn make_room(&mut self, more: usize) -> bool {
+        let many = |d: &Self| d.map.len() >= LISTINGS_MAX;
+        let big = |d: &Self| d.names + more > NAMES_MAX;
+        if many(self) || big(self) {
+            self.map.retain(|_, l| l.since.elapsed() < CACHE_TTL);
+            self.names = self.map.values().map(|l| l.keys.len()).sum();
+        }
+        if many(self) {
+            self.clear();
+        }
+        !big(self)
+    }
+}
+
+/// Names one listing request reads: a directory whose listing expired is
+/// listed again this many names at a time.
 const LISTING_MAX: usize = 4096;
+/// Names one listing holds at most (memory, and the requests that list it
+/// again once it expired): a directory with more is read a name at a time.
+const GROWN_MAX: usize = 1 << 18;
+/// Names all listings hold together at most: about 85 bytes each, so
+/// some 45 MB.
+const NAMES_MAX: usize = 1 << 19;
 
 /// What a listing says of a name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,24 +262,17 @@ impl Listings {
 
     /// Keep `keys` as the listing of `dir`, unless a change of a name in
     /// its stripe was evicted or noted since `since` was taken (checked
-    /// under the lock it is bumped under).
+    /// under the lock it is bumped under). A listing the budget of names
+    /// has no room for is kept as partial.
     fn set(&self, dir: &[u8], keys: std::collections::HashSet<Vec<u8>>, since: u64) {
         let mut dirs = self.dirs.lock();
         if self.changes(dir) == since {
-            Self::make_room(&mut dirs);
-            dirs.insert(dir.to_vec(), Listing { keys, since: std::time::Instant::now(), partial: false });
-        }
-    }
-
-    /// Keep the listings under [`LISTINGS_MAX`]: the expired go, and when
-    /// none has, all (a listing dropped is listed again on a miss).
-    fn make_room(dirs: &mut std::collections::HashMap<Vec<u8>, Listing>) {
-        if dirs.len() < LISTINGS_MAX {
-            return;
-        }
-        dirs.retain(|_, l| l.since.elapsed() < CACHE_TTL);
-        if dirs.len() >= LISTINGS_MAX {
-            dirs.clear();
+            dirs.remove(dir);
+            let now = std::time::Instant::now();
+            match dirs.make_room(keys.len()) {
+                true => dirs.insert(dir.to_vec(), Listing { keys, since: now, partial: false }),
+                false => dirs.insert(dir.to_vec(), Listing { keys: Default::default(), since: now, partial: true }),
+            }
         }
     }
 
@@ -235,7 +286,8 @@ impl Listings {
     fn set_partial(&self, dir: &[u8]) {
         let since = std::time::Instant::now();
         let mut dirs = self.dirs.lock();
-        Self::make_room(&mut dirs);
+        dirs.remove(dir);
+        dirs.make_room(0);
         dirs.insert(dir.to_vec(), Listing { keys: Default::default(), since, partial: true });
     }
 
@@ -260,17 +312,19 @@ impl Listings {
         let Some(dir) = crate::schema::listed_range(key).map(|(p, _)| p) else { return };
         let mut dirs = self.dirs.lock();
         self.stripe(dir).fetch_add(1, Ordering::AcqRel);
-        let Some(l) = dirs.get_mut(dir) else { return };
+        let Dirs { map, names } = &mut *dirs;
+        let Some(l) = map.get_mut(dir) else { return };
         if l.partial {
             return;
         }
-        if present {
-            l.keys.insert(key.to_vec());
-            if l.keys.len() > LISTING_MAX {
-                dirs.remove(dir);
-            }
-        } else {
-            l.keys.remove(key);
+        match present {
+            true if l.keys.insert(key.to_vec()) => *names += 1,
+            false if l.keys.remove(key) => *names -= 1,
+            _ => {}
+        }
+        if l.keys.len() > GROWN_MAX || *names > NAMES_MAX {
+            // Grown past what a listing may hold: each name is read on its own.
+            dirs.remove(dir);
         }
     }
 
@@ -464,17 +518,40 @@ impl CachedKv {
             Known::Unknown => Ok(false),
             Known::Relist => {
                 let dir = crate::schema::listed_range(key).map(|(p, _)| p).expect("a listed key has a listed range");
-                let (start, end) = crate::schema::prefix_range(dir);
                 let since = self.listings.changes(dir);
-                let found = self.inner.read_txn()?.scan(&start, &end, LISTING_MAX)?;
-                self.keep_listing(dir, found, since);
+                let found = self.list(dir)?;
+                // `list` reads past GROWN_MAX when there is more.
+                self.keep_listing(dir, found, GROWN_MAX + 1, since);
                 Ok(self.listings.lookup(key) == Known::Absent)
             }
         }
     }
 
-    fn keep_listing(&self, dir: &[u8], found: crate::kv::Pairs, since: u64) {
-        match found.len() < LISTING_MAX {
+    /// The names of `dir`, [`LISTING_MAX`] a request, in one read
+    /// transaction (etcd: each request at the first one's revision): all
+    /// of them, or the first [`GROWN_MAX`] and one more, which says there
+    /// are more than a listing holds.
+    fn list(&self, dir: &[u8]) -> KvResult<crate::kv::Pairs> {
+        let (mut from, end) = crate::schema::prefix_range(dir);
+        let mut txn = self.inner.read_txn()?;
+        let mut found = Vec::new();
+        loop {
+            let page = txn.scan(&from, &end, LISTING_MAX)?;
+            let more = page.len() == LISTING_MAX;
+            if let Some((last, _)) = page.last() {
+                from = [last.as_slice(), &[0]].concat();
+            }
+            found.extend(page);
+            if !more || found.len() > GROWN_MAX {
+                return Ok(found);
+            }
+        }
+    }
+
+    /// Keep what a listing of `dir` found: whole when it is all the names
+    /// (fewer than a request's limit), partial when there are more.
+    fn keep_listing(&self, dir: &[u8], found: crate::kv::Pairs, limit: usize, since: u64) {
+        match found.len() < limit {
             true => self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since),
             false => self.listings.set_partial(dir),
         }
@@ -491,7 +568,7 @@ impl CachedKv {
         let ranges: Vec<(Vec<u8>, Vec<u8>)> = wanted.iter().map(|(p, _)| crate::schema::prefix_range(p)).collect();
         let found = self.inner.read_txn()?.scan_many(&ranges, LISTING_MAX)?;
         for ((dir, since), found) in wanted.into_iter().zip(found) {
-            self.keep_listing(dir, found, since);
+            self.keep_listing(dir, found, LISTING_MAX, since);
         }
         Ok(())
     }
@@ -806,6 +883,8 @@ mod tests {
         rev: AtomicI64,
         feed: Mutex<Option<RevisionFeed>>,
         hold: Mutex<Option<Hold>>,
+        /// Reads asked of the engine (gets and scans).
+        reads: std::sync::atomic::AtomicUsize,
     }
 
     struct RevRead<'a>(&'a RevKv);
@@ -815,6 +894,7 @@ mod tests {
             Ok(self.get_versioned(key)?.0)
         }
         fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
+            self.0.reads.fetch_add(1, Ordering::SeqCst);
             let (value, version, at) = {
                 let data = self.0.data.lock();
                 let found = data.get(key).cloned();
@@ -827,12 +907,14 @@ mod tests {
             Ok((value.clone(), Some(Versioned { value, version, at })))
         }
         fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
+            self.0.reads.fetch_add(1, Ordering::SeqCst);
             let data = self.0.data.lock();
             Ok(data.range(start.to_vec()..end.to_vec()).take(limit).map(|(k, (v, _))| (k.clone(), v.clone())).collect())
         }
     }
 
-    struct RevWrite<'a>(&'a RevKv, PendingWrites);
+    /// Writes, and the versions the transaction took as read (compared at commit).
+    struct RevWrite<'a>(&'a RevKv, PendingWrites, Vec<(Vec<u8>, i64)>);
 
     impl KvRead for RevWrite<'_> {
         fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
@@ -857,8 +939,15 @@ mod tests {
         fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
             self.commit_at(durability).map(drop)
         }
+        fn assume(&mut self, key: &[u8], version: i64) -> bool {
+            self.2.push((key.to_vec(), version));
+            true
+        }
         fn commit_at(self: Box<Self>, _: Durability) -> KvResult<Option<i64>> {
             let mut data = self.0.data.lock();
+            if self.2.iter().any(|(k, v)| data.get(k).map_or(0, |(_, r)| *r) != *v) {
+                return Err(KvError::Conflict);
+            }
             let rev = self.0.rev.fetch_add(1, Ordering::SeqCst) + 1;
             for (k, v) in self.1 {
                 match v {
@@ -878,7 +967,7 @@ mod tests {
             Ok(Box::new(RevRead(self)))
         }
         fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-            Ok(Box::new(RevWrite(self, PendingWrites::new())))
+            Ok(Box::new(RevWrite(self, PendingWrites::new(), Vec::new())))
         }
         fn sync(&self) -> KvResult<()> {
             Ok(())
@@ -937,5 +1026,63 @@ mod tests {
             let now = kv.read_txn().unwrap().get(&x).unwrap();
             assert_eq!(now.is_some(), !removing, "removing: {removing}: x as committed, not as the older read saw it");
         }
+    }
+
+    fn reads(engine: &RevKv) -> usize {
+        engine.reads.load(Ordering::SeqCst)
+    }
+
+    /// A directory this node makes and fills (a dataset unpacked into it)
+    /// stays known whole past one listing request's worth of names: each
+    /// create's lookup of its new name is answered from memory and its
+    /// commit compares the absence, without a read.
+    #[test]
+    fn a_directory_this_node_fills_stays_listed_as_it_grows() {
+        let engine = Arc::new(RevKv::default());
+        let kv = CachedKv::wrap(engine.clone()).unwrap();
+        let dir = crate::schema::dentries_of(7);
+        let mut w = kv.write_txn().unwrap();
+        w.known_empty(&dir);
+        w.put(&crate::schema::inode(7), b"dir");
+        w.commit(Durability::Buffered).unwrap();
+        let before = reads(&engine);
+        for i in 0..LISTING_MAX + 100 {
+            let name = crate::schema::dentry(7, format!("f{i}").as_bytes());
+            assert_eq!(kv.read_txn().unwrap().get(&name).unwrap(), None, "lookup of new name {i}");
+            let mut w = kv.write_txn().unwrap();
+            assert_eq!(w.get(&name).unwrap(), None, "the create's read of name {i}");
+            w.put(&name, b"file");
+            w.commit(Durability::Buffered).unwrap();
+        }
+        assert_eq!(reads(&engine) - before, 0, "a lookup or a create's read went to the engine");
+        let missing = crate::schema::dentry(7, b"not-there");
+        assert_eq!(kv.read_txn().unwrap().get(&missing).unwrap(), None);
+        assert_eq!(reads(&engine) - before, 0, "a name the directory lacks was read from the engine");
+    }
+
+    /// A range listed on a miss that holds more names than one request
+    /// reads is listed a request's worth at a time, and then known whole:
+    /// names it lacks are answered without another read.
+    #[test]
+    fn a_range_past_one_request_is_listed_in_pages_and_known_whole() {
+        let engine = Arc::new(RevKv::default());
+        let kv = CachedKv::wrap(engine.clone()).unwrap();
+        let n = 2 * LISTING_MAX + 10;
+        {
+            let mut data = engine.data.lock();
+            for i in 0..n {
+                data.insert(crate::schema::xattr(9, format!("user.a{i:05}").as_bytes()), (b"v".to_vec(), 1));
+            }
+        }
+        engine.rev.store(1, Ordering::SeqCst);
+        let missing = |i: usize| crate::schema::xattr(9, format!("user.missing{i}").as_bytes());
+        assert_eq!(kv.read_txn().unwrap().get(&missing(0)).unwrap(), None);
+        assert_eq!(reads(&engine), 3, "three requests list {n} names, {LISTING_MAX} a request");
+        for i in 1..10 {
+            assert_eq!(kv.read_txn().unwrap().get(&missing(i)).unwrap(), None);
+        }
+        assert_eq!(reads(&engine), 3, "a name the listed range lacks was read from the engine");
+        let present = crate::schema::xattr(9, format!("user.a{:05}", n - 1).as_bytes());
+        assert_eq!(kv.read_txn().unwrap().get(&present).unwrap(), Some(b"v".to_vec()), "the last page's name");
     }
 }

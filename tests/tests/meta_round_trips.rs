@@ -372,6 +372,41 @@ const HELD: u64 = 300;
 /// changed. Here the sweep's period is 1 s: a sweep of every copy would
 /// read three records per copy per second. Counted from the daemons' own
 /// metrics (every request to etcd, by kind).
+/// Names a node's listing request reads at a time (`LISTING_MAX` in
+/// `metadata/src/kv_cache.rs`): the size at which a directory's listing
+/// used to be dropped, after which every create's lookup read etcd.
+const LISTING_REQUEST: u64 = 4096;
+
+#[test]
+fn creates_in_a_directory_past_one_listing_request_still_cost_one_round_trip() {
+    let Some(c) = Cluster::start(2, &[]) else { return };
+    let n1 = c.node(0).mnt.clone();
+    let big = |r: u64| n1.join(format!("big{r}"));
+    // A dataset's directory, filled by this node: past the names one
+    // listing request reads, each new name's lookup is still answered by
+    // the node's listing, and each create costs its commit alone.
+    let rounds = within_in_one_of_three(
+        &n1,
+        FILES + 1 + RETRIES,
+        &format!("{FILES} creates in a directory of {LISTING_REQUEST} names"),
+        |r| {
+            fs::create_dir(big(r)).unwrap();
+            for i in 0..LISTING_REQUEST + 10 {
+                create_excl(&big(r).join(format!("d{i}"))).unwrap();
+            }
+        },
+        |r| {
+            for i in 0..FILES {
+                create_excl(&big(r).join(format!("f{i}"))).unwrap();
+            }
+        },
+    );
+    eprintln!("creates past {LISTING_REQUEST} names within budget in round {rounds}");
+    let last = big(rounds - 1);
+    let n = fs::read_dir(c.node(1).mnt.join(last.file_name().unwrap())).unwrap().count() as u64;
+    assert_eq!(n, LISTING_REQUEST + 10 + FILES, "n2 lists every name n1 made");
+}
+
 #[test]
 fn a_cluster_at_rest_asks_etcd_nothing_but_its_leases() {
     let ports: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", etcd_cluster::free_port())).collect();
