@@ -34,7 +34,7 @@ struct Floor {
     next: AtomicU64,
 }
 
-fn node(ino: u64, kind: FileType, perm: u16, req: &Request) -> FileAttr {
+fn attr(ino: u64, kind: FileType, perm: u16, uid: u32, gid: u32) -> FileAttr {
     let now = SystemTime::now();
     FileAttr {
         ino: INodeNo(ino),
@@ -47,8 +47,8 @@ fn node(ino: u64, kind: FileType, perm: u16, req: &Request) -> FileAttr {
         kind,
         perm,
         nlink: if kind == FileType::Directory { 2 } else { 1 },
-        uid: req.uid(),
-        gid: req.gid(),
+        uid,
+        gid,
         rdev: 0,
         blksize: 1 << 20,
         flags: 0,
@@ -66,7 +66,7 @@ impl Floor {
             return Err(Errno::EEXIST);
         }
         let ino = self.next.fetch_add(1, Ordering::Relaxed);
-        let a = node(ino, kind, perm, req);
+        let a = attr(ino, kind, perm, req.uid(), req.gid());
         t.names.insert(key, ino);
         t.attrs.insert(ino, a);
         Ok(a)
@@ -190,29 +190,9 @@ fn main() -> anyhow::Result<()> {
     };
     let root = 1;
     let mut tree = Tree::default();
-    let now = SystemTime::now();
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    tree.attrs.insert(
-        root,
-        FileAttr {
-            ino: INodeNo(root),
-            size: 0,
-            blocks: 0,
-            atime: now,
-            mtime: now,
-            ctime: now,
-            crtime: now,
-            kind: FileType::Directory,
-            perm: 0o777,
-            nlink: 2,
-            uid,
-            gid,
-            rdev: 0,
-            blksize: 1 << 20,
-            flags: 0,
-        },
-    );
+    tree.attrs.insert(root, attr(root, FileType::Directory, 0o777, uid, gid));
     let fs = Floor { tree: Mutex::new(tree), next: AtomicU64::new(root + 1) };
     let mut config = fuser::Config::default();
     config.mount_options = vec![
