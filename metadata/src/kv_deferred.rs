@@ -1004,8 +1004,15 @@ impl SettledAt {
 /// A batch committed at `rev`: its changes leave the queue, and the
 /// overlay keeps only keys a later change still has queued.
 fn committed(st: &mut State, b: &Batch, rev: i64) {
-    let sent: HashSet<u64> = b.ops.iter().copied().collect();
-    st.queue.retain(|op| !sent.contains(&op.seq));
+    // The queue is in sequence order (numbered and pushed under the state
+    // lock) and so is the batch (`pick` takes it in queue order): one walk
+    // beside it drops the batch's changes, a comparison a change.
+    debug_assert!(b.ops.windows(2).all(|w| w[0] < w[1]), "a batch is in sequence order");
+    let mut sent = b.ops.iter().copied().peekable();
+    st.queue.retain(|op| {
+        while sent.next_if(|&s| s < op.seq).is_some() {}
+        sent.next_if_eq(&op.seq).is_none()
+    });
     for ((k, v), seq) in b.writes.iter().zip(&b.seqs) {
         if st.overlay.get(k).is_some_and(|p| p.seq == *seq) {
             st.overlay.remove(k);
