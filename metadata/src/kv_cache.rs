@@ -519,19 +519,17 @@ impl CachedKv {
             Known::Relist => {
                 let dir = crate::schema::listed_range(key).map(|(p, _)| p).expect("a listed key has a listed range");
                 let since = self.listings.changes(dir);
-                let found = self.list(dir)?;
-                // `list` reads past GROWN_MAX when there is more.
-                self.keep_listing(dir, found, GROWN_MAX + 1, since);
+                let (found, whole) = self.list(dir)?;
+                self.keep_listing(dir, found, whole, since);
                 Ok(self.listings.lookup(key) == Known::Absent)
             }
         }
     }
 
     /// The names of `dir`, [`LISTING_MAX`] a request, in one read
-    /// transaction (etcd: each request at the first one's revision): all
-    /// of them, or the first [`GROWN_MAX`] and one more, which says there
-    /// are more than a listing holds.
-    fn list(&self, dir: &[u8]) -> KvResult<crate::kv::Pairs> {
+    /// transaction (etcd: each request at the first one's revision), and
+    /// whether they are all of them (no more than [`GROWN_MAX`]).
+    fn list(&self, dir: &[u8]) -> KvResult<(crate::kv::Pairs, bool)> {
         let (mut from, end) = crate::schema::prefix_range(dir);
         let mut txn = self.inner.read_txn()?;
         let mut found = Vec::new();
@@ -543,15 +541,16 @@ impl CachedKv {
             }
             found.extend(page);
             if !more || found.len() > GROWN_MAX {
-                return Ok(found);
+                let whole = found.len() <= GROWN_MAX;
+                return Ok((found, whole));
             }
         }
     }
 
-    /// Keep what a listing of `dir` found: whole when it is all the names
-    /// (fewer than a request's limit), partial when there are more.
-    fn keep_listing(&self, dir: &[u8], found: crate::kv::Pairs, limit: usize, since: u64) {
-        match found.len() < limit {
+    /// Keep what a listing of `dir` found: whole when it is all the names,
+    /// partial when there are more.
+    fn keep_listing(&self, dir: &[u8], found: crate::kv::Pairs, whole: bool, since: u64) {
+        match whole {
             true => self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since),
             false => self.listings.set_partial(dir),
         }
@@ -568,7 +567,8 @@ impl CachedKv {
         let ranges: Vec<(Vec<u8>, Vec<u8>)> = wanted.iter().map(|(p, _)| crate::schema::prefix_range(p)).collect();
         let found = self.inner.read_txn()?.scan_many(&ranges, LISTING_MAX)?;
         for ((dir, since), found) in wanted.into_iter().zip(found) {
-            self.keep_listing(dir, found, LISTING_MAX, since);
+            let whole = found.len() < LISTING_MAX;
+            self.keep_listing(dir, found, whole, since);
         }
         Ok(())
     }
