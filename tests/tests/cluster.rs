@@ -406,3 +406,43 @@ fn a_file_fsynced_while_open_reads_whole_where_its_old_size_was_cached() {
         drop(f);
     }
 }
+
+/// A close commits its file's record while the last copy crosses the
+/// network, naming the peer it was sent to. When that peer stops answering
+/// (frozen, still a member), another takes the copy: the record ends naming
+/// the nodes that hold one, never the frozen peer, and each reads the bytes.
+#[test]
+fn a_copy_that_lands_elsewhere_after_the_commit_is_recorded_where_it_landed() {
+    let Some(c) = Cluster::start(3, &[]) else { return };
+    let (a, b, cc) = (c.node(0), c.node(1), c.node(2));
+    fs::create_dir(a.path("shards")).unwrap();
+    let pid = cc.daemon_pid();
+    // SAFETY: kill(2).
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    // Placement asks n3 first for about half the files: write until one
+    // was (the push to it failed and went to n2), within n3's lease.
+    let mut files = Vec::new();
+    for i in 0..20 {
+        let name = format!("shards/part-{i}.bin");
+        let data = pattern(3000 + i * 100, 50 + i as u64);
+        fs::write(a.path(&name), &data).unwrap();
+        files.push((name, data));
+        if a.log().contains("replica write failed; trying another node") {
+            break;
+        }
+    }
+    assert!(a.log().contains("replica write failed; trying another node"), "no file was sent to n3 first");
+    for (name, data) in &files {
+        let layout = xattr_value(&a.path(name), "user.converged.layout");
+        let holders: Vec<&str> = layout.split_whitespace().nth(3).unwrap_or("").split(',').collect();
+        let mut sorted = holders.clone();
+        sorted.sort();
+        assert_eq!(sorted, ["n1", "n2"], "{name}: {layout}");
+        same(&fs::read(b.path(name)).unwrap(), data, name);
+    }
+    // SAFETY: kill(2).
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    for (name, data) in &files {
+        eventually(20, "n3 reads it", || fs::read(cc.path(name)).is_ok_and(|d| &d == data));
+    }
+}
