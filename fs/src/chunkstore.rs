@@ -17,7 +17,7 @@
 //! lock (the version index) is a leaf: nothing is taken while it is held,
 //! and no I/O happens under it.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -56,44 +56,6 @@ struct Index {
     /// only ones a later sync request may vouch for (a file left by a crash
     /// may hold anything).
     unsynced: BTreeSet<VersionKey>,
-    /// Versions the layout recorded here before their copy arrived.
-    recorded_ahead: RecordedAhead,
-}
-
-/// Versions the change feed said the layout records with this node as a
-/// holder while no version file of them was here yet: a writer's publish
-/// commits while its copies cross the network (see `core/seal.rs`), so the
-/// record often comes first. Kept for when the copy lands; the oldest go
-/// first past [`RecordedAhead::MAX`] (a copy that never comes, or a record
-/// of a copy held in a backing file, is simply forgotten).
-#[derive(Default)]
-struct RecordedAhead {
-    keys: HashSet<VersionKey>,
-    order: VecDeque<VersionKey>,
-}
-
-impl RecordedAhead {
-    const MAX: usize = 4096;
-
-    fn note(&mut self, key: VersionKey) {
-        if !self.keys.insert(key) {
-            return;
-        }
-        self.order.push_back(key);
-        while self.order.len() > Self::MAX {
-            if let Some(old) = self.order.pop_front() {
-                self.keys.remove(&old);
-            }
-        }
-    }
-
-    /// Whether `key` was noted; it is forgotten either way. (Its place in
-    /// `order` goes when it comes to the front, and takes the key along
-    /// should it have been noted again since: a hint forgotten early costs
-    /// the settler one read.)
-    fn take(&mut self, key: &VersionKey) -> bool {
-        self.keys.remove(key)
-    }
 }
 
 /// Bytes the chunk store wrote to the data disk (besides a writer's own
@@ -149,19 +111,13 @@ impl ChunkStore {
 
     /// Index a version file just written; `synced`: on stable storage.
     fn add_version(&self, ino: Ino, index: u32, version: u64, synced: bool) {
-        let recorded = {
-            let mut idx = self.index.lock();
-            idx.versions.entry(ino).or_default().insert((index, version));
-            idx.unsettled.insert(ino);
-            match synced {
-                true => idx.unsynced.remove(&(ino, index, version)),
-                false => idx.unsynced.insert((ino, index, version)),
-            };
-            idx.recorded_ahead.take(&(ino, index, version))
+        let mut idx = self.index.lock();
+        idx.versions.entry(ino).or_default().insert((index, version));
+        idx.unsettled.insert(ino);
+        match synced {
+            true => idx.unsynced.remove(&(ino, index, version)),
+            false => idx.unsynced.insert((ino, index, version)),
         };
-        if recorded {
-            self.recorded_here(ino, index, version);
-        }
     }
 
     /// Store a whole chunk version in its own file, on stable storage
@@ -323,23 +279,12 @@ impl ChunkStore {
     /// Called for every chunk record naming this node that the feed hands
     /// out, so the backing file is looked for (a stat, with no lock held)
     /// only for an inode that waits to be settled.
-    /// A version not here yet is remembered for when its copy lands.
     pub fn recorded_here(&self, ino: Ino, index: u32, version: u64) {
         let only = |idx: &Index| {
             idx.unsettled.contains(&ino)
                 && idx.versions.get(&ino).is_some_and(|v| v.len() == 1 && v.contains(&(index, version)))
         };
-        {
-            let mut idx = self.index.lock();
-            if !idx.versions.get(&ino).is_some_and(|v| v.contains(&(index, version))) {
-                idx.recorded_ahead.note((ino, index, version));
-                return;
-            }
-            if !only(&idx) {
-                return;
-            }
-        }
-        if self.path(ino).exists() {
+        if !only(&self.index.lock()) || self.path(ino).exists() {
             return;
         }
         let mut idx = self.index.lock();
@@ -714,29 +659,6 @@ mod tests {
 
     fn chunk(version: u64) -> ChunkRef {
         ChunkRef { ino: 7, index: 0, version, start: 0 }
-    }
-
-    /// A copy whose record the change feed reported before the copy landed
-    /// (a publish commits while its copies cross the network) is settled
-    /// when it lands, as one reported after it is: the settler need not
-    /// read its records. A copy of an inode whose backing file is here, or
-    /// one the layout did not record, still waits for the settler.
-    #[test]
-    fn a_copy_recorded_before_it_lands_needs_no_settling() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(dir.path()).unwrap();
-        let copy = |ino: Ino, version: u64| ChunkRef { ino, index: 0, version, start: 0 };
-        store.recorded_here(7, 0, 1);
-        store.write_version(&copy(7, 1), b"recorded first", Arrival::Received, true).unwrap();
-        store.write_version(&copy(8, 1), b"never recorded", Arrival::Received, true).unwrap();
-        store.recorded_here(9, 0, 1);
-        std::fs::write(store.path(9), b"a backing file").unwrap();
-        store.write_version(&copy(9, 1), b"beside a backing file", Arrival::Received, true).unwrap();
-        assert_eq!(store.inodes_to_settle(), vec![8, 9]);
-        // Recorded after it landed: settled the same way.
-        store.write_version(&copy(10, 1), b"recorded after", Arrival::Received, true).unwrap();
-        store.recorded_here(10, 0, 1);
-        assert_eq!(store.inodes_to_settle(), vec![8, 9]);
     }
 
     /// A sync vouches only for versions this store received unsynced since

@@ -559,10 +559,8 @@ impl HeldDiskNode {
 }
 
 /// In a cluster, close(2) publishes: the bytes are checksummed, copied to
-/// a peer's stable storage and recorded, and then close returns. For a
-/// file whose first chunk was copied to its replica while it was being
-/// written, the writing node's own copy may still be in its page cache
-/// only (a small file's close syncs it: see fs/src/core/seal.rs). A file
+/// a peer's stable storage and recorded, and then close returns; the
+/// writing node's own copy may still be in its page cache only. A file
 /// still open for writing through another descriptor keeps its write lease
 /// after that close. A power cut of the writing node then must not lose
 /// what close published: at its next mount the node brings its own copy
@@ -574,16 +572,11 @@ fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
     let mut n1 = HeldDiskNode::move_first(&mut c);
     let (mnt, data) = (n1.mnt.clone(), n1.data.clone());
 
-    const CHUNK: usize = 64 << 20;
-    let bytes = pattern(CHUNK + 300_000, 40);
+    let bytes = pattern(300_000, 40);
     let path = mnt.join("published.bin");
     let mut first = File::create(&path).unwrap();
+    first.write_all(&bytes).unwrap();
     let ino = first.metadata().unwrap().ino();
-    // The first chunk full: the streamer copies it to n2 while the file is
-    // open, and the close waits for that copy's sync, not n1's own.
-    first.write_all(&bytes[..CHUNK]).unwrap();
-    assert!(c.stored_becomes(1, ino, &bytes[..CHUNK]), "n2 took the first chunk while it was written");
-    first.write_all(&bytes[CHUNK..]).unwrap();
     // A second writer holds the file open from a process of its own (a
     // descriptor of this one would be closed, and flushed through the
     // frozen daemon, by every command this test starts).
@@ -630,75 +623,6 @@ fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
         same(&on_n2),
         bytes.len()
     );
-}
-
-/// A small file's close commits its record while the copy for the peer is
-/// still in flight, naming that peer: the writing node's own copy is on its
-/// disk before the commit. Here the peer is frozen (the copy never lands)
-/// when the writing node loses its power after the commit: the file reads
-/// whole again from the writing node once it is back, on both nodes.
-#[test]
-fn power_cut_between_a_close_commit_and_its_peer_copy_keeps_the_file() {
-    assert!(Path::new("/dev/loop-control").exists(), "this test needs loop devices (/dev/loop-control)");
-    let Some(mut c) = cluster::Cluster::start(2, &[]) else { return };
-    let mut n1 = HeldDiskNode::move_first(&mut c);
-    let mnt = n1.mnt.clone();
-    let bytes = pattern(300_000, 41);
-    let path = mnt.join("in-flight.bin");
-    let n2 = c.node(1).daemon_pid();
-    // SAFETY: kill(2).
-    unsafe { libc::kill(n2, libc::SIGSTOP) };
-    // The close waits for the copy n2 does not take (its peer timeout):
-    // from its own thread, which the cut leaves with an error.
-    let writer = {
-        let (path, bytes) = (path.clone(), bytes.clone());
-        std::thread::spawn(move || {
-            let mut f = File::create(&path)?;
-            f.write_all(&bytes)?;
-            drop(f);
-            Ok::<(), std::io::Error>(())
-        })
-    };
-    let deadline = Instant::now() + Duration::from_millis(1500);
-    let committed = loop {
-        // getxattr(2) from this process: a command started here would
-        // close (and so flush) the writer's descriptor it inherits.
-        let layout = layout_of(&path);
-        if layout.trim_end().ends_with("n1,n2") || Instant::now() > deadline {
-            break layout;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    assert!(committed.trim_end().ends_with("n1,n2"), "the record named n2 before its copy landed: {committed:?}");
-
-    // ---- the power cut of n1, n2's copy still in flight ----
-    n1.cut();
-    let _ = writer.join();
-    // SAFETY: kill(2).
-    unsafe { libc::kill(n2, libc::SIGCONT) };
-    let mut ext4_after = Ext4::mount(&n1.cut, &n1.disk_after);
-    let ino = fs::metadata(c.node(1).mnt.join("in-flight.bin")).unwrap().ino();
-    let backing = n1.disk_after.join("data").join(format!("chunks/{ino:016x}"));
-    assert!(holds(&backing, &bytes), "n1's copy is on its disk at the cut");
-    let mut n1_after = n1.mount_after();
-    let on_n1 = read_all(&path);
-    let on_n2 = read_all(&c.node(1).mnt.join("in-flight.bin"));
-    n1_after.umount();
-    ext4_after.umount();
-    assert_eq!(on_n1.as_deref(), Ok(&bytes[..]), "n1 after its power cut");
-    assert_eq!(on_n2.as_deref(), Ok(&bytes[..]), "n2 after n1's power cut");
-}
-
-/// `user.converged.layout` of `p`, empty when it cannot be read.
-fn layout_of(p: &Path) -> String {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: both strings are NUL-terminated; the buffer is ours and its length is given.
-    let n =
-        unsafe { libc::getxattr(path.as_ptr(), c"user.converged.layout".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    buf.truncate(n.max(0) as usize);
-    String::from_utf8_lossy(&buf).into_owned()
 }
 
 /// `--nowsync`: n1 acknowledges the creates and closes of a directory it

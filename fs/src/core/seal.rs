@@ -5,13 +5,6 @@
 //! publish sends only what changed since and the tail. No lock is held
 //! here: the callers moved the file's write state to `Publishing` or
 //! `Sealing` (or took a stream job) before, and settle it after.
-//!
-//! A publish (close or fsync of a writer) of a file none of whose chunks
-//! were streamed does not wait for its copies to land before its commit:
-//! the record names the peers they were sent to, this node's copy is on
-//! stable storage first, and the publish returns once both the commit and
-//! the copies are done. A copy that did not land is then taken out of the
-//! record (see [`Core::land_after_commit`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
@@ -53,25 +46,13 @@ struct SealPlan<'c> {
     keep_here: bool,
     /// The lease epoch new versions are handed out in.
     epoch: u64,
-    /// The last copies in flight land after the commit, which names the
-    /// peers they were sent to (a publish: the writer keeps its lease).
-    land_after_commit: bool,
     /// The file's chunk size.
     cs: u64,
 }
 
-/// A chunk's copies in flight.
-struct Inflight {
-    /// Its place in the pass's records.
-    at: usize,
-    chunk: ChunkRef,
-    data: bytes::Bytes,
-    /// The peers asked first, as many as copies are wanted: those the
-    /// record names when the copies land after the commit.
-    asked: Vec<String>,
-    /// The push: the peers that took a durable copy.
-    task: tokio::task::JoinHandle<Vec<String>>,
-}
+/// A chunk's copies in flight: its place in the pass's records, the
+/// version, its bytes, and the push.
+type Inflight = (usize, ChunkRef, bytes::Bytes, tokio::task::JoinHandle<Vec<String>>);
 
 /// What the pass over the chunks found.
 struct ChunkPass {
@@ -80,9 +61,6 @@ struct ChunkPass {
     to_sync: BTreeMap<String, Vec<(u32, u64)>>,
     /// Some chunk has fewer copies than it should.
     short: bool,
-    /// Copies still in flight, which the records name already: they land
-    /// after the commit.
-    landing: Vec<Inflight>,
 }
 
 /// The offset of the first data at or after `from` in `file` (SEEK_DATA),
@@ -105,10 +83,9 @@ impl Core {
     /// record them with the size and mtime the backing file has. This node
     /// is the primary of every chunk it seals (unless it is draining: see
     /// [`SealPlan::leaving`]); in a cluster the other replicas are written
-    /// before the record (durability=replicated; the last ones of a publish
-    /// while it commits, this node's copy synced first) or after it, in
-    /// the background (durability=local). A chunk whose bytes did not
-    /// change keeps its record, version and replicas.
+    /// before the record (durability=replicated) or after it, in the
+    /// background (durability=local). A chunk whose bytes did not change
+    /// keeps its record, version and replicas.
     pub(super) fn seal_file(&self, inode: &Inode, file: &File, dirty: &Dirty, mut how: SealAs<'_>) -> FsResult<Inode> {
         let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
         let size = md.len();
@@ -118,21 +95,15 @@ impl Core {
             vouch_for_streamed(c, inode.ino, &mut pass);
         }
         pass.short |= pass.chunks.iter().any(|(_, r)| r.replicas.len() < plan.want);
-        let landing = std::mem::take(&mut pass.landing);
-        let commit = || {
-            if (pass.short || !landing.is_empty()) && plan.replicate_now.is_some() && !how.data_durable {
-                // Peers did not take every copy, or have not yet: the
-                // record rests on this node's copy more than planned, so it
-                // is on stable storage before it is recorded (a power cut
-                // here must not leave the record naming only a torn copy).
-                file.sync_data().map_err(|e| FsError::io("sync backing file", e))?;
-                how.data_durable = true;
-            }
-            self.commit_seal(inode.ino, size, ts_from(md.mtime(), md.mtime_nsec()), pass, how)
-        };
-        let sealed = commit();
-        self.land_after_commit(&plan, inode.ino, landing, sealed.is_ok());
-        sealed
+        if pass.short && plan.replicate_now.is_some() && !how.data_durable {
+            // Peers did not take every copy: the record rests on this
+            // node's copy more than planned, so it is on stable storage
+            // before it is recorded (a power cut here must not leave the
+            // record naming only a torn copy).
+            file.sync_data().map_err(|e| FsError::io("sync backing file", e))?;
+            how.data_durable = true;
+        }
+        self.commit_seal(inode.ino, size, ts_from(md.mtime(), md.mtime_nsec()), pass, how)
     }
 
     /// Which chunks a seal looks at, their records, and where their copies go.
@@ -170,14 +141,6 @@ impl Core {
         // version. A chunk version no peer took a copy of is kept here in a
         // version file, so that it can be served and replicated as sealed.
         let keep_here = cluster.is_some() && how.keep_unsealed;
-        // A publish overlaps its last copies with its commit: the writer
-        // keeps its lease, so the peers accept the copies whether or not
-        // they saw the commit yet; this node's copy is synced instead,
-        // which for a file with no chunk streamed yet is what is in flight
-        // (a large file's streamed chunks need no local sync at its close:
-        // its copies land first). A draining node's copies are its file's
-        // only ones, and a release gives up the lease: those land first.
-        let land_after_commit = replicate_now.is_some() && how.keep_unsealed && !leaving && how.streamed.is_empty();
         Ok(SealPlan {
             which,
             old,
@@ -187,7 +150,6 @@ impl Core {
             to_peers: if leaving { want } else { want - 1 },
             keep_here,
             epoch: how.lease.unwrap_or(converged_metadata::CREATE_LEASE),
-            land_after_commit,
             cs,
         })
     }
@@ -204,7 +166,7 @@ impl Core {
         plan: &SealPlan<'_>,
         how: &SealAs<'_>,
     ) -> FsResult<ChunkPass> {
-        let SealPlan { ref which, ref old, want, leaving, replicate_now, to_peers, keep_here, epoch, cs, .. } = *plan;
+        let SealPlan { ref which, ref old, want, leaving, replicate_now, to_peers, keep_here, epoch, cs } = *plan;
         let mut short = false;
         let mut chunks: Vec<(u32, ChunkRecord)> = Vec::with_capacity(which.len());
         // Replica writes in flight (position in `chunks`, the bytes, task):
@@ -286,11 +248,9 @@ impl Core {
             match (replicate_now, data) {
                 (Some(c), Some(data)) => {
                     let ranked = c.plan(inode.ino, index, &record.replicas);
-                    let asked = ranked.iter().take(to_peers).map(|n| n.id.clone()).collect();
                     let how = Push { durable: true, made_in: self.ns.made_in(inode.ino) };
                     let push = c.clone().push_with(chunk, data.clone(), to_peers, ranked, how);
-                    let task = c.spawn(push);
-                    inflight.push_back(Inflight { at: chunks.len(), chunk, data, asked, task });
+                    inflight.push_back((chunks.len(), chunk, data, c.spawn(push)));
                 }
                 (None, Some(data)) => self.keep_version(&chunk, &data),
                 (_, None) => {}
@@ -300,17 +260,10 @@ impl Core {
                 self.land(plan, inode.ino, &mut chunks, inflight.pop_front().expect("not empty"));
             }
         }
-        let mut landing = Vec::new();
         while let Some(f) = inflight.pop_front() {
-            match plan.land_after_commit {
-                true => {
-                    chunks[f.at].1.replicas.extend(f.asked.iter().cloned());
-                    landing.push(f);
-                }
-                false => self.land(plan, inode.ino, &mut chunks, f),
-            }
+            self.land(plan, inode.ino, &mut chunks, f);
         }
-        Ok(ChunkPass { chunks, to_sync, short, landing })
+        Ok(ChunkPass { chunks, to_sync, short })
     }
 
     /// Wait for a chunk's copies in flight and record the peers that took
@@ -320,7 +273,7 @@ impl Core {
         plan: &SealPlan<'_>,
         ino: Ino,
         chunks: &mut [(u32, ChunkRecord)],
-        Inflight { at, chunk, data, task, .. }: Inflight,
+        (at, chunk, data, task): Inflight,
     ) {
         let c = plan.replicate_now.expect("only replicating chunks are in flight");
         let copies = c.block_on(task).unwrap_or_default();
@@ -341,53 +294,6 @@ impl Core {
             self.keep_version(&chunk, &data);
         }
         record.replicas.extend(copies);
-    }
-
-    /// Wait for the copies that were in flight at the commit, whose records
-    /// name the peers they were sent to. A peer that did not take its copy
-    /// (another took it instead, or none) is taken out of the record, so no
-    /// record names a copy that is not there; until then readers that find
-    /// no copy there read this node's, which is on stable storage. A record
-    /// that could not be mended is found by the scrub. After a commit that
-    /// failed the copies are only waited for: no record names them, and the
-    /// peers drop them after their grace.
-    fn land_after_commit(&self, plan: &SealPlan<'_>, ino: Ino, landing: Vec<Inflight>, committed: bool) {
-        let Some(c) = plan.replicate_now.filter(|_| !landing.is_empty()) else { return };
-        for Inflight { chunk, data, asked, task, .. } in landing {
-            let copies = c.block_on(task).unwrap_or_default();
-            if !committed {
-                continue;
-            }
-            if copies.is_empty() && plan.keep_here {
-                self.keep_version(&chunk, &data);
-            }
-            let took: Vec<String> = copies.iter().filter(|p| !asked.contains(p)).cloned().collect();
-            let missed: Vec<String> = asked.iter().filter(|p| !copies.contains(p)).cloned().collect();
-            if took.is_empty() && missed.is_empty() {
-                continue;
-            }
-            let (index, version) = (chunk.index, chunk.version);
-            let mended = (took.is_empty() || self.ns.add_replicas(ino, index, version, &took).is_ok())
-                && (missed.is_empty() || self.ns.drop_holders(ino, index, version, &missed, 1).is_ok());
-            if !mended {
-                tracing::warn!(
-                    ino,
-                    chunk = index,
-                    ?missed,
-                    "could not take copies that did not land out of a chunk's record"
-                );
-            }
-            if copies.len() + 1 < plan.want {
-                tracing::warn!(
-                    ino,
-                    chunk = index,
-                    copies = copies.len() + 1,
-                    want = plan.want,
-                    "chunk under-replicated: too few peers answered"
-                );
-                self.under_replicated.add([ino], true);
-            }
-        }
     }
 
     /// Keep a published chunk version here, beside the backing file a
