@@ -6,6 +6,15 @@
 //! changed since) before applying the writes, and reports
 //! [`KvError::Conflict`] when another writer got there first. Every volume
 //! lives under its own key prefix. Each call has a deadline.
+//!
+//! Two connections, two runtimes. Reads and commits go over one driven by
+//! no thread of its own: the thread that waits for an answer runs the
+//! connection itself (tokio's current-thread runtime, entered by each
+//! caller's `block_on`), so a round trip from a lone caller costs no thread
+//! switch in this process, and a thread waiting for etcd holds no other
+//! thread busy. The change feed, which must be read while nobody asks
+//! anything, has a connection and a thread of its own (`Feed`), started
+//! with the first watch.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -30,8 +39,14 @@ use crate::kv::Pairs;
 type Versions = (Option<Vec<u8>>, i64);
 
 pub struct EtcdKv {
+    /// Current-thread runtime of `client`, driven by the callers of `run`.
     rt: tokio::runtime::Runtime,
     client: Client,
+    /// Where and how to connect again, for the change feed's connection.
+    urls: Vec<String>,
+    opts: ConnectOptions,
+    /// The change feed's runtime, made by the first watch.
+    feed: std::sync::OnceLock<tokio::runtime::Runtime>,
     prefix: Vec<u8>,
     timeout: Duration,
     /// This node's lease: id, keep-alive channel, node id.
@@ -293,19 +308,14 @@ impl EtcdKv {
         access: &crate::EtcdAccess,
         timeout: Duration,
     ) -> KvResult<Self> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("etcd")
-            .enable_all()
-            .build()
-            .map_err(KvError::backend)?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(KvError::backend)?;
         let scheme = if access.tls { "https" } else { "http" };
         let urls: Vec<String> =
             endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("{scheme}://{e}") }).collect();
         let opts = connect_options(access, timeout)?;
         let client = rt
             .block_on(async {
-                let mut client = Client::connect(&urls, Some(opts)).await?;
+                let mut client = Client::connect(&urls, Some(opts.clone())).await?;
                 // Connecting is lazy; ask once so a wrong address or a refused
                 // credential fails here. The key is the volume's own: a user
                 // may be allowed no other.
@@ -319,6 +329,9 @@ impl EtcdKv {
         Ok(Self {
             rt,
             client,
+            urls,
+            opts,
+            feed: std::sync::OnceLock::new(),
             prefix: format!("{volume}/").into_bytes(),
             timeout,
             lease: Default::default(),
@@ -746,20 +759,47 @@ impl KvEngine for EtcdKv {
 
     /// [`EtcdKv::watch`]; each change comes with its mod revision.
     fn watch_revisions(&self, on_change: RevisionFeed) -> KvResult<bool> {
-        let client = self.client.clone();
+        let feed = match self.feed.get() {
+            Some(rt) => rt,
+            None => {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name("etcd-feed")
+                    .enable_all()
+                    .build()
+                    .map_err(KvError::backend)?;
+                self.feed.get_or_init(|| rt)
+            }
+        };
+        let (urls, opts) = (self.urls.clone(), self.opts.clone());
         let prefix = self.prefix.clone();
         let own = self.own.clone();
         let timeout = self.timeout;
-        self.rt.spawn(async move {
+        feed.spawn(async move {
             let mut from = 0;
+            let mut client: Option<Client> = None;
             loop {
+                // The feed's own connection: commits never wait behind a
+                // burst of events, nor the feed behind a commit's thread.
+                let c = match &client {
+                    Some(c) => c.clone(),
+                    None => match Client::connect(&urls, Some(opts.clone())).await {
+                        Ok(c) => client.insert(c).clone(),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "etcd watch could not connect; retrying");
+                            on_change(b"", None, 0);
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            continue;
+                        }
+                    },
+                };
                 // Up to the holder index, which only background work reads, fresh.
                 let end = [prefix.as_slice(), schema::WATCHED_END].concat();
                 let mut opts = WatchOptions::new().with_range(end);
                 if from > 0 {
                     opts = opts.with_start_revision(from);
                 }
-                let mut watch = client.watch_client();
+                let mut watch = c.watch_client();
                 match watch.watch(prefix.clone(), Some(opts)).await {
                     Ok(stream) => {
                         let (mut ask, mut answers) = stream.split();
