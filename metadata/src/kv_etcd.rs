@@ -13,8 +13,8 @@
 //! caller's `block_on`), so a round trip from a lone caller costs no thread
 //! switch in this process, and a thread waiting for etcd holds no other
 //! thread busy. The change feed, which must be read while nobody asks
-//! anything, has a connection and a thread of its own (`Feed`), started
-//! with the first watch.
+//! anything, has a connection and a thread of its own (`EtcdKv::feed`,
+//! the `etcd-feed` thread), started with the first watch.
 
 use std::collections::BTreeMap;
 use std::future::Future;
