@@ -689,6 +689,14 @@ impl KvRead for CachedWrite<'_> {
         }
         self.kv.read_through(self.inner.as_mut(), key)
     }
+    fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        // Records this cache never holds (sync marks, ...) go to the engine
+        // together; a batch with any it may hold, key by key through `get`.
+        if self.ranges.is_empty() && keys.iter().any(|k| cacheable_in_writes(k)) {
+            return keys.iter().map(|k| Ok((self.get(k)?, None))).collect();
+        }
+        self.inner.get_many_versioned(keys)
+    }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         self.inner.scan(start, end, limit)
     }

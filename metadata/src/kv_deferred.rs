@@ -1320,6 +1320,29 @@ impl KvRead for DeferredTxn<'_> {
             }
         }
     }
+    fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        // What the transaction or the overlay holds answers itself (through
+        // `get`); the engine's keys are asked together.
+        let mut out: Vec<Option<crate::kv::Found>> = vec![None; keys.len()];
+        let mut ask = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let own = self.writes.contains_key(key) || self.range_deleted(key);
+            match own || !matches!(self.kv.look(key, self.plain), Look::Engine) {
+                true => out[i] = Some((self.get(key)?, None)),
+                false => {
+                    self.reads.push((key.clone(), 0));
+                    ask.push(i);
+                }
+            }
+        }
+        let asked: Vec<Vec<u8>> = ask.iter().map(|i| keys[*i].clone()).collect();
+        if !asked.is_empty() {
+            for (i, found) in ask.into_iter().zip(self.inner.get_many_versioned(&asked)?) {
+                out[i] = Some(found);
+            }
+        }
+        Ok(out.into_iter().map(|o| o.expect("every key answered")).collect())
+    }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let RangeView { seen, overlay: mut layered, known } = self.kv.state.lock().range_view(start, end, self.plain);
         #[cfg(feature = "test-util")]

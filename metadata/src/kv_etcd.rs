@@ -578,6 +578,31 @@ impl KvRead for EtcdWrite<'_> {
         self.reads.insert(key.to_vec(), version);
         Ok((value.clone(), Some(Versioned { value, version, at })))
     }
+    fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        // What this transaction wrote answers itself; the rest is read in
+        // one request per 128 keys, each a read the commit compares.
+        let asked: Vec<Vec<u8>> =
+            keys.iter().filter(|k| !self.pending.contains_key(*k) && !self.range_deleted(k)).cloned().collect();
+        let mut found = match asked.is_empty() {
+            true => Vec::new().into_iter(),
+            false => {
+                let (found, at) = self.kv.get_many_at(&asked, self.rev)?;
+                self.rev = at;
+                found.into_iter()
+            }
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            if self.pending.contains_key(key) || self.range_deleted(key) {
+                out.push((self.get(key)?, None));
+                continue;
+            }
+            let (value, version) = found.next().expect("an answer for every key asked");
+            self.reads.insert(key.clone(), version);
+            out.push((value.clone(), Some(Versioned { value, version, at: self.rev })));
+        }
+        Ok(out)
+    }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let extra = pending_deletes(&self.pending, start, end);
         let want = if self.deleted_ranges.is_empty() { limit.saturating_add(extra) } else { usize::MAX >> 1 };

@@ -75,6 +75,9 @@ impl KvRead for FaultyWrite<'_> {
     fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<crate::kv::Versioned>)> {
         self.inner.get_versioned(key)
     }
+    fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        self.inner.get_many_versioned(keys)
+    }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         self.inner.scan(start, end, limit)
     }

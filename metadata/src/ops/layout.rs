@@ -775,7 +775,8 @@ impl Namespace {
     /// limit per transaction (etcd's 128 operations; each mark is a compare
     /// and a delete) one per batch under it, since a second's seals can be
     /// more. A mark written by a later seal (another token) stays: its
-    /// bytes may be newer than the sync.
+    /// bytes may be newer than the sync. A batch's marks are read together
+    /// (etcd: one request, where a read of each was one request a file).
     pub fn clear_sync_pending(&self, synced: &[(Ino, u64)]) -> MetaResult<()> {
         let batch = self.kv.txn_limit().map_or(usize::MAX, |limit| (limit / 2).max(1));
         let mut batches: Vec<&[(Ino, u64)]> = synced.chunks(batch).collect();
@@ -784,12 +785,11 @@ impl Namespace {
             batches.push(&[]);
         }
         for part in batches {
+            let keys: Vec<Vec<u8>> = part.iter().map(|(ino, _)| schema::sync_pending(*ino)).collect();
             self.write(Durability::Durable, |txn| {
-                for (ino, token) in part {
-                    let key = schema::sync_pending(*ino);
-                    let current = txn.get(&key)?;
+                for ((key, (_, token)), (current, _)) in keys.iter().zip(part).zip(txn.get_many_versioned(&keys)?) {
                     if current.as_deref().and_then(parse_sync_mark).is_some_and(|(t, _)| t == *token) {
-                        txn.delete(&key);
+                        txn.delete(key);
                     }
                 }
                 Ok(())
