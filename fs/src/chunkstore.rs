@@ -457,6 +457,23 @@ impl ChunkStore {
         }
     }
 
+    /// Whether every copy of `ino` held here (its backing file, its version
+    /// files) changed at or after `t` (its inode change time): written,
+    /// received or made since then. False when none is held.
+    pub fn changed_since(&self, ino: Ino, t: std::time::SystemTime) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let since = |p: PathBuf| match std::fs::metadata(p) {
+            Ok(m) => Some(
+                std::time::UNIX_EPOCH + std::time::Duration::new(m.ctime().max(0) as u64, m.ctime_nsec() as u32) >= t,
+            ),
+            Err(_) => None,
+        };
+        let copies: Vec<Option<bool>> = std::iter::once(since(self.path(ino)))
+            .chain(self.versions_of(ino).into_iter().map(|(i, v)| since(self.version_path(ino, i, v))))
+            .collect();
+        copies.iter().any(Option::is_some) && copies.iter().flatten().all(|c| *c)
+    }
+
     /// Inode numbers that have a backing file or a version file (for the
     /// mount-time consistency check).
     pub fn list(&self) -> FsResult<Vec<Ino>> {
@@ -691,5 +708,31 @@ mod tests {
         assert!(reopened.has_version(7, 0, 3));
         let e = reopened.sync_versions(7, &[(0, 3)]).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+    }
+
+    /// A file counts as changed since a moment only when every copy of it
+    /// held here is: one older copy (a version file kept from before, a
+    /// backing file not touched since) makes it a file held then.
+    #[test]
+    fn a_file_is_changed_since_a_moment_when_all_its_copies_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        store.write_version(&chunk(1), b"kept from before", Arrival::Received, true).unwrap();
+        std::fs::write(store.path(9), b"a backing file from before").unwrap();
+        // ctime has the kernel's clock tick as grain: step past it.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let t = std::time::SystemTime::now();
+        assert!(!store.changed_since(7, t), "a version file older than the moment");
+        assert!(!store.changed_since(9, t), "a backing file older than the moment");
+        assert!(!store.changed_since(11, t), "nothing held");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        store.write_version(&chunk(2), b"received since", Arrival::Received, true).unwrap();
+        assert!(!store.changed_since(7, t), "one copy of the file is older than the moment");
+        std::fs::write(store.path(9), b"written since").unwrap();
+        assert!(store.changed_since(9, t), "its one copy was written since");
+        std::fs::write(store.path(11), b"made since").unwrap();
+        assert!(store.changed_since(11, t), "made since");
+        store.remove_version(7, 0, 1).unwrap();
+        assert!(store.changed_since(7, t), "the older version is gone: every copy left is newer");
     }
 }

@@ -248,6 +248,12 @@ impl Core {
         self.store.list()
     }
 
+    /// Whether every copy of `ino` held here was written or received at
+    /// `t` or later (see [`crate::workers::Sweeper`]'s pass at mount).
+    pub(crate) fn copies_changed_since(&self, ino: Ino, t: std::time::SystemTime) -> bool {
+        self.store.changed_since(ino, t)
+    }
+
     fn holds(&self, ino: Ino) -> bool {
         self.store.has_versions(ino) || self.store.path(ino).exists()
     }

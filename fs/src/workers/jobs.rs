@@ -328,6 +328,12 @@ pub struct Sweeper {
     /// when the next pass starts.
     pass: Vec<converged_metadata::types::Ino>,
     pass_due: Instant,
+    /// While the pass that starts at mount runs: when the node mounted.
+    /// That pass is for what changed while the node was down: a copy
+    /// written or received since the mount is this node's own doing,
+    /// and what changes it later the change feed reports (a job writing
+    /// at once after the mount no longer costs four reads a file).
+    mounted: Option<std::time::SystemTime>,
     /// The gc request being answered, and what reading requests follows.
     gc: (u64, Since),
     /// The gc request a sweep was started at once for.
@@ -345,6 +351,7 @@ impl Sweeper {
             // first pass starts at mount.
             pass: Vec::new(),
             pass_due: Instant::now(),
+            mounted: Some(std::time::SystemTime::now()),
             gc: (0, Since::new(&[Control::Gc])),
             gc_started: 0,
         }
@@ -393,8 +400,10 @@ impl Sweeper {
             self.last = Some(Instant::now());
             let (changed, everything) = core.sweep_hints().take();
             if everything {
+                // Changes may have been missed since the mount too.
                 self.pass.clear();
                 self.pass_due = Instant::now();
+                self.mounted = None;
             }
             files.extend(changed);
             files.extend(self.seen.waiting());
@@ -405,7 +414,14 @@ impl Sweeper {
             self.pass_due = Self::next_pass();
         }
         let slice = self.pass.len().saturating_sub(crate::core::SAFETY_PASS_RATE);
-        files.extend(self.pass.drain(slice..));
+        let mut next: Vec<converged_metadata::types::Ino> = self.pass.drain(slice..).collect();
+        if let Some(t) = self.mounted {
+            next.retain(|ino| !core.copies_changed_since(*ino, t));
+            if self.pass.is_empty() {
+                self.mounted = None;
+            }
+        }
+        files.extend(next);
         Ok(Some(files.into_iter().collect()))
     }
 }
