@@ -38,9 +38,11 @@
 #   under --nowsync; on ext4 it syncs only that directory), `ls -lR` of it
 #   from the other node, and `rm -rf` of it: wall seconds
 #   where the untar's time goes on converged (bench/scripts/profile_run.py),
-#   per file: FUSE requests by operation and the mean time of one, etcd
-#   transactions and the mean time of one, CPU milliseconds of tar, of the
-#   node's daemon, of the other node's and of etcd, and context switches
+#   per file: FUSE requests by operation and the mean time of one, the
+#   node's etcd transactions and the mean time of one, what etcd served
+#   meanwhile to every client (transactions, reads), CPU milliseconds of
+#   tar, of the node's daemon, of the other node's and of etcd, and
+#   context switches
 #
 # Environment (defaults in brackets):
 #   BENCH_DIR   work directory, on the disk under test [/var/tmp/converged-meta-bench]
@@ -196,11 +198,11 @@ start_cluster() { # DIR NAME [mount options...]: sets STARTED_PID and STARTED_EN
 ENDPOINT=
 if wants cluster; then
     start_cluster "$DEV" dev
-    DEV_PID=$STARTED_PID ENDPOINT=$STARTED_ENDPOINT
+    DEV_PID=$STARTED_PID ENDPOINT=$STARTED_ENDPOINT DEV_ENDPOINT=$STARTED_ENDPOINT
 fi
 if wants nowsync; then
     start_cluster "$NW" nowsync --nowsync
-    NW_PID=$STARTED_PID
+    NW_PID=$STARTED_PID NW_ENDPOINT=$STARTED_ENDPOINT
     [[ -n $ENDPOINT ]] || ENDPOINT=$STARTED_ENDPOINT
 fi
 
@@ -277,9 +279,9 @@ for t in "${TARGETS[@]}"; do
     case $t in
         one) profile=(--stats "$ONE/mnt" --proc "node=mount $ONE/mnt --data-dir") ;;
         cluster | nowsync)
-            c=$DEV
-            [[ $t == nowsync ]] && c=$NW
-            profile=(--stats "$c/n1/mnt" --proc "node=mount $c/n1/mnt --data-dir"
+            c=$DEV e=$DEV_ENDPOINT
+            [[ $t == nowsync ]] && c=$NW e=$NW_ENDPOINT
+            profile=(--stats "$c/n1/mnt" --etcd "http://$e" --proc "node=mount $c/n1/mnt --data-dir"
                 --proc "other=mount $c/n2/mnt --data-dir" --proc "etcd=etcd --name dev --data-dir $c/etcd") ;;
     esac
     s=$(date +%s.%N)
@@ -452,6 +454,10 @@ if profiles:
         print(f"{'  ' + op + ' (per file x ms)':<34}" + "".join(cells))
     row("etcd transactions", lambda p: p["etcd_txn"][0] / n if p["etcd_txn"][0] else None)
     row("  ms each", lambda p: 1000 * p["etcd_txn"][1] / p["etcd_txn"][0] if p["etcd_txn"][0] else None)
+    # What etcd itself served meanwhile, to both nodes and in the background
+    # too (a read-only transaction of many gets is one Txn).
+    for method in ("Txn", "Range"):
+        row(f"etcd served, {method}", lambda p: p["etcd_served"].get(method, 0) / n if "etcd_served" in p else None)
     for who, label in (("cmd", "tar"), ("node", "this node's daemon"), ("other", "the other node's daemon"),
                        ("etcd", "etcd")):
         row(f"CPU ms, {label}", lambda p: 1000 * p["cpu"][who] / n if who in p["cpu"] else None)

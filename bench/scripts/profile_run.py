@@ -9,6 +9,8 @@ served it.
               of the mount's root) are read before and after; OUT gets the
               FUSE requests by operation (count, seconds), the metadata round
               trips charged to them, and etcd transactions (count, seconds)
+--etcd URL    an etcd client URL (http://HOST:PORT): the requests it served
+              meanwhile, from every client, by gRPC method (its /metrics)
 --proc NAME=PATTERN   processes whose command line matches PATTERN (as
               `pgrep -f`), all threads: CPU seconds (user + system) and
               context switches (voluntary and not) while CMD ran, as NAME
@@ -17,7 +19,8 @@ served it.
 CMD's own CPU (its children's rusage) is recorded as "cmd". Prints nothing
 but errors; OUT is one JSON object:
     {"wall": s, "cpu": {NAME: s}, "switches": {NAME: n},
-     "fuse": {op: [count, seconds]}, "trips": n, "etcd_txn": [count, seconds]}
+     "fuse": {op: [count, seconds]}, "trips": n, "etcd_txn": [count, seconds],
+     "etcd_served": {method: n}}
 """
 import json
 import os
@@ -26,6 +29,7 @@ import resource
 import subprocess
 import sys
 import time
+import urllib.request
 
 
 def pids(pattern):
@@ -69,17 +73,30 @@ def stats(mnt):
     return fuse, trips, txn
 
 
+def etcd_served(url):
+    """Requests etcd served so far, by gRPC method (Range, Txn, ...)."""
+    served = {}
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            m = re.match(r'grpc_server_handled_total\{.*grpc_method="(\w+)".*\} (\S+)$', line)
+            if m:
+                served[m.group(1)] = served.get(m.group(1), 0) + int(float(m.group(2)))
+    return served
+
+
 def main():
     args = sys.argv[1:]
     if "--" not in args or args.index("--") < 1:
         sys.exit(__doc__)
     cmd = args[args.index("--") + 1:]
     opts, out = args[1:args.index("--")], args[0]
-    mnt, procs = None, {}
+    mnt, etcd, procs = None, None, {}
     while opts:
         o = opts.pop(0)
         if o == "--stats" and opts:
             mnt = opts.pop(0)
+        elif o == "--etcd" and opts:
+            etcd = opts.pop(0)
         elif o == "--proc" and opts and re.match(r"^[\w.-]+=.+", opts[0]):
             name, pattern = opts.pop(0).split("=", 1)
             procs[name] = pattern
@@ -93,6 +110,7 @@ def main():
             sys.exit(f"profile_run: no process matches {procs[name]!r} ({name})")
     before = {name: usage(p) for name, p in found.items()}
     s0 = stats(mnt) if mnt else None
+    e0 = etcd_served(etcd) if etcd else None
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     rc = subprocess.run(cmd).returncode
@@ -113,6 +131,9 @@ def main():
                           for op, (c, ns) in s1[0].items() if c != s0[0].get(op, (0, 0))[0]}
         result["trips"] = s1[1] - s0[1]
         result["etcd_txn"] = [s1[2][0] - s0[2][0], (s1[2][1] - s0[2][1]) / 1e9]
+    if etcd:
+        e1 = etcd_served(etcd)
+        result["etcd_served"] = {m: n - e0.get(m, 0) for m, n in e1.items() if n != e0.get(m, 0)}
     with open(out, "w") as f:
         json.dump(result, f)
 
