@@ -581,19 +581,17 @@ impl KvRead for EtcdWrite<'_> {
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
         // What this transaction wrote answers itself; the rest is read in
         // one request per 128 keys, each a read the commit compares.
-        let asked: Vec<Vec<u8>> =
-            keys.iter().filter(|k| !self.pending.contains_key(*k) && !self.range_deleted(k)).cloned().collect();
-        let mut found = match asked.is_empty() {
-            true => Vec::new().into_iter(),
-            false => {
-                let (found, at) = self.kv.get_many_at(&asked, self.rev)?;
-                self.rev = at;
-                found.into_iter()
-            }
-        };
+        let written: Vec<bool> = keys.iter().map(|k| self.pending.contains_key(k) || self.range_deleted(k)).collect();
+        let asked: Vec<Vec<u8>> = keys.iter().zip(&written).filter(|(_, w)| !**w).map(|(k, _)| k.clone()).collect();
+        let mut found = Vec::new().into_iter();
+        if !asked.is_empty() {
+            let (answers, at) = self.kv.get_many_at(&asked, self.rev)?;
+            self.rev = at;
+            found = answers.into_iter();
+        }
         let mut out = Vec::with_capacity(keys.len());
-        for key in keys {
-            if self.pending.contains_key(key) || self.range_deleted(key) {
+        for (key, written) in keys.iter().zip(written) {
+            if written {
                 out.push((self.get(key)?, None));
                 continue;
             }
