@@ -32,7 +32,8 @@
 #   for the same requests (a create is a lookup, a getattr of the
 #   directory, the create and a release), the single node's ceiling
 #   etcd's own ceiling on this host: one-put transactions, and transactions
-#   the shape of a create (3 compares, 4 puts), from 1 and 16 clients
+#   the shape of a create (3 compares, 4 puts), from 1 and 16 clients, and
+#   from 1 client while 2 others watch the prefix (as 2 nodes' feeds do)
 #   untar of TREE small files (1-4 KiB) in 100 directories, the same followed
 #   by an fsync of the directory it went into (what makes an untar durable
 #   under --nowsync; on ext4 it syncs only that directory), `ls -lR` of it
@@ -224,6 +225,9 @@ fi
 if [[ -n $ENDPOINT ]]; then
     log "etcd's own ceiling at $ENDPOINT"
     for t in 1 16; do "$RATE" "$ENDPOINT" "$t" 3000 > "$OUT/etcd-$t.txt"; done
+    # The same with two clients watching, as the two nodes' change feeds do:
+    # etcd sends each transaction to both.
+    "$RATE" "$ENDPOINT" 1 3000 --mode alone --shape put,create --watchers 2 > "$OUT/etcd-1-watched.txt"
 fi
 
 # Before each create phase and each untar, every target starts from the
@@ -332,13 +336,13 @@ def load(t, tag):
     except FileNotFoundError:
         return None
 
-def etcd(threads):
+def etcd(threads, suffix=""):
     rates = {}
-    if not os.path.exists(f"{out}/etcd-{threads}.txt"):
+    if not os.path.exists(f"{out}/etcd-{threads}{suffix}.txt"):
         return None
-    with open(f"{out}/etcd-{threads}.txt") as f:
+    with open(f"{out}/etcd-{threads}{suffix}.txt") as f:
         for line in f:
-            m = re.match(r"\d+ threads, (alone|grouped), (\d+) reads \+ (\d+) compares \+ (\d+) puts per txn: (\d+) txn/s", line)
+            m = re.match(r"\d+ threads, (alone|grouped), (\d+) reads \+ (\d+) compares \+ (\d+) puts per txn(?:, \d+ watching)?: (\d+) txn/s", line)
             if m:
                 rates[(m[1], int(m[2]), int(m[3]), int(m[4]))] = int(m[5])
     return rates
@@ -350,6 +354,10 @@ if e1 and e16:
                                     e16[("alone", 0, 3, 4)]))
     print("the same through a node's group commit, 16 threads: %d (one put), %d (a create's shape)"
           % (e16[("grouped", 0, 0, 1)], e16[("grouped", 0, 3, 4)]))
+    watched = etcd(1, "-watched")
+    if watched and ("alone", 0, 0, 1) in watched and ("alone", 0, 3, 4) in watched:
+        print("1 client while 2 others watch (as the 2 nodes' change feeds do): %d (one put), %d (a create's shape)"
+              % (watched[("alone", 0, 0, 1)], watched[("alone", 0, 3, 4)]))
     print()
 cols = "".join(f"{names[t]:>15}" for t in targets)
 print(f"{'ops/s (etcd round trips per op)':<34}{cols}")
