@@ -70,14 +70,14 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    let connect = || EtcdKv::connect(std::slice::from_ref(&args.endpoint), "rate", Duration::from_secs(5));
-    let watchers: Vec<EtcdKv> = match (0..args.watchers).map(|_| connect()).collect() {
-        Ok(w) => w,
+    let connect = || match EtcdKv::connect(std::slice::from_ref(&args.endpoint), "rate", Duration::from_secs(5)) {
+        Ok(kv) => kv,
         Err(e) => {
             eprintln!("etcd_rate: cannot reach etcd at {}: {e}", args.endpoint);
             std::process::exit(1);
         }
     };
+    let watchers: Vec<EtcdKv> = (0..args.watchers).map(|_| connect()).collect();
     for w in &watchers {
         if let Err(e) = w.watch(Arc::new(|_: &[u8], _: Option<&[u8]>| {})) {
             eprintln!("etcd_rate: cannot watch at {}: {e}", args.endpoint);
@@ -87,14 +87,12 @@ fn main() {
     let shapes = if args.shape.is_empty() { vec![Shape::Put, Shape::ReadsPut, Shape::Create] } else { args.shape };
     let modes = if args.mode.is_empty() { vec![Mode::Alone, Mode::Grouped] } else { args.mode };
     let (threads, total) = (args.threads as usize, args.total as usize);
+    let watched = match args.watchers {
+        0 => String::new(),
+        n => format!(", {n} watching"),
+    };
     for mode in modes {
-        let kv = match connect() {
-            Ok(kv) => kv,
-            Err(e) => {
-                eprintln!("etcd_rate: cannot reach etcd at {}: {e}", args.endpoint);
-                std::process::exit(1);
-            }
-        };
+        let kv = connect();
         let kv = Arc::new(if mode == Mode::Alone { kv.alone() } else { kv });
         let label = if mode == Mode::Alone { "alone" } else { "grouped" };
         for shape in &shapes {
@@ -128,10 +126,6 @@ fn main() {
                 }
             }
             let secs = t0.elapsed().as_secs_f64();
-            let watched = match args.watchers {
-                0 => String::new(),
-                n => format!(", {n} watching"),
-            };
             println!(
                 "{threads} threads, {label}, {reads} reads + {assumed} compares + {puts} puts per txn{watched}: {:.0} txn/s",
                 (total / threads * threads) as f64 / secs
