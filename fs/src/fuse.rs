@@ -237,19 +237,36 @@ impl FuseAdapter {
 
 /// A change feed subscriber that drops what the kernel caches about records
 /// another node changed: the attributes and pages of a changed inode or
-/// layout, the entry of a changed name. Notifications go out from a thread
-/// of their own, never from a request handler (the kernel may wait on a
-/// request in flight before it applies one).
+/// layout, the entry of a changed name. When the feed says changes may
+/// have been missed (its watch started over: etcd unreachable, or its
+/// history compacted past where the watch stopped), every name the kernel
+/// cached is looked up again before it is used (`FUSE_NOTIFY_INC_EPOCH`),
+/// as the node's own cache is dropped: else a name another node removed
+/// meanwhile would still be answered until `--attr-timeout` ran out.
+/// Notifications go out from a thread of their own, never from a request
+/// handler (the kernel may wait on a request in flight before it applies one).
 pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Result<converged_metadata::ChangeFeed> {
+    use converged_metadata::schema::{change_of, Change};
     let notifier = session.notifier();
     let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
     std::thread::Builder::new().name("invalidate".into()).spawn(move || {
+        let mut epochs = true;
         for key in rx {
-            use converged_metadata::schema::{change_of, Change};
             // ENOENT: the kernel holds nothing for it. Anything else is worth a line.
             let r = match change_of(&key) {
                 Change::Inode(ino) => notifier.inval_inode(INodeNo(ino), 0, 0),
                 Change::Entry { parent, name } => notifier.inval_entry(INodeNo(parent), OsStr::from_bytes(name)),
+                Change::Everything if epochs => match notifier.inc_epoch() {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                        epochs = false;
+                        tracing::info!(
+                            "this kernel cannot be told to look up every cached name again (Linux 6.16 can): \
+                             after the change feed starts over, names it cached stay until --attr-timeout"
+                        );
+                        Ok(())
+                    }
+                    r => r,
+                },
                 _ => Ok(()),
             };
             if let Err(e) = r {
@@ -260,8 +277,7 @@ pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Res
         }
     })?;
     Ok(std::sync::Arc::new(move |key: &[u8], _: Option<&[u8]>| {
-        use converged_metadata::schema::{change_of, Change};
-        if matches!(change_of(key), Change::Inode(_) | Change::Entry { .. }) {
+        if matches!(change_of(key), Change::Inode(_) | Change::Entry { .. } | Change::Everything) {
             let _ = tx.send(key.to_vec());
         }
     }))

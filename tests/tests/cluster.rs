@@ -406,3 +406,52 @@ fn a_file_fsynced_while_open_reads_whole_where_its_old_size_was_cached() {
         drop(f);
     }
 }
+
+/// Compact etcd's history up to its current revision: a watch that resumes
+/// from an older revision is cancelled, the changes in between lost to it.
+fn compact_etcd(endpoint: &str) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut client = etcd_client::Client::connect([endpoint], None).await.unwrap();
+        let rev = client.get("compact", None).await.unwrap().header().unwrap().revision();
+        let physical = etcd_client::CompactionOptions::new().with_physical();
+        client.compact(rev, Some(physical)).await.unwrap();
+    });
+}
+
+/// A node whose change feed missed changes (its connection to etcd was cut,
+/// and etcd compacted its history past where the watch stopped, so the
+/// watch cannot resume) drops the names and attributes its kernel cached,
+/// not only its own cache: another node's unlinks and rename are seen there
+/// at once, not when `--attr-timeout` (60 s here) runs out. Before, the
+/// kernel kept answering the removed names until their timeout.
+#[test]
+fn a_node_whose_change_feed_missed_changes_drops_what_its_kernel_cached() {
+    let Some(mut c) = Cluster::start(1, &[]) else { return };
+    let proxy = common::proxy::Proxy::start(c.etcd_endpoints()[0].parse().unwrap());
+    c.add_node_via(&format!("etcd://{}/vol", proxy.addr()), &["--attr-timeout", "60"]);
+    let (a, b) = (c.node(0), c.node(1));
+    fs::create_dir(a.path("d")).unwrap();
+    for p in ["d/gone", "d/old", "top"] {
+        fs::write(a.path(p), p).unwrap();
+    }
+    // B's kernel caches the names and attributes for 60 s.
+    for p in ["d/gone", "d/old", "top"] {
+        assert_eq!(fs::read(b.path(p)).unwrap(), p.as_bytes(), "{p} on B");
+    }
+    proxy.cut();
+    fs::remove_file(a.path("d/gone")).unwrap();
+    fs::rename(a.path("d/old"), a.path("d/new")).unwrap();
+    fs::remove_file(a.path("top")).unwrap();
+    compact_etcd(&c.etcd_endpoints()[0]);
+    proxy.restore();
+    let t = Instant::now();
+    eventually(20, "B to see A's unlinks and rename", || {
+        !b.path("d/gone").exists() && !b.path("d/old").exists() && !b.path("top").exists()
+    });
+    eprintln!("B saw the changes {:?} after etcd was reachable again", t.elapsed());
+    assert_eq!(fs::read(b.path("d/new")).unwrap(), b"d/old", "the renamed file on B");
+    // B still works against etcd: what it writes, A reads.
+    fs::write(b.path("d/from-b"), b"after").unwrap();
+    assert_eq!(fs::read(a.path("d/from-b")).unwrap(), b"after");
+}

@@ -36,6 +36,13 @@ impl Cluster {
     /// Start one more node, n<N+1>, with its own certificate; `extra` goes
     /// to its mount.
     pub fn add_node(&mut self, extra: &[&str]) {
+        let meta = self.meta.clone();
+        self.add_node_via(&meta, extra);
+    }
+
+    /// [`Cluster::add_node`], the node reaching the volume at `meta` (an
+    /// etcd:// URI naming a proxy in front of one member, say).
+    pub fn add_node_via(&mut self, meta: &str, extra: &[&str]) {
         let i = self.nodes.len() + 1;
         let id = format!("n{i}");
         let ca = self._certs.path().join("ca");
@@ -43,10 +50,9 @@ impl Cluster {
         if i > 1 {
             self.issue_cert(&id);
         }
-        let uri = self.meta.clone();
         let mut args = vec![
             "--meta",
-            &uri,
+            meta,
             "--listen",
             "127.0.0.1:0",
             "--tls-dir",
@@ -58,6 +64,11 @@ impl Cluster {
         ];
         args.extend_from_slice(extra);
         self.nodes.push(Mount::with_args(&args));
+    }
+
+    /// The etcd members' client endpoints (`host:port`).
+    pub fn etcd_endpoints(&self) -> &[String] {
+        &self._etcd.endpoints
     }
 
     /// The directory of node `id`'s certificate (its --tls-dir).

@@ -42,6 +42,11 @@ impl Proxy {
         Proxy { addr, cut, conns }
     }
 
+    /// Where it listens (`host:port`).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.addr)
     }

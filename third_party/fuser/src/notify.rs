@@ -109,9 +109,21 @@ impl Notifier {
     /// daemon that takes over a live connection answers first. Resent
     /// requests carry their first unique id with bit 63 set.
     pub fn resend(&self) -> io::Result<()> {
+        self.send_bare(notify_code::FUSE_NOTIFY_RESEND)
+    }
+
+    /// Have the kernel look up again every name it cached before this
+    /// call (`FUSE_NOTIFY_INC_EPOCH`, Linux 6.16): each cached dentry fails
+    /// its next revalidation. An older kernel refuses it (`EINVAL`).
+    pub fn inc_epoch(&self) -> io::Result<()> {
+        self.send_bare(notify_code::FUSE_NOTIFY_INC_EPOCH)
+    }
+
+    /// A notification that is its header alone.
+    fn send_bare(&self, code: notify_code) -> io::Result<()> {
         let header = crate::ll::fuse_abi::fuse_out_header {
             len: size_of::<crate::ll::fuse_abi::fuse_out_header>() as u32,
-            error: notify_code::FUSE_NOTIFY_RESEND as i32,
+            error: code as i32,
             unique: 0,
         };
         self.0.send(&[io::IoSlice::new(zerocopy::IntoBytes::as_bytes(&header))])

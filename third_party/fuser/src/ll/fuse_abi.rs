@@ -185,6 +185,8 @@ pub(crate) enum fuse_notify_code {
     FUSE_NOTIFY_DELETE = 6,
     /// Linux 6.9: re-queue every request read from the device and not answered yet.
     FUSE_NOTIFY_RESEND = 7,
+    /// Linux 6.16: every name the kernel cached before it is looked up again.
+    FUSE_NOTIFY_INC_EPOCH = 8,
 }
 
 #[repr(C)]
