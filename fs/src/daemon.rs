@@ -75,6 +75,8 @@ fn join_cluster(
     let weak = Arc::downgrade(engine);
     let data_dir = data_dir.to_path_buf();
     let mut renewed = Instant::now();
+    // The lapse below was logged.
+    let mut told = false;
     let offset = args.clock_offset;
     std::thread::Builder::new().name("heartbeat".into()).spawn(move || loop {
         std::thread::sleep(ttl / 3);
@@ -85,23 +87,38 @@ fn join_cluster(
                 core.fence_all_writers();
             }
         };
-        // Paused, or cut off from the metadata, for longer than the lease.
-        let lapsed = renewed.elapsed() > ttl;
+        // Paused, or cut off from the metadata, for longer than the lease:
+        // fenced at each beat until one gets through (said once).
+        let since = renewed.elapsed();
+        let lapsed = since > ttl;
         if lapsed {
-            tracing::warn!(since = ?renewed.elapsed(), "no heartbeat for longer than the membership lease; fencing this node's writers");
+            if !told {
+                tracing::warn!(
+                    ?since,
+                    "no heartbeat for longer than the membership lease; fencing this node's writers"
+                );
+                told = true;
+            }
             fence();
         }
         (info.free, info.capacity) = crate::blocks::disk_space(&data_dir).unwrap_or((0, 0));
         info.heartbeat = wall_clock(offset);
         match m.heartbeat(&info) {
-            Ok(Heartbeat::Renewed) => renewed = Instant::now(),
+            Ok(Heartbeat::Renewed) => {
+                if lapsed {
+                    tracing::info!(?since, "heartbeat renewed the membership lease again");
+                }
+                (renewed, told) = (Instant::now(), false);
+            }
             Ok(Heartbeat::Rejoined) => {
-                renewed = Instant::now();
+                (renewed, told) = (Instant::now(), false);
                 // This node's own records: the change feed does not report them here.
                 if let Some(core) = core.upgrade() {
                     core.control().moved(converged_metadata::schema::Control::Members);
                 }
-                if !lapsed {
+                if lapsed {
+                    tracing::info!(?since, "membership lease had expired; registered in the cluster again");
+                } else {
                     tracing::warn!("membership lease had expired; registered again and fencing this node's writers");
                     fence();
                 }

@@ -931,13 +931,40 @@ impl Membership for EtcdKv {
             return Err(KvError::backend("heartbeat before register"));
         };
         round_trips::count(RoundTrip::Lease);
-        let alive = self.run(async {
+        let on_stream = self.run(async {
             lease.keeper.keep_alive().await?;
-            Ok(lease.answers.message().await?.is_some_and(|a| a.ttl() > 0))
+            lease.answers.message().await
         });
+        let alive = match on_stream {
+            Ok(Some(answer)) => answer.ttl() > 0,
+            // The keepalive stream broke (its connection was reset, the
+            // member it reached restarted): that says nothing of the lease.
+            // A new stream's first keepalive renews it, or finds it gone.
+            Ok(None) | Err(_) => {
+                round_trips::count(RoundTrip::Lease);
+                let mut client = self.client.clone();
+                let id = lease.id;
+                let again =
+                    self.rt.block_on(async { tokio::time::timeout(self.timeout, client.lease_keep_alive(id)).await });
+                match again {
+                    Ok(Ok((keeper, answers))) => {
+                        (lease.keeper, lease.answers) = (keeper, answers);
+                        true
+                    }
+                    // etcd answered a TTL of 0: the lease is gone (the
+                    // client's only other use of this error is a send on a
+                    // channel it has just made).
+                    Ok(Err(etcd_client::Error::LeaseKeepAliveError(_))) => false,
+                    // Unreachable: the daemon tries again, and fences its
+                    // writers once the lease may have run out.
+                    Ok(Err(e)) => return Err(from_etcd(e)),
+                    Err(_) => return Err(transient(format!("no answer within {:?}", self.timeout))),
+                }
+            }
+        };
         let ttl = lease.ttl;
         match alive {
-            Ok(true) => {
+            true => {
                 let (last, when) = &lease.recorded;
                 if !info.worth_recording(last) && when.elapsed() < crate::membership::RECORD_EVERY {
                     return Ok(Heartbeat::Renewed);
@@ -950,9 +977,10 @@ impl Membership for EtcdKv {
                 }
                 Ok(Heartbeat::Renewed)
             }
-            // The lease expired (cut off for longer than its TTL): come back.
-            Ok(false) | Err(_) => {
-                *guard = None;
+            // The lease expired (cut off for longer than its TTL): come
+            // back. The old lease stays until a new one is granted, so a
+            // registration that fails is tried again at the next heartbeat.
+            false => {
                 drop(guard);
                 self.register(info, ttl).map(|()| Heartbeat::Rejoined)
             }

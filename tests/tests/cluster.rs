@@ -455,3 +455,42 @@ fn a_node_whose_change_feed_missed_changes_drops_what_its_kernel_cached() {
     fs::write(b.path("d/from-b"), b"after").unwrap();
     assert_eq!(fs::read(a.path("d/from-b")).unwrap(), b"after");
 }
+
+/// A node whose connection to etcd is reset for a moment (a proxy in
+/// between restarting, the etcd member it talks to restarting in a rolling
+/// upgrade) loses nothing: its membership lease has not run out, so the
+/// file it is writing meanwhile closes whole and the node stays live. Cut
+/// off for longer than the lease, it is seen dead, and it is live again
+/// once etcd answers. Before, any failed heartbeat was taken for an
+/// expired lease (a reset fenced every writer on the node, dropping what
+/// it wrote since the last publish), and a heartbeat that found etcd
+/// unreachable left the node unable to register again: dead for good.
+#[test]
+fn a_reset_connection_to_etcd_costs_a_node_nothing_and_a_long_cut_ends() {
+    let Some(mut c) = Cluster::start(1, &[]) else { return };
+    let proxy = common::proxy::Proxy::start(c.etcd_endpoints()[0].parse().unwrap());
+    c.add_node_via(&format!("etcd://{}/vol", proxy.addr()), &[]);
+    let (a, b) = (c.node(0), c.node(1));
+    let data = pattern(8 << 20, 11);
+    let mut f = fs::File::create(b.path("ckpt")).unwrap();
+    f.write_all(&data[..4 << 20]).unwrap();
+    proxy.cut();
+    proxy.restore();
+    // A heartbeat goes every second (the cluster's 3 s lease): three of
+    // them meet the reset connection.
+    std::thread::sleep(Duration::from_secs(3));
+    f.write_all(&data[4 << 20..]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let got = fs::read(a.path("ckpt")).unwrap();
+    assert!(got == data, "the file written across the reset reads back {} bytes, not its 8 MiB", got.len());
+    assert!(status(&c).contains("2 live, 0 dead"), "{}", status(&c));
+
+    // Cut off past the lease: seen dead, then live again.
+    proxy.cut();
+    eventually(15, "n2 seen dead while cut off", || status(&c).contains("1 live, 1 dead"));
+    proxy.restore();
+    eventually(15, "n2 live again once etcd answers", || status(&c).contains("2 live, 0 dead"));
+    fs::write(b.path("after"), b"back").unwrap();
+    assert_eq!(fs::read(a.path("after")).unwrap(), b"back");
+}
