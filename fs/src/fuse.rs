@@ -113,7 +113,13 @@ impl FuseAdapter {
     /// (given the inode the change made or named) when the record says
     /// the change committed: before it is made again, and after, when
     /// making it again failed (the dead daemon's transaction may land
-    /// while this one looks).
+    /// while this one looks). A first request whose change failed is
+    /// answered by `done` too when the record says it committed: a commit
+    /// whose connection broke before its answer came may have landed, and
+    /// the transaction made again then finds its own change (`EEXIST` for
+    /// a create, `ENOENT` for an unlink). Such failures are rare (the
+    /// kernel sends these requests when its own cache agrees), so the
+    /// record is read only then.
     fn once<T>(
         &self,
         req: &Request,
@@ -130,7 +136,16 @@ impl FuseAdapter {
                 // SAFETY: kill(2) of this process.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
-            return made;
+            return match made {
+                Err(e) => match self.core.answered(mark) {
+                    Ok(Some(ino)) => {
+                        tracing::info!(op, error = %e, "the change had committed before it was made again: answered from its record");
+                        done(ino)
+                    }
+                    _ => Err(e),
+                },
+                made => made,
+            };
         }
         if let Some(ino) = self.core.answered(mark)? {
             tracing::info!(

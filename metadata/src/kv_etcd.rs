@@ -231,6 +231,12 @@ fn unreachable(e: &etcd_client::Error) -> bool {
 
 use tonic::Code as tonic_code;
 
+/// Whether a request failed on its connection (reset, closed under it, not
+/// made again yet) rather than being answered by etcd: a read may go again.
+fn connection_failed(e: &etcd_client::Error) -> bool {
+    unreachable(e) || matches!(e, etcd_client::Error::GRpcStatus(s) if s.code() == tonic_code::Cancelled)
+}
+
 /// What to check when a TLS connection fails without saying why (etcd with
 /// `--client-cert-auth` closes the stream on a client with no certificate).
 fn hint(access: &crate::EtcdAccess, e: &etcd_client::Error) -> &'static str {
@@ -363,6 +369,35 @@ impl EtcdKv {
         })
     }
 
+    /// [`EtcdKv::run`] for a read, which changes nothing and so may be sent
+    /// again: a request whose connection broke under it (reset, the member
+    /// it reached restarting, a connection not made again yet) goes again,
+    /// on a new one, until the deadline. Without it such a blip failed the
+    /// lookup or stat it served with `EIO`. (A commit is not sent again
+    /// here: whether it applied is unknown, see `Namespace::write`.)
+    fn run_read<T, Fut>(&self, mut send: impl FnMut() -> Fut) -> KvResult<T>
+    where
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.rt.block_on(async {
+            let deadline = tokio::time::Instant::now() + self.timeout;
+            let mut pause = Duration::from_millis(5);
+            loop {
+                match tokio::time::timeout_at(deadline, send()).await {
+                    Ok(Ok(r)) => return Ok(r),
+                    Ok(Err(e)) if connection_failed(&e) && tokio::time::Instant::now() + pause < deadline => {
+                        tracing::debug!(error = %explain(&e), "etcd read failed on its connection; sending it again");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 4).min(Duration::from_millis(500));
+                        round_trips::count(RoundTrip::Read);
+                    }
+                    Ok(Err(e)) => return Err(from_etcd(e)),
+                    Err(_) => return Err(transient(format!("no answer within {:?}", self.timeout))),
+                }
+            }
+        })
+    }
+
     /// One range read at `rev` (0: latest). A serializable read is served
     /// by whichever member answers, without a round of consensus: right for
     /// reads a commit will validate (their mod revisions are compared) and
@@ -378,10 +413,16 @@ impl EtcdKv {
         if rev > 0 {
             opts = opts.with_revision(rev);
         }
-        let mut c = self.client.kv_client();
+        let get = |opts: GetOptions| {
+            let (c, key) = (self.client.kv_client(), key.clone());
+            move || {
+                let (mut c, key, opts) = (c.clone(), key.clone(), opts.clone());
+                async move { c.get(key, Some(opts)).await }
+            }
+        };
         round_trips::count(RoundTrip::Read);
         if serializable {
-            match self.run(c.get(key.clone(), Some(opts.clone().with_serializable()))) {
+            match self.run_read(get(opts.clone().with_serializable())) {
                 Ok(r) => return Ok(r),
                 Err(e) if rev > 0 => {
                     tracing::debug!(error = %e, "serializable read refused; reading through the leader");
@@ -390,7 +431,7 @@ impl EtcdKv {
                 Err(e) => return Err(e),
             }
         }
-        self.run(c.get(key, Some(opts)))
+        self.run_read(get(opts))
     }
 
     /// Get one key at `rev` (0: latest). Returns (value, mod revision, revision read at).
@@ -464,9 +505,12 @@ impl EtcdKv {
         let mut out = Vec::with_capacity(count);
         for first in (0..count).step_by(128) {
             let ops: Vec<TxnOp> = (first..count.min(first + 128)).map(|i| op(i, rev)).collect();
-            let mut c = self.client.kv_client();
+            let c = self.client.kv_client();
             round_trips::count(RoundTrip::Read);
-            let resp = self.run(c.txn(Txn::new().and_then(ops)))?;
+            let resp = self.run_read(|| {
+                let (mut c, txn) = (c.clone(), Txn::new().and_then(ops.clone()));
+                async move { c.txn(txn).await }
+            })?;
             if rev == 0 {
                 rev = resp.header().map_or(0, |h| h.revision());
             }

@@ -456,14 +456,17 @@ fn a_node_whose_change_feed_missed_changes_drops_what_its_kernel_cached() {
     assert_eq!(fs::read(a.path("d/from-b")).unwrap(), b"after");
 }
 
-/// A node whose connection to etcd is reset for a moment (a proxy in
-/// between restarting, the etcd member it talks to restarting in a rolling
+/// A node whose connection to etcd is reset (a proxy in between
+/// restarting, the etcd member it talks to restarting in a rolling
 /// upgrade) loses nothing: its membership lease has not run out, so the
-/// file it is writing meanwhile closes whole and the node stays live. Cut
-/// off for longer than the lease, it is seen dead, and it is live again
-/// once etcd answers. Before, any failed heartbeat was taken for an
-/// expired lease (a reset fenced every writer on the node, dropping what
-/// it wrote since the last publish), and a heartbeat that found etcd
+/// file it is writing meanwhile closes whole, every small file it creates
+/// meanwhile is made once and reads back, and it stays live. Cut off for
+/// longer than the lease, it is seen dead, and it is live again once etcd
+/// answers. Before, any failed heartbeat was taken for an expired lease (a
+/// reset fenced every writer on the node: `fsync` failed with `EIO`, the
+/// writes were dropped), a read on the broken connection failed its
+/// lookup with `EIO`, a create whose commit landed without its answer was
+/// made again and failed with `EEXIST`, and a heartbeat that found etcd
 /// unreachable left the node unable to register again: dead for good.
 #[test]
 fn a_reset_connection_to_etcd_costs_a_node_nothing_and_a_long_cut_ends() {
@@ -474,16 +477,38 @@ fn a_reset_connection_to_etcd_costs_a_node_nothing_and_a_long_cut_ends() {
     let data = pattern(8 << 20, 11);
     let mut f = fs::File::create(b.path("ckpt")).unwrap();
     f.write_all(&data[..4 << 20]).unwrap();
-    proxy.cut();
-    proxy.restore();
-    // A heartbeat goes every second (the cluster's 3 s lease): three of
-    // them meet the reset connection.
-    std::thread::sleep(Duration::from_secs(3));
+    fs::create_dir(b.path("small")).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (dir, halt) = (b.path("small"), stop.clone());
+    let creator = std::thread::spawn(move || {
+        let mut n = 0;
+        while !halt.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Err(e) = fs::write(dir.join(format!("f{n}")), format!("{n}")) {
+                panic!("creating f{n} while the connection to etcd was reset: {e}");
+            }
+            n += 1;
+        }
+        n
+    });
+    // Five resets, a heartbeat (every second: the cluster's 3 s lease)
+    // meeting each.
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(1100));
+        proxy.cut();
+        proxy.restore();
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let made = creator.join().expect("every create succeeded");
+    assert!(made > 0, "no file was made");
+    for n in 0..made {
+        assert_eq!(fs::read(a.path(&format!("small/f{n}"))).unwrap(), format!("{n}").as_bytes(), "f{n} on A");
+    }
     f.write_all(&data[4 << 20..]).unwrap();
     f.sync_all().unwrap();
     drop(f);
     let got = fs::read(a.path("ckpt")).unwrap();
-    assert!(got == data, "the file written across the reset reads back {} bytes, not its 8 MiB", got.len());
+    assert!(got == data, "the file written across the resets reads back {} bytes, not its 8 MiB", got.len());
     assert!(status(&c).contains("2 live, 0 dead"), "{}", status(&c));
 
     // Cut off past the lease: seen dead, then live again.
