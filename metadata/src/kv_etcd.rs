@@ -49,8 +49,10 @@ pub struct EtcdKv {
     feed: std::sync::OnceLock<tokio::runtime::Runtime>,
     prefix: Vec<u8>,
     timeout: Duration,
-    /// This node's lease: id, keep-alive channel, node id.
-    lease: parking_lot::Mutex<Option<Lease>>,
+    /// This node's lease: id, keep-alive channel, node id. The lock is a
+    /// leaf, held only to move the lease in or out, never across a round
+    /// trip.
+    lease: parking_lot::Mutex<LeaseSlot>,
     /// This client's own commits, so the change feed can skip them (this
     /// node already knows what it changed).
     own: Arc<OwnCommits>,
@@ -171,6 +173,22 @@ impl Drop for InFlight<'_> {
         drop(st);
         self.own.answered.notify_waiters();
     }
+}
+
+/// Where this node's lease is. The transitions: `register` puts one
+/// `Here`; `heartbeat` takes it `Out` for its round trips and puts it back
+/// (`EtcdKv::put_back`); `leave` takes it away, or, while a heartbeat has
+/// it out, marks it `Leaving` for the heartbeat to revoke.
+#[derive(Default)]
+enum LeaseSlot {
+    /// Not registered, or left.
+    #[default]
+    None,
+    Here(Box<Lease>),
+    /// A heartbeat holds it for its round trips.
+    Out,
+    /// Left while a heartbeat held it.
+    Leaving,
 }
 
 struct Lease {
@@ -367,6 +385,68 @@ impl EtcdKv {
                 Err(_) => Err(transient(format!("no answer within {:?}", self.timeout))),
             }
         })
+    }
+
+    /// Renew `lease` (taken out of `self.lease`: no lock is held across
+    /// the round trips). Whether it is alive: `false` when etcd answers
+    /// that it is gone; an error when etcd cannot be asked.
+    fn renew(&self, lease: &mut Lease) -> KvResult<bool> {
+        round_trips::count(RoundTrip::Lease);
+        let on_stream = self.run(async {
+            lease.keeper.keep_alive().await?;
+            lease.answers.message().await
+        });
+        match on_stream {
+            Ok(Some(answer)) => Ok(answer.ttl() > 0),
+            // The keepalive stream broke (its connection was reset, the
+            // member it reached restarted): that says nothing of the lease.
+            // A new stream's first keepalive renews it, or finds it gone.
+            Ok(None) | Err(_) => {
+                round_trips::count(RoundTrip::Lease);
+                let mut client = self.client.clone();
+                let id = lease.id;
+                let again =
+                    self.rt.block_on(async { tokio::time::timeout(self.timeout, client.lease_keep_alive(id)).await });
+                match again {
+                    Ok(Ok((keeper, answers))) => {
+                        (lease.keeper, lease.answers) = (keeper, answers);
+                        Ok(true)
+                    }
+                    // etcd answered a TTL of 0: the lease is gone (the
+                    // client's only other use of this error is a send on a
+                    // channel it has just made).
+                    Ok(Err(etcd_client::Error::LeaseKeepAliveError(_))) => Ok(false),
+                    // Unreachable: the daemon tries again, and fences its
+                    // writers once the lease may have run out.
+                    Ok(Err(e)) => Err(from_etcd(e)),
+                    Err(_) => Err(transient(format!("no answer within {:?}", self.timeout))),
+                }
+            }
+        }
+    }
+
+    /// Put back the lease a heartbeat took out; false when the node left
+    /// meanwhile (then it is revoked here).
+    fn put_back(&self, lease: Box<Lease>) -> bool {
+        let mut slot = self.lease.lock();
+        if matches!(*slot, LeaseSlot::Out) {
+            *slot = LeaseSlot::Here(lease);
+            return true;
+        }
+        *slot = LeaseSlot::None;
+        drop(slot);
+        if let Err(e) = self.revoke(&lease) {
+            tracing::warn!(error = %e, "could not revoke the lease on leaving; it runs out by itself");
+        }
+        false
+    }
+
+    fn revoke(&self, lease: &Lease) -> KvResult<()> {
+        let mut client = self.client.clone();
+        round_trips::count(RoundTrip::Lease);
+        self.run(client.lease_revoke(lease.id)).map(|_| ())?;
+        tracing::info!(node = %lease.node, "left the cluster");
+        Ok(())
     }
 
     /// [`EtcdKv::run`] for a read, which changes nothing and so may be sent
@@ -965,69 +1045,44 @@ impl Membership for EtcdKv {
         let (keeper, answers) = self.run(client.lease_keep_alive(id))?;
         self.put_records(info, id)?;
         let recorded = (info.clone(), std::time::Instant::now());
-        *self.lease.lock() = Some(Lease { id, ttl, node: info.id.clone(), keeper, answers, recorded });
+        *self.lease.lock() =
+            LeaseSlot::Here(Box::new(Lease { id, ttl, node: info.id.clone(), keeper, answers, recorded }));
         Ok(())
     }
 
     fn heartbeat(&self, info: &NodeInfo) -> KvResult<Heartbeat> {
-        let mut guard = self.lease.lock();
-        let Some(lease) = guard.as_mut() else {
-            return Err(KvError::backend("heartbeat before register"));
-        };
-        round_trips::count(RoundTrip::Lease);
-        let on_stream = self.run(async {
-            lease.keeper.keep_alive().await?;
-            lease.answers.message().await
-        });
-        let alive = match on_stream {
-            Ok(Some(answer)) => answer.ttl() > 0,
-            // The keepalive stream broke (its connection was reset, the
-            // member it reached restarted): that says nothing of the lease.
-            // A new stream's first keepalive renews it, or finds it gone.
-            Ok(None) | Err(_) => {
-                round_trips::count(RoundTrip::Lease);
-                let mut client = self.client.clone();
-                let id = lease.id;
-                let again =
-                    self.rt.block_on(async { tokio::time::timeout(self.timeout, client.lease_keep_alive(id)).await });
-                match again {
-                    Ok(Ok((keeper, answers))) => {
-                        (lease.keeper, lease.answers) = (keeper, answers);
-                        true
-                    }
-                    // etcd answered a TTL of 0: the lease is gone (the
-                    // client's only other use of this error is a send on a
-                    // channel it has just made).
-                    Ok(Err(etcd_client::Error::LeaseKeepAliveError(_))) => false,
-                    // Unreachable: the daemon tries again, and fences its
-                    // writers once the lease may have run out.
-                    Ok(Err(e)) => return Err(from_etcd(e)),
-                    Err(_) => return Err(transient(format!("no answer within {:?}", self.timeout))),
+        let mut lease = {
+            let mut slot = self.lease.lock();
+            match std::mem::replace(&mut *slot, LeaseSlot::Out) {
+                LeaseSlot::Here(lease) => lease,
+                other => {
+                    *slot = other;
+                    return Err(KvError::backend("heartbeat before register"));
                 }
             }
         };
-        let ttl = lease.ttl;
-        match alive {
+        let alive = self.renew(&mut lease);
+        let (id, ttl) = (lease.id, lease.ttl);
+        let unchanged =
+            !info.worth_recording(&lease.recorded.0) && lease.recorded.1.elapsed() < crate::membership::RECORD_EVERY;
+        if !self.put_back(lease) {
+            return Err(KvError::backend("the node left the cluster during its heartbeat"));
+        }
+        match alive? {
+            true if unchanged => Ok(Heartbeat::Renewed),
             true => {
-                let (last, when) = &lease.recorded;
-                if !info.worth_recording(last) && when.elapsed() < crate::membership::RECORD_EVERY {
-                    return Ok(Heartbeat::Renewed);
-                }
-                let id = lease.id;
-                drop(guard);
                 self.put_records(info, id)?;
-                if let Some(lease) = self.lease.lock().as_mut().filter(|l| l.id == id) {
-                    lease.recorded = (info.clone(), std::time::Instant::now());
+                if let LeaseSlot::Here(lease) = &mut *self.lease.lock() {
+                    if lease.id == id {
+                        lease.recorded = (info.clone(), std::time::Instant::now());
+                    }
                 }
                 Ok(Heartbeat::Renewed)
             }
             // The lease expired (cut off for longer than its TTL): come
             // back. The old lease stays until a new one is granted, so a
             // registration that fails is tried again at the next heartbeat.
-            false => {
-                drop(guard);
-                self.register(info, ttl).map(|()| Heartbeat::Rejoined)
-            }
+            false => self.register(info, ttl).map(|()| Heartbeat::Rejoined),
         }
     }
 
@@ -1051,11 +1106,17 @@ impl Membership for EtcdKv {
     }
 
     fn leave(&self) -> KvResult<()> {
-        let Some(lease) = self.lease.lock().take() else { return Ok(()) };
-        let mut client = self.client.clone();
-        round_trips::count(RoundTrip::Lease);
-        self.run(client.lease_revoke(lease.id)).map(|_| ())?;
-        tracing::info!(node = %lease.node, "left the cluster");
-        Ok(())
+        let lease = {
+            let mut slot = self.lease.lock();
+            match std::mem::take(&mut *slot) {
+                LeaseSlot::Here(lease) => lease,
+                LeaseSlot::Out => {
+                    *slot = LeaseSlot::Leaving;
+                    return Ok(());
+                }
+                LeaseSlot::None | LeaseSlot::Leaving => return Ok(()),
+            }
+        };
+        self.revoke(&lease)
     }
 }
