@@ -446,9 +446,9 @@ fn a_node_whose_change_feed_missed_changes_drops_what_its_kernel_cached() {
     compact_etcd(&c.etcd_endpoints()[0]);
     proxy.restore();
     let t = Instant::now();
-    eventually(20, "B to see A's unlinks and rename", || {
-        !b.path("d/gone").exists() && !b.path("d/old").exists() && !b.path("top").exists()
-    });
+    // Gone means ENOENT, not a lookup that failed while etcd came back.
+    let gone = |p: &str| fs::symlink_metadata(b.path(p)).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound);
+    eventually(20, "B to see A's unlinks and rename", || gone("d/gone") && gone("d/old") && gone("top"));
     eprintln!("B saw the changes {:?} after etcd was reachable again", t.elapsed());
     assert_eq!(fs::read(b.path("d/new")).unwrap(), b"d/old", "the renamed file on B");
     // B still works against etcd: what it writes, A reads.
