@@ -379,11 +379,19 @@ impl EtcdKv {
     }
 
     fn run<T, F: Future<Output = Result<T, etcd_client::Error>>>(&self, f: F) -> KvResult<T> {
+        self.run_raw(f)?.map_err(from_etcd)
+    }
+
+    /// [`EtcdKv::run`], etcd's own error left as it is for the caller to
+    /// tell apart; no answer by the deadline is an error already.
+    fn run_raw<T, F: Future<Output = Result<T, etcd_client::Error>>>(
+        &self,
+        f: F,
+    ) -> KvResult<Result<T, etcd_client::Error>> {
         self.rt.block_on(async {
-            match tokio::time::timeout(self.timeout, f).await {
-                Ok(r) => r.map_err(from_etcd),
-                Err(_) => Err(transient(format!("no answer within {:?}", self.timeout))),
-            }
+            tokio::time::timeout(self.timeout, f)
+                .await
+                .map_err(|_| transient(format!("no answer within {:?}", self.timeout)))
         })
     }
 
@@ -404,22 +412,18 @@ impl EtcdKv {
             Ok(None) | Err(_) => {
                 round_trips::count(RoundTrip::Lease);
                 let mut client = self.client.clone();
-                let id = lease.id;
-                let again =
-                    self.rt.block_on(async { tokio::time::timeout(self.timeout, client.lease_keep_alive(id)).await });
-                match again {
-                    Ok(Ok((keeper, answers))) => {
+                match self.run_raw(client.lease_keep_alive(lease.id))? {
+                    Ok((keeper, answers)) => {
                         (lease.keeper, lease.answers) = (keeper, answers);
                         Ok(true)
                     }
                     // etcd answered a TTL of 0: the lease is gone (the
                     // client's only other use of this error is a send on a
                     // channel it has just made).
-                    Ok(Err(etcd_client::Error::LeaseKeepAliveError(_))) => Ok(false),
+                    Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(false),
                     // Unreachable: the daemon tries again, and fences its
                     // writers once the lease may have run out.
-                    Ok(Err(e)) => Err(from_etcd(e)),
-                    Err(_) => Err(transient(format!("no answer within {:?}", self.timeout))),
+                    Err(e) => Err(from_etcd(e)),
                 }
             }
         }
@@ -494,9 +498,9 @@ impl EtcdKv {
             opts = opts.with_revision(rev);
         }
         let get = |opts: GetOptions| {
-            let (c, key) = (self.client.kv_client(), key.clone());
+            let key = &key;
             move || {
-                let (mut c, key, opts) = (c.clone(), key.clone(), opts.clone());
+                let (mut c, key, opts) = (self.client.kv_client(), key.clone(), opts.clone());
                 async move { c.get(key, Some(opts)).await }
             }
         };
