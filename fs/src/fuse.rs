@@ -14,6 +14,7 @@ use converged_metadata::held_locks::Mutex;
 use converged_metadata::types::{
     FileKind, Ino, Inode, NewNode, RenameMode, RequestMark, SetAttr, TimeSet, Timespec, XattrMode,
 };
+use converged_metadata::MetaError;
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
@@ -108,18 +109,16 @@ impl FuseAdapter {
 
     /// Make the namespace change `req` asks for once, though the kernel
     /// may ask twice. `change` makes it, recording the request with it
-    /// (see `RequestMark`). A request the kernel sends again, because the
-    /// daemon it was sent to died before answering, is answered by `done`
-    /// (given the inode the change made or named) when the record says
-    /// the change committed: before it is made again, and after, when
-    /// making it again failed (the dead daemon's transaction may land
-    /// while this one looks). A first request whose change failed is
-    /// answered by `done` too when the record says it committed: a commit
-    /// whose connection broke before its answer came may have landed, and
-    /// the transaction made again then finds its own change (`EEXIST` for
-    /// a create, `ENOENT` for an unlink). Such failures are rare (the
-    /// kernel sends these requests when its own cache agrees), so the
-    /// record is read only then.
+    /// (see `RequestMark`); `done` answers it from the inode the change
+    /// made or named when it was made already. That is known two ways. A
+    /// request the kernel sends again, because the daemon it was sent to
+    /// died before answering, looks for its record before it is made
+    /// again, and `change`'s transaction reads the record too (the dead
+    /// daemon's commit may land while this one looks). And a transaction
+    /// made again after a commit whose answer was lost (a reset connection
+    /// to etcd) reads it before the change (`Namespace::write_answering`):
+    /// both end in `MetaError::AlreadyMade`. A resent request whose change
+    /// failed before its transaction reads the record once more.
     fn once<T>(
         &self,
         req: &Request,
@@ -128,35 +127,32 @@ impl FuseAdapter {
         done: impl Fn(Ino) -> FsResult<T>,
     ) -> FsResult<T> {
         let unique = req.unique().0;
-        let mark = RequestMark { connection: self.journal.connection(), unique: unique & !RESENT };
-        if unique & RESENT == 0 {
-            let made = change(mark);
-            if made.is_ok() && self.die_after_commit.as_deref() == Some(op) {
-                tracing::error!(op, "fault switch: the daemon dies after the commit, before the answer");
-                // SAFETY: kill(2) of this process.
-                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        let resent = unique & RESENT != 0;
+        let mark = RequestMark { connection: self.journal.connection(), unique: unique & !RESENT, resent };
+        if resent {
+            if let Some(ino) = self.core.answered(mark)? {
+                tracing::info!(
+                    op,
+                    unique = mark.unique,
+                    "a resent request's change had committed: answered from its record"
+                );
+                return done(ino);
             }
-            return match made {
-                Err(e) => match self.core.answered(mark) {
-                    Ok(Some(ino)) => {
-                        tracing::info!(op, error = %e, "the change had committed before it was made again: answered from its record");
-                        done(ino)
-                    }
-                    _ => Err(e),
-                },
-                made => made,
-            };
         }
-        if let Some(ino) = self.core.answered(mark)? {
-            tracing::info!(
-                op,
-                unique = mark.unique,
-                "a resent request's change had committed: answered from its record"
-            );
-            return done(ino);
+        let made = change(mark);
+        if made.is_ok() && self.die_after_commit.as_deref() == Some(op) {
+            tracing::error!(op, "fault switch: the daemon dies after the commit, before the answer");
+            // SAFETY: kill(2) of this process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
-        match change(mark) {
-            Err(e) => match self.core.answered(mark)? {
+        match made {
+            Err(FsError::Meta(MetaError::AlreadyMade { ino })) => {
+                tracing::info!(op, unique = mark.unique, "the change had committed already: answered from its record");
+                done(ino)
+            }
+            // What the change read before its transaction (a name to
+            // unlink, say) may already show the dead daemon's commit.
+            Err(e) if resent => match self.core.answered(mark)? {
                 Some(ino) => done(ino),
                 None => Err(e),
             },

@@ -43,6 +43,14 @@ pub enum MetaError {
     /// a caller sees it only when the holder could not be reached.
     #[error("directory {dir} is delegated to node {holder}, which could not be asked to give it up")]
     Delegated { dir: u64, holder: String },
+    /// The change a kernel request asks for was already made, by an
+    /// earlier attempt of the same transaction whose commit landed though
+    /// its answer was lost (a connection reset), or by a daemon that died
+    /// before answering a request the kernel sent again. Its record (see
+    /// `ops/answered.rs`) names `ino`, the inode the change made or named:
+    /// the request is answered as done, not made twice.
+    #[error("the request's change was already made (inode {ino})")]
+    AlreadyMade { ino: u64 },
     #[error("corrupt metadata record {key}: {msg}")]
     Corrupt { key: String, msg: String },
     #[error(transparent)]
@@ -71,6 +79,9 @@ impl MetaError {
             MetaError::LeaseLost { .. } => libc::EIO,
             MetaError::Delegated { .. } => libc::EIO,
             MetaError::Corrupt { .. } => libc::EIO,
+            // Answered as done by whoever made the request (FuseAdapter::once);
+            // seen by a caller only if one passed a mark and dropped it.
+            MetaError::AlreadyMade { .. } => libc::EIO,
             MetaError::Kv(KvError::Conflict) => libc::EAGAIN,
             MetaError::Kv(KvError::NoSpace) => libc::ENOSPC,
             MetaError::Kv(KvError::Backend { .. }) => libc::EIO,

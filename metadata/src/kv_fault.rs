@@ -14,6 +14,10 @@ pub enum Fault {
     /// The engine does not answer (a node cut off from etcd, or killed
     /// between its last write and its commit): not retryable.
     Unavailable,
+    /// The commit lands but its answer is lost (the connection to etcd
+    /// reset after the request went out): a retryable error, though the
+    /// change is made.
+    Unanswered,
 }
 
 pub struct FaultyKv {
@@ -114,6 +118,10 @@ impl KvWrite for FaultyWrite<'_> {
             Some(Fault::NoSpace) => Err(KvError::NoSpace),
             Some(Fault::Unavailable) => {
                 Err(KvError::Backend { msg: "injected: metadata engine unavailable".into(), retryable: false })
+            }
+            Some(Fault::Unanswered) => {
+                self.inner.commit_at(durability)?;
+                Err(KvError::Backend { msg: "injected: the commit's answer was lost".into(), retryable: true })
             }
             None => self.inner.commit_at(durability),
         }

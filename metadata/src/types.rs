@@ -311,6 +311,10 @@ pub struct RequestMark {
     pub connection: u64,
     /// The kernel's id of the request, without the resend bit.
     pub unique: u64,
+    /// The kernel sent it again (a daemon died before answering it): its
+    /// change may have committed already, so the record is read in the
+    /// transaction from its first attempt (see `Namespace::write_answering`).
+    pub resent: bool,
 }
 
 impl NewNode<'static> {

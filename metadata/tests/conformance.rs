@@ -31,6 +31,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("namespace_create_lookup_link_unlink", namespace_create_lookup_link_unlink),
     ("namespace_rename_rules", namespace_rename_rules),
     ("changes_made_for_a_request_say_so", changes_made_for_a_request_say_so),
+    ("a_change_whose_answer_was_lost_is_made_once", a_change_whose_answer_was_lost_is_made_once),
     ("tmpfiles_are_orphans_until_linked", tmpfiles_are_orphans_until_linked),
     ("namespace_setattr_xattr_and_seal", namespace_setattr_xattr_and_seal),
     ("large_directories_list_in_pages", large_directories_list_in_pages),
@@ -720,11 +721,15 @@ fn namespace_create_lookup_link_unlink(name: &str, kv: Arc<dyn KvEngine>) {
 /// another connection's same id or a failed change do not.
 fn changes_made_for_a_request_say_so(name: &str, kv: Arc<dyn KvEngine>) {
     let ns = ns(kv.clone());
-    let req = |unique: u64| RequestMark { connection: 7, unique };
+    let req = |unique: u64| RequestMark { connection: 7, unique, resent: false };
     let answered = |unique: u64| ns.answered(req(unique)).unwrap();
     let d = ns.mknod(ROOT, b"d", &NewNode { request: Some(req(2)), ..dir() }).unwrap();
     assert_eq!(answered(2), Some(d.ino), "{name}: mkdir");
-    assert_eq!(ns.answered(RequestMark { connection: 8, unique: 2 }).unwrap(), None, "{name}: another connection");
+    assert_eq!(
+        ns.answered(RequestMark { connection: 8, unique: 2, resent: false }).unwrap(),
+        None,
+        "{name}: another connection"
+    );
     assert_eq!(answered(4), None, "{name}: a request that made no change");
     assert_eq!(errno(ns.mknod(ROOT, b"d", &NewNode { request: Some(req(4)), ..dir() })), libc::EEXIST);
     assert_eq!(answered(4), None, "{name}: a change that failed");
@@ -754,6 +759,66 @@ fn changes_made_for_a_request_say_so(name: &str, kv: Arc<dyn KvEngine>) {
     n9.forget_node("n9").unwrap();
     assert_eq!(n9.answered(req(2)).unwrap(), None, "{name}: forgotten with its node");
     assert_eq!(answered(6), Some(f.ino), "{name}: another node's kept");
+}
+
+/// A commit that lands though its answer is lost (a reset connection to
+/// etcd) is made again by the namespace's retry, which must find it made
+/// (`MetaError::AlreadyMade`, naming the inode) rather than fail with
+/// EEXIST or ENOENT, or, worse, succeed: a RENAME_EXCHANGE made twice
+/// swaps the names back, a RENAME_WHITEOUT made twice renames the whiteout
+/// over the file. A request the kernel sent again finds its record on the
+/// first attempt.
+fn a_change_whose_answer_was_lost_is_made_once(name: &str, kv: Arc<dyn KvEngine>) {
+    let faulty = Arc::new(FaultyKv::new(kv));
+    let ns = ns(faulty.clone());
+    let req = |unique: u64| Some(RequestMark { connection: 9, unique, resent: false });
+    let lost = |what: &str, r: Result<u64, MetaError>| -> u64 {
+        assert_eq!(faulty.injected.swap(0, std::sync::atomic::Ordering::SeqCst), 1, "{name}: {what}: one answer lost");
+        match r {
+            Err(MetaError::AlreadyMade { ino }) => ino,
+            other => panic!("{name}: {what}: {other:?}, not found made"),
+        }
+    };
+    let ino_of = |parent: u64, n: &[u8]| ns.lookup(parent, n).unwrap().ino;
+    // The node's first create takes a range of inode numbers in a commit
+    // of its own: taken here, so each fault below meets the change itself.
+    ns.mknod(ROOT, b"first", &file(0o644)).unwrap();
+
+    faulty.fail_next(Fault::Unanswered, 1);
+    let made = lost("mkdir", ns.mknod(ROOT, b"d", &NewNode { request: req(2), ..dir() }).map(|i| i.ino));
+    assert_eq!(made, ino_of(ROOT, b"d"), "{name}: the record names the directory made");
+    let d = made;
+    let a = ns.mknod(d, b"a", &file(0o644)).unwrap().ino;
+    let b = ns.mknod(d, b"b", &file(0o600)).unwrap().ino;
+
+    faulty.fail_next(Fault::Unanswered, 1);
+    lost("exchange", ns.rename_answering(d, b"a", d, b"b", RenameMode::Exchange, req(4)).map(|_| 0));
+    assert_eq!((ino_of(d, b"a"), ino_of(d, b"b")), (b, a), "{name}: exchanged once, not swapped back");
+
+    faulty.fail_next(Fault::Unanswered, 1);
+    lost("whiteout", ns.rename_with_whiteout(d, b"a", ROOT, b"w", false, (0, 0), req(6)).map(|_| 0));
+    assert_eq!(ino_of(ROOT, b"w"), b, "{name}: the file kept its new name");
+    assert_eq!(ns.lookup(d, b"a").unwrap().kind, FileKind::CharDevice, "{name}: a whiteout where it was");
+
+    faulty.fail_next(Fault::Unanswered, 1);
+    assert_eq!(lost("link", ns.link_answering(a, ROOT, b"l", req(8)).map(|i| i.ino)), a, "{name}");
+    assert_eq!(ns.getattr(a).unwrap().nlink, 2, "{name}: linked once");
+
+    faulty.fail_next(Fault::Unanswered, 1);
+    assert_eq!(lost("unlink", ns.unlink_purging(ROOT, b"l", &|_| false, req(10)).map(|g| g.ino)), a, "{name}");
+    assert_eq!(errno(ns.lookup(ROOT, b"l")), libc::ENOENT, "{name}");
+    assert_eq!(ns.getattr(a).unwrap().nlink, 1, "{name}: unlinked once");
+
+    // The kernel's second sending of a request whose change committed:
+    // found on the first attempt, nothing made again.
+    let resent = RequestMark { connection: 9, unique: 8, resent: true };
+    let r = ns.link_answering(a, ROOT, b"l", Some(resent));
+    assert!(matches!(r, Err(MetaError::AlreadyMade { ino }) if ino == a), "{name}: resent: {r:?}");
+    assert_eq!(errno(ns.lookup(ROOT, b"l")), libc::ENOENT, "{name}: not linked again");
+    // One that never committed is made.
+    let fresh = RequestMark { connection: 9, unique: 12, resent: true };
+    ns.link_answering(a, ROOT, b"l2", Some(fresh)).unwrap();
+    assert_eq!(ino_of(ROOT, b"l2"), a, "{name}");
 }
 
 /// O_TMPFILE: an inode with no name, this node's orphan (purged at a crash

@@ -14,9 +14,20 @@
 //! overwritten `ANSWERED_SLOTS` requests later, long after its request was
 //! answered (a change is answered as soon as it commits). The ring is the
 //! node's: a connection belongs to one node.
+//!
+//! A change's commit can also land without its answer reaching the daemon
+//! (its connection to etcd reset after the request went out): the
+//! namespace layer then makes the transaction again. Made again, a create
+//! would fail with EEXIST, an unlink with ENOENT, and a RENAME_EXCHANGE
+//! would swap the two names back. So a transaction made again for a
+//! request first reads the request's record, in the same transaction
+//! (compared at its commit like any read), and ends with
+//! [`MetaError::AlreadyMade`] when the change is there
+//! ([`Namespace::write_answering`]). A first attempt does not read it: a
+//! request the kernel sends once is new.
 
-use crate::error::MetaResult;
-use crate::kv::KvWrite;
+use crate::error::{MetaError, MetaResult};
+use crate::kv::{Durability, KvRead, KvWrite};
 use crate::namespace::Namespace;
 use crate::schema;
 use crate::types::{Ino, RequestMark};
@@ -53,11 +64,38 @@ impl Namespace {
     /// Whether the change `request` asked for committed, and the inode it
     /// made or named.
     pub fn answered(&self, request: RequestMark) -> MetaResult<Option<Ino>> {
-        let key = schema::answered(&self.node, request.slot());
-        let found = self.read(|txn| Ok(txn.get(&key)?))?;
+        self.read(|txn| self.record_in(txn, request))
+    }
+
+    fn record_in(&self, txn: &mut (impl KvRead + ?Sized), request: RequestMark) -> MetaResult<Option<Ino>> {
+        let found = txn.get(&schema::answered(&self.node, request.slot()))?;
         let ours = request.record(0);
         Ok(found
             .filter(|v| v.len() == RECORD && v[..16] == ours[..16])
             .map(|v| Ino::from_be_bytes(v[16..24].try_into().expect("8 bytes"))))
+    }
+
+    /// [`Namespace::write`] for a change made for `request` (which `f`
+    /// records with [`Namespace::answering`]): an attempt after the first,
+    /// or the first of a request the kernel sent again, reads the request's
+    /// record before `f` and fails with [`MetaError::AlreadyMade`] when the
+    /// change committed already.
+    pub(crate) fn write_answering<T>(
+        &self,
+        durability: Durability,
+        request: Option<RequestMark>,
+        mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
+    ) -> MetaResult<T> {
+        let Some(request) = request else { return self.write(durability, f) };
+        let mut look = request.resent;
+        self.write(durability, |txn| {
+            if look {
+                if let Some(ino) = self.record_in(txn, request)? {
+                    return Err(MetaError::AlreadyMade { ino });
+                }
+            }
+            look = true;
+            f(txn)
+        })
     }
 }

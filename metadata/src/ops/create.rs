@@ -48,7 +48,7 @@ impl Namespace {
             }
             _ => None,
         };
-        self.write(Durability::Buffered, |txn| {
+        self.write_answering(Durability::Buffered, node.request, |txn| {
             let mut dir = self.dir_in(txn, parent)?;
             if dir.nlink == 0 {
                 // The directory was removed while a caller still held it.

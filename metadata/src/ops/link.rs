@@ -21,7 +21,7 @@ impl Namespace {
         request: Option<RequestMark>,
     ) -> MetaResult<Inode> {
         check_name(newname)?;
-        self.write(Durability::Buffered, |txn| {
+        self.write_answering(Durability::Buffered, request, |txn| {
             let mut inode = get_inode(txn, ino)?;
             if inode.is_dir() {
                 return Err(MetaError::NotPermitted("hard link to a directory"));

@@ -90,7 +90,7 @@ impl Namespace {
         check_name(name)?;
         let shared = self.clustered;
         let taken: [Taken; 2] = Default::default();
-        let mut gone = self.write(Durability::Buffered, |txn| {
+        let mut gone = self.write_answering(Durability::Buffered, request, |txn| {
             let mut dir = self.dir_in(txn, parent)?;
             let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
             let inode = get_inode(txn, d.ino)?;
@@ -139,7 +139,7 @@ impl Namespace {
             return Err(MetaError::NotEmpty);
         }
         check_name(name)?;
-        self.write(Durability::Buffered, |txn| {
+        self.write_answering(Durability::Buffered, request, |txn| {
             let mut dir = self.dir_in(txn, parent)?;
             let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
             let inode = get_inode(txn, d.ino)?;

@@ -48,7 +48,7 @@ impl Namespace {
     ) -> MetaResult<Option<Unlinked>> {
         check_name(name)?;
         check_name(newname)?;
-        self.write(Durability::Buffered, |txn| {
+        self.write_answering(Durability::Buffered, request, |txn| {
             let victim = self.rename_in(txn, parent, name, newparent, newname, mode)?;
             self.answering(txn, request, 0);
             Ok(victim)
@@ -73,7 +73,7 @@ impl Namespace {
         check_name(newname)?;
         let ino = self.alloc_ino()?;
         let mode = if noreplace { RenameMode::NoReplace } else { RenameMode::Replace };
-        self.write(Durability::Buffered, |txn| {
+        self.write_answering(Durability::Buffered, request, |txn| {
             let victim = self.rename_in(txn, parent, name, newparent, newname, mode)?;
             self.answering(txn, request, 0);
             if get_dentry(txn, parent, name)?.is_some() {
