@@ -55,7 +55,9 @@ fn wall_clock(offset: i64) -> converged_metadata::types::Timespec {
 /// A node that finds its membership lapsed (no heartbeat got through for
 /// longer than the lease, or the next one found the lease expired) may have
 /// been declared dead and had its write leases taken over: its writing
-/// sessions are fenced at once (see `core/write.rs`).
+/// sessions are fenced at once (see `core/write.rs`). The lapse is watched
+/// by a thread of its own ([`lapse_watch`]): a heartbeat may be blocked in
+/// its round trips for longer than the lease.
 fn join_cluster(
     engine: &Arc<dyn converged_metadata::KvEngine>,
     args: &MountArgs,
@@ -67,31 +69,112 @@ fn join_cluster(
     let Some(m) = engine.membership() else { return Ok(()) };
     let ttl = Duration::from_secs(args.lease_ttl);
     let mut info = node_info(args, data_dir, addr)?;
+    let asked = Instant::now();
     m.register(&info, ttl).context("register in the cluster")?;
     tracing::info!(node = %info.id, ttl = args.lease_ttl, "registered in the cluster");
     if let Some(core) = core.upgrade() {
         core.control().moved(converged_metadata::schema::Control::Members);
     }
     let weak = Arc::downgrade(engine);
+    let clock = Arc::new(LeaseClock::new(asked));
+    lapse_watch(weak.clone(), clock.clone(), ttl, core.clone())?;
     let data_dir = data_dir.to_path_buf();
-    let mut renewed = Instant::now();
-    // The lapse below was logged.
-    let mut told = false;
     let offset = args.clock_offset;
     std::thread::Builder::new().name("heartbeat".into()).spawn(move || loop {
         std::thread::sleep(ttl / 3);
         let Some(engine) = weak.upgrade() else { return };
         let Some(m) = engine.membership() else { return };
-        let fence = || {
-            if let Some(core) = core.upgrade() {
-                core.fence_all_writers();
+        (info.free, info.capacity) = crate::blocks::disk_space(&data_dir).unwrap_or((0, 0));
+        info.heartbeat = wall_clock(offset);
+        // etcd renews the lease when it takes the keepalive, at or after
+        // this instant: the lease runs at least `ttl` from here.
+        let asked = Instant::now();
+        let lapsed = clock.lapsed(ttl);
+        match m.heartbeat(&info) {
+            Ok(Heartbeat::Renewed) => {
+                clock.renewed(asked);
+                if lapsed {
+                    tracing::info!("heartbeat renewed the membership lease again");
+                }
             }
-        };
-        // Paused, or cut off from the metadata, for longer than the lease:
-        // fenced at each beat until one gets through (said once).
-        let since = renewed.elapsed();
-        let lapsed = since > ttl;
-        if lapsed {
+            Ok(Heartbeat::Rejoined) => {
+                // Fenced before the lease is counted renewed: no writer
+                // opened under the new lease is fenced for the old one.
+                if !lapsed {
+                    tracing::warn!("membership lease had expired; registered again and fencing this node's writers");
+                    if let Some(core) = core.upgrade() {
+                        core.fence_all_writers();
+                    }
+                }
+                clock.renewed(asked);
+                // This node's own records: the change feed does not report them here.
+                if let Some(core) = core.upgrade() {
+                    core.control().moved(converged_metadata::schema::Control::Members);
+                }
+                if lapsed {
+                    tracing::info!("membership lease had expired; registered in the cluster again");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "heartbeat failed; retrying"),
+        }
+    })?;
+    Ok(())
+}
+
+/// When this node's membership lease was last renewed: the instant its
+/// renewal was asked for (etcd renews it when the request arrives, so the
+/// lease runs at least the TTL from then). Written by the heartbeat thread,
+/// read by the lapse watch.
+struct LeaseClock {
+    base: Instant,
+    /// Milliseconds from `base` to the last renewal.
+    renewed_ms: std::sync::atomic::AtomicU64,
+}
+
+impl LeaseClock {
+    fn new(at: Instant) -> Self {
+        Self { base: at, renewed_ms: Default::default() }
+    }
+
+    fn renewed(&self, at: Instant) {
+        let ms = at.saturating_duration_since(self.base).as_millis() as u64;
+        self.renewed_ms.fetch_max(ms, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn since(&self) -> Duration {
+        let at = self.base + Duration::from_millis(self.renewed_ms.load(std::sync::atomic::Ordering::Acquire));
+        at.elapsed()
+    }
+
+    fn lapsed(&self, ttl: Duration) -> bool {
+        self.since() > ttl
+    }
+}
+
+/// Fence this node's writers once no renewal of its membership lease got
+/// through for the lease's TTL (paused, or cut off from the metadata), and
+/// at each look after while it stays lapsed (a writer may open meanwhile);
+/// said once a lapse. Looks ten times a lease, so a writer is fenced at
+/// most a tenth of a lease after it may have been declared dead.
+fn lapse_watch(
+    engine: std::sync::Weak<dyn converged_metadata::KvEngine>,
+    clock: Arc<LeaseClock>,
+    ttl: Duration,
+    core: std::sync::Weak<Core>,
+) -> anyhow::Result<()> {
+    let every = (ttl / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    std::thread::Builder::new().name("lapse-watch".into()).spawn(move || {
+        let mut told = false;
+        loop {
+            std::thread::sleep(every);
+            if engine.strong_count() == 0 {
+                return;
+            }
+            let since = clock.since();
+            if since <= ttl {
+                told = false;
+                continue;
+            }
             if !told {
                 tracing::warn!(
                     ?since,
@@ -99,31 +182,8 @@ fn join_cluster(
                 );
                 told = true;
             }
-            fence();
-        }
-        (info.free, info.capacity) = crate::blocks::disk_space(&data_dir).unwrap_or((0, 0));
-        info.heartbeat = wall_clock(offset);
-        match m.heartbeat(&info) {
-            Ok(Heartbeat::Renewed) => {
-                if lapsed {
-                    tracing::info!(?since, "heartbeat renewed the membership lease again");
-                }
-                (renewed, told) = (Instant::now(), false);
-            }
-            Ok(Heartbeat::Rejoined) => {
-                (renewed, told) = (Instant::now(), false);
-                // This node's own records: the change feed does not report them here.
-                if let Some(core) = core.upgrade() {
-                    core.control().moved(converged_metadata::schema::Control::Members);
-                }
-                if lapsed {
-                    tracing::info!(?since, "membership lease had expired; registered in the cluster again");
-                } else {
-                    tracing::warn!("membership lease had expired; registered again and fencing this node's writers");
-                    fence();
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "heartbeat failed; retrying"),
+            let Some(core) = core.upgrade() else { return };
+            core.fence_all_writers();
         }
     })?;
     Ok(())
