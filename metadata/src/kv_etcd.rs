@@ -53,6 +53,8 @@ pub struct EtcdKv {
     /// leaf, held only to move the lease in or out, never across a round
     /// trip.
     lease: parking_lot::Mutex<LeaseSlot>,
+    /// Told when a heartbeat puts the lease back (a `leave` waits for it).
+    lease_back: parking_lot::Condvar,
     /// This client's own commits, so the change feed can skip them (this
     /// node already knows what it changed).
     own: Arc<OwnCommits>,
@@ -176,12 +178,15 @@ impl Drop for InFlight<'_> {
 }
 
 /// Where this node's lease is. The transitions: `register` puts one
-/// `Here`; `heartbeat` takes it `Out` for its round trips and puts it back
-/// (`EtcdKv::put_back`); `leave` takes it away, or, while a heartbeat has
-/// it out, marks it `Leaving` for the heartbeat to revoke.
+/// `Here` (unless the node `Left`: then it revokes what it was granted);
+/// `heartbeat` takes it `Out` for its round trips and puts it back
+/// (`EtcdKv::put_back`); `leave` waits for a heartbeat to put it back (its
+/// round trips have deadlines), takes it away and revokes it, leaving the
+/// slot `Left`; if the heartbeat outlasts the wait, `leave` marks the slot
+/// `Leaving` and the heartbeat revokes the lease when it puts it back.
 #[derive(Default)]
 enum LeaseSlot {
-    /// Not registered, or left.
+    /// Not registered yet.
     #[default]
     None,
     Here(Box<Lease>),
@@ -189,6 +194,8 @@ enum LeaseSlot {
     Out,
     /// Left while a heartbeat held it.
     Leaving,
+    /// Left: no lease is held again.
+    Left,
 }
 
 struct Lease {
@@ -359,6 +366,7 @@ impl EtcdKv {
             prefix: format!("{volume}/").into_bytes(),
             timeout,
             lease: Default::default(),
+            lease_back: Default::default(),
             own: Default::default(),
             group: Group::new(GROUP_LIMITS),
             alone: false,
@@ -435,9 +443,10 @@ impl EtcdKv {
         let mut slot = self.lease.lock();
         if matches!(*slot, LeaseSlot::Out) {
             *slot = LeaseSlot::Here(lease);
+            self.lease_back.notify_all();
             return true;
         }
-        *slot = LeaseSlot::None;
+        *slot = LeaseSlot::Left;
         drop(slot);
         if let Err(e) = self.revoke(&lease) {
             tracing::warn!(error = %e, "could not revoke the lease on leaving; it runs out by itself");
@@ -1049,8 +1058,18 @@ impl Membership for EtcdKv {
         let (keeper, answers) = self.run(client.lease_keep_alive(id))?;
         self.put_records(info, id)?;
         let recorded = (info.clone(), std::time::Instant::now());
-        *self.lease.lock() =
-            LeaseSlot::Here(Box::new(Lease { id, ttl, node: info.id.clone(), keeper, answers, recorded }));
+        let lease = Box::new(Lease { id, ttl, node: info.id.clone(), keeper, answers, recorded });
+        let mut slot = self.lease.lock();
+        if matches!(*slot, LeaseSlot::Left | LeaseSlot::Leaving) {
+            // Left while this registration was under way (a heartbeat
+            // registering again as the mount ends).
+            drop(slot);
+            if let Err(e) = self.revoke(&lease) {
+                tracing::warn!(error = %e, "could not revoke the lease on leaving; it runs out by itself");
+            }
+            return Err(KvError::backend("the node left the cluster while it registered"));
+        }
+        *slot = LeaseSlot::Here(lease);
         Ok(())
     }
 
@@ -1061,7 +1080,7 @@ impl Membership for EtcdKv {
                 LeaseSlot::Here(lease) => lease,
                 other => {
                     *slot = other;
-                    return Err(KvError::backend("heartbeat before register"));
+                    return Err(KvError::backend("heartbeat with no lease (not registered yet, or left)"));
                 }
             }
         };
@@ -1112,13 +1131,23 @@ impl Membership for EtcdKv {
     fn leave(&self) -> KvResult<()> {
         let lease = {
             let mut slot = self.lease.lock();
-            match std::mem::take(&mut *slot) {
+            // A heartbeat's round trips (renewal, records) end within
+            // their deadlines: wait for the lease to be put back, so it
+            // is revoked before the process exits rather than left to run
+            // out (other nodes would count this one live until then).
+            let until = std::time::Instant::now() + 2 * self.timeout;
+            while matches!(*slot, LeaseSlot::Out) {
+                if self.lease_back.wait_until(&mut slot, until).timed_out() {
+                    break;
+                }
+            }
+            match std::mem::replace(&mut *slot, LeaseSlot::Left) {
                 LeaseSlot::Here(lease) => lease,
-                LeaseSlot::Out => {
+                LeaseSlot::Out | LeaseSlot::Leaving => {
                     *slot = LeaseSlot::Leaving;
                     return Ok(());
                 }
-                LeaseSlot::None | LeaseSlot::Leaving => return Ok(()),
+                LeaseSlot::None | LeaseSlot::Left => return Ok(()),
             }
         };
         self.revoke(&lease)
