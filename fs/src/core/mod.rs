@@ -58,8 +58,9 @@
 //!    store's version index.
 //!
 //! The metadata crate's own locks (the node cache's, the `--nowsync`
-//! layer's state and its flush gate, the etcd engine's lease slot) are
-//! leaves of the metadata layer,
+//! layer's state and its flush gate, the etcd engine's lease slot, on
+//! whose condition variable a `leave` waits, the slot released, for a
+//! heartbeat to put the lease back) are leaves of the metadata layer,
 //! taken inside its calls and never held when they return (the `--nowsync`
 //! state also under the node cache's subscriber list, by the change feed).
 //!
