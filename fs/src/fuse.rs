@@ -248,9 +248,9 @@ impl FuseAdapter {
 
 /// A change feed subscriber that drops what the kernel caches about records
 /// another node changed: the attributes and pages of a changed inode or
-/// layout, the entry of a changed name. When the feed says changes may
-/// have been missed (its watch started over: etcd unreachable, or its
-/// history compacted past where the watch stopped), every name the kernel
+/// layout, the entry of a changed name. When the feed says changes were
+/// missed for good (its watch started from the present: etcd compacted its
+/// history past where the last watch stopped), every name the kernel
 /// cached is looked up again before it is used (`FUSE_NOTIFY_INC_EPOCH`),
 /// as the node's own cache is dropped: else a name another node removed
 /// meanwhile would still be answered until `--attr-timeout` ran out.
@@ -287,9 +287,18 @@ pub fn kernel_invalidator(session: &fuser::Session<FuseAdapter>) -> std::io::Res
             }
         }
     })?;
-    Ok(std::sync::Arc::new(move |key: &[u8], _: Option<&[u8]>| {
-        if matches!(change_of(key), Change::Inode(_) | Change::Entry { .. } | Change::Everything) {
-            let _ = tx.send(key.to_vec());
+    Ok(std::sync::Arc::new(move |key: &[u8], value: Option<&[u8]>| {
+        match change_of(key) {
+            Change::Inode(_) | Change::Entry { .. } => {
+                let _ = tx.send(key.to_vec());
+            }
+            // A feed that resumes where it stopped delivers what it missed,
+            // and the kernel's entries are dropped as those arrive; only
+            // changes missed for good cost every cached name a lookup.
+            Change::Everything if value.is_some() => {
+                let _ = tx.send(key.to_vec());
+            }
+            _ => {}
         }
     }))
 }

@@ -201,7 +201,10 @@ pub trait KvEngine: Send + Sync + 'static {
     /// Call `on_change` with the key of every change other clients commit,
     /// and the value it now holds (`None`: deleted), soon after they commit
     /// it; an empty key means changes may have been missed (the feed
-    /// reconnected) and every cached key is suspect.
+    /// reconnected) and every cached key is suspect. The empty key's value
+    /// is `Some` when they were missed for good (the feed started from the
+    /// present), `None` when the feed resumes where it stopped and will
+    /// deliver them late.
     /// Returns false when the engine has no such feed: an embedded engine
     /// has no other clients.
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {

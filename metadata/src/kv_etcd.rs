@@ -912,7 +912,10 @@ impl KvEngine for EtcdKv {
     /// re-established when it breaks or falls silent (then subscribers hear
     /// an empty key: start over). Subscribers also hear an empty key each
     /// time the watch is (re)created, once etcd confirmed it: what they
-    /// learned before may predate the first revision it covers.
+    /// learned before may predate the first revision it covers. Its value
+    /// is `Some` when the new watch starts from now (the first, or etcd
+    /// compacted past where the last one stopped): changes were missed for
+    /// good, not only delayed.
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
         self.watch_revisions(Arc::new(move |key: &[u8], value: Option<&[u8]>, _| on_change(key, value)))
     }
@@ -959,6 +962,11 @@ impl KvEngine for EtcdKv {
                 if from > 0 {
                     opts = opts.with_start_revision(from);
                 }
+                // A watch from now (the first, or after etcd compacted past
+                // where the last stopped) covers nothing before it: what
+                // happened meanwhile is lost to it. One from `from` is sent
+                // what it missed.
+                let gap = from == 0;
                 let mut watch = c.watch_client();
                 match watch.watch(prefix.clone(), Some(opts)).await {
                     Ok(stream) => {
@@ -993,7 +1001,7 @@ impl KvEngine for EtcdKv {
                             };
                             heard = tokio::time::Instant::now();
                             if resp.created() {
-                                on_change(b"", None, 0);
+                                on_change(b"", gap.then_some(MISSED), 0);
                             }
                             if resp.canceled() {
                                 // Compacted past `from`: changes were missed.
@@ -1035,6 +1043,9 @@ impl KvEngine for EtcdKv {
         Ok(true)
     }
 }
+
+/// The value of the feed's empty key when changes were missed for good.
+const MISSED: &[u8] = b"missed";
 
 impl EtcdKv {
     fn put_records(&self, info: &NodeInfo, lease: i64) -> KvResult<()> {
