@@ -941,6 +941,10 @@ impl KvEngine for EtcdKv {
         feed.spawn(async move {
             let mut from = 0;
             let mut client: Option<Client> = None;
+            // Between tries to start the watch again: short at first (a
+            // reset connection is back at once), doubling to a second
+            // while etcd does not answer; back to short once one starts.
+            let mut pause = WATCH_RETRY_FIRST;
             loop {
                 // The feed's own connection: commits never wait behind a
                 // burst of events, nor the feed behind a commit's thread.
@@ -951,7 +955,8 @@ impl KvEngine for EtcdKv {
                         Err(e) => {
                             tracing::warn!(error = %e, "etcd watch could not connect; retrying");
                             on_change(b"", None, 0);
-                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(WATCH_RETRY_MAX);
                             continue;
                         }
                     },
@@ -1001,6 +1006,7 @@ impl KvEngine for EtcdKv {
                             };
                             heard = tokio::time::Instant::now();
                             if resp.created() {
+                                pause = WATCH_RETRY_FIRST;
                                 on_change(b"", gap.then_some(MISSED), 0);
                             }
                             if resp.canceled() {
@@ -1037,12 +1043,18 @@ impl KvEngine for EtcdKv {
                     Err(e) => tracing::warn!(error = %e, "etcd watch failed; retrying"),
                 }
                 on_change(b"", None, 0);
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(WATCH_RETRY_MAX);
             }
         });
         Ok(true)
     }
 }
+
+/// The first and the longest pause between tries to start the change
+/// feed's watch again.
+const WATCH_RETRY_FIRST: Duration = Duration::from_millis(50);
+const WATCH_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// The value of the feed's empty key when changes were missed for good.
 const MISSED: &[u8] = b"missed";
