@@ -117,8 +117,11 @@ impl FuseAdapter {
     /// daemon's commit may land while this one looks). And a transaction
     /// made again after a commit whose answer was lost (a reset connection
     /// to etcd) reads it before the change (`Namespace::write_answering`):
-    /// both end in `MetaError::AlreadyMade`. A resent request whose change
-    /// failed before its transaction reads the record once more.
+    /// the first ends in `MetaError::AlreadyMade`, the second in what the
+    /// attempt that landed returned. A resent request whose change failed
+    /// (perhaps before its transaction), or a first one whose change
+    /// failed with an error a retry could have helped, reads the record
+    /// once more.
     fn once<T>(
         &self,
         req: &Request,
@@ -150,12 +153,16 @@ impl FuseAdapter {
                 tracing::info!(op, unique = mark.unique, "the change had committed already: answered from its record");
                 done(ino)
             }
-            // What the change read before its transaction (a name to
-            // unlink, say) may already show the dead daemon's commit.
-            Err(e) if resent => match self.core.answered(mark)? {
-                Some(ino) => done(ino),
-                None => Err(e),
-            },
+            // A resent request: what the change read before its
+            // transaction (a name to unlink, say) may already show the dead
+            // daemon's commit. A first one: its last attempt may have
+            // landed without an answer (no attempt left to find it).
+            Err(e) if resent || matches!(&e, FsError::Meta(MetaError::Kv(k)) if k.is_retryable()) => {
+                match self.core.answered(mark) {
+                    Ok(Some(ino)) => done(ino),
+                    _ => Err(e),
+                }
+            }
             made => made,
         }
     }

@@ -583,6 +583,15 @@ impl Namespace {
             (Durability::Durable, Some(deferred)) => Some(deferred.durable_change()),
             _ => None,
         };
+        // What the last attempt whose commit may have landed (its answer
+        // lost: a retryable engine error, not a conflict) returned. When
+        // the next attempt finds that change made (`AlreadyMade`, see
+        // `ops/answered.rs`), it is this attempt's result: the caller goes
+        // on as after any commit (an orphan marked, a victim's chunks
+        // dropped). Two such attempts in a row cannot both have landed (the
+        // second compared what the first changed); the later one's value
+        // stands for whichever did.
+        let mut unsure: Option<T> = None;
         loop {
             attempt += 1;
             let mut txn = self.kv.write_txn()?;
@@ -591,11 +600,22 @@ impl Namespace {
                     if durability == Durability::Buffered {
                         self.unsynced.store(true, Ordering::Release);
                     }
-                    txn.commit(durability).map(|()| v).map_err(MetaError::from)
+                    match txn.commit(durability) {
+                        Ok(()) => Ok(v),
+                        Err(e) => {
+                            if matches!(e, KvError::Backend { retryable: true, .. }) {
+                                unsure = Some(v);
+                            }
+                            Err(MetaError::from(e))
+                        }
+                    }
                 }
                 Err(e) => Err(e),
             };
             match result {
+                Err(MetaError::AlreadyMade { ino }) => {
+                    return unsure.take().ok_or(MetaError::AlreadyMade { ino });
+                }
                 Err(MetaError::Kv(KvError::NoSpace)) if !freed && self.free_space() => {
                     freed = true;
                 }

@@ -763,21 +763,30 @@ fn changes_made_for_a_request_say_so(name: &str, kv: Arc<dyn KvEngine>) {
 
 /// A commit that lands though its answer is lost (a reset connection to
 /// etcd) is made again by the namespace's retry, which must find it made
-/// (`MetaError::AlreadyMade`, naming the inode) rather than fail with
-/// EEXIST or ENOENT, or, worse, succeed: a RENAME_EXCHANGE made twice
+/// and answer with what the landed attempt returned, rather than fail with
+/// EEXIST or ENOENT, or, worse, succeed again: a RENAME_EXCHANGE made twice
 /// swaps the names back, a RENAME_WHITEOUT made twice renames the whiteout
-/// over the file. A request the kernel sent again finds its record on the
-/// first attempt.
+/// over the file. The fault is injected above the engine here (the engine
+/// saw its commit answered); below the node cache in
+/// `a_change_whose_answer_was_lost_under_the_node_cache_is_made_once`.
 fn a_change_whose_answer_was_lost_is_made_once(name: &str, kv: Arc<dyn KvEngine>) {
     let faulty = Arc::new(FaultyKv::new(kv));
-    let ns = ns(faulty.clone());
+    answer_lost_cases(name, &ns(faulty.clone()), &faulty);
+}
+
+#[test]
+fn a_change_whose_answer_was_lost_under_the_node_cache_is_made_once() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let kv = EtcdKv::connect(&cluster.endpoints, "lost", Duration::from_secs(5)).unwrap();
+    let faulty = Arc::new(FaultyKv::new(Arc::new(kv)));
+    let cached = CachedKv::wrap(faulty.clone()).unwrap();
+    answer_lost_cases("etcd, lost under the cache", &ns(cached), &faulty);
+}
+
+fn answer_lost_cases(name: &str, ns: &Namespace, faulty: &FaultyKv) {
     let req = |unique: u64| Some(RequestMark { connection: 9, unique, resent: false });
-    let lost = |what: &str, r: Result<u64, MetaError>| -> u64 {
+    let lost = |what: &str| {
         assert_eq!(faulty.injected.swap(0, std::sync::atomic::Ordering::SeqCst), 1, "{name}: {what}: one answer lost");
-        match r {
-            Err(MetaError::AlreadyMade { ino }) => ino,
-            other => panic!("{name}: {what}: {other:?}, not found made"),
-        }
     };
     let ino_of = |parent: u64, n: &[u8]| ns.lookup(parent, n).unwrap().ino;
     // The node's first create takes a range of inode numbers in a commit
@@ -785,40 +794,53 @@ fn a_change_whose_answer_was_lost_is_made_once(name: &str, kv: Arc<dyn KvEngine>
     ns.mknod(ROOT, b"first", &file(0o644)).unwrap();
 
     faulty.fail_next(Fault::Unanswered, 1);
-    let made = lost("mkdir", ns.mknod(ROOT, b"d", &NewNode { request: req(2), ..dir() }).map(|i| i.ino));
-    assert_eq!(made, ino_of(ROOT, b"d"), "{name}: the record names the directory made");
-    let d = made;
+    let d = ns.mknod(ROOT, b"d", &NewNode { request: req(2), ..dir() }).unwrap().ino;
+    lost("mkdir");
+    assert_eq!(d, ino_of(ROOT, b"d"), "{name}: the directory made is the one answered");
     let a = ns.mknod(d, b"a", &file(0o644)).unwrap().ino;
     let b = ns.mknod(d, b"b", &file(0o600)).unwrap().ino;
 
     faulty.fail_next(Fault::Unanswered, 1);
-    lost("exchange", ns.rename_answering(d, b"a", d, b"b", RenameMode::Exchange, req(4)).map(|_| 0));
+    let victim = ns.rename_answering(d, b"a", d, b"b", RenameMode::Exchange, req(4)).unwrap();
+    lost("exchange");
+    assert!(victim.is_none(), "{name}");
     assert_eq!((ino_of(d, b"a"), ino_of(d, b"b")), (b, a), "{name}: exchanged once, not swapped back");
 
     faulty.fail_next(Fault::Unanswered, 1);
-    lost("whiteout", ns.rename_with_whiteout(d, b"a", ROOT, b"w", false, (0, 0), req(6)).map(|_| 0));
+    ns.rename_with_whiteout(d, b"a", ROOT, b"w", false, (0, 0), req(6)).unwrap();
+    lost("whiteout");
     assert_eq!(ino_of(ROOT, b"w"), b, "{name}: the file kept its new name");
     assert_eq!(ns.lookup(d, b"a").unwrap().kind, FileKind::CharDevice, "{name}: a whiteout where it was");
 
     faulty.fail_next(Fault::Unanswered, 1);
-    assert_eq!(lost("link", ns.link_answering(a, ROOT, b"l", req(8)).map(|i| i.ino)), a, "{name}");
+    assert_eq!(ns.link_answering(a, ROOT, b"l", req(8)).unwrap().nlink, 2, "{name}");
+    lost("link");
     assert_eq!(ns.getattr(a).unwrap().nlink, 2, "{name}: linked once");
 
     faulty.fail_next(Fault::Unanswered, 1);
-    assert_eq!(lost("unlink", ns.unlink_purging(ROOT, b"l", &|_| false, req(10)).map(|g| g.ino)), a, "{name}");
+    let gone = ns.unlink_purging(ROOT, b"l", &|_| false, req(10)).unwrap();
+    lost("unlink");
+    assert_eq!((gone.ino, gone.orphaned), (a, false), "{name}");
     assert_eq!(errno(ns.lookup(ROOT, b"l")), libc::ENOENT, "{name}");
     assert_eq!(ns.getattr(a).unwrap().nlink, 1, "{name}: unlinked once");
+    // The last name: the caller learns the file is an orphan (its last
+    // close purges it), as from a commit answered at once.
+    faulty.fail_next(Fault::Unanswered, 1);
+    let gone = ns.unlink_purging(d, b"b", &|_| false, req(12)).unwrap();
+    lost("last unlink");
+    assert_eq!((gone.ino, gone.orphaned), (a, true), "{name}: the orphan is told");
 
     // The kernel's second sending of a request whose change committed:
-    // found on the first attempt, nothing made again.
+    // found on the first attempt, nothing made again, the record's inode
+    // answered (the daemon that made it is gone with what it returned).
     let resent = RequestMark { connection: 9, unique: 8, resent: true };
-    let r = ns.link_answering(a, ROOT, b"l", Some(resent));
+    let r = ns.link_answering(b, ROOT, b"l", Some(resent));
     assert!(matches!(r, Err(MetaError::AlreadyMade { ino }) if ino == a), "{name}: resent: {r:?}");
     assert_eq!(errno(ns.lookup(ROOT, b"l")), libc::ENOENT, "{name}: not linked again");
     // One that never committed is made.
-    let fresh = RequestMark { connection: 9, unique: 12, resent: true };
-    ns.link_answering(a, ROOT, b"l2", Some(fresh)).unwrap();
-    assert_eq!(ino_of(ROOT, b"l2"), a, "{name}");
+    let fresh = RequestMark { connection: 9, unique: 14, resent: true };
+    ns.link_answering(b, ROOT, b"l2", Some(fresh)).unwrap();
+    assert_eq!(ino_of(ROOT, b"l2"), b, "{name}");
 }
 
 /// O_TMPFILE: an inode with no name, this node's orphan (purged at a crash

@@ -21,10 +21,12 @@
 //! would fail with EEXIST, an unlink with ENOENT, and a RENAME_EXCHANGE
 //! would swap the two names back. So a transaction made again for a
 //! request first reads the request's record, in the same transaction
-//! (compared at its commit like any read), and ends with
-//! [`MetaError::AlreadyMade`] when the change is there
-//! ([`Namespace::write_answering`]). A first attempt does not read it: a
-//! request the kernel sends once is new.
+//! (compared at its commit like any read; under `--nowsync` a change only
+//! queued here reads the node's own queue, which no other node writes),
+//! and ends with [`MetaError::AlreadyMade`] when the change is there
+//! ([`Namespace::write_answering`]); `Namespace::write` then answers with
+//! what the attempt that landed returned. The first attempt of a request
+//! the kernel sent once does not read it: the request is new.
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
