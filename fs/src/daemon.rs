@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,16 +58,18 @@ fn wall_clock(offset: i64) -> converged_metadata::types::Timespec {
 /// been declared dead and had its write leases taken over: its writing
 /// sessions are fenced at once (see `core/write.rs`). The lapse is watched
 /// by a thread of its own ([`lapse_watch`]): a heartbeat may be blocked in
-/// its round trips for longer than the lease.
+/// its round trips for longer than the lease. Both threads end once the
+/// returned flag is set (the node leaves the cluster at its unmount).
 fn join_cluster(
     engine: &Arc<dyn converged_metadata::KvEngine>,
     args: &MountArgs,
     data_dir: &Path,
     addr: String,
     core: std::sync::Weak<Core>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Arc<AtomicBool>> {
     use converged_metadata::membership::Heartbeat;
-    let Some(m) = engine.membership() else { return Ok(()) };
+    let left = Arc::new(AtomicBool::new(false));
+    let Some(m) = engine.membership() else { return Ok(left) };
     let ttl = Duration::from_secs(args.lease_ttl);
     let mut info = node_info(args, data_dir, addr)?;
     let asked = Instant::now();
@@ -77,11 +80,15 @@ fn join_cluster(
     }
     let weak = Arc::downgrade(engine);
     let clock = Arc::new(LeaseClock::new(asked));
-    lapse_watch(weak.clone(), clock.clone(), ttl, core.clone())?;
+    lapse_watch(weak.clone(), clock.clone(), ttl, core.clone(), left.clone())?;
     let data_dir = data_dir.to_path_buf();
     let offset = args.clock_offset;
+    let leaving = left.clone();
     std::thread::Builder::new().name("heartbeat".into()).spawn(move || loop {
         std::thread::sleep(ttl / 3);
+        if leaving.load(Ordering::Acquire) {
+            return;
+        }
         let Some(engine) = weak.upgrade() else { return };
         let Some(m) = engine.membership() else { return };
         (info.free, info.capacity) = crate::blocks::disk_space(&data_dir).unwrap_or((0, 0));
@@ -115,10 +122,11 @@ fn join_cluster(
                     tracing::info!("membership lease had expired; registered in the cluster again");
                 }
             }
+            Err(_) if leaving.load(Ordering::Acquire) => return,
             Err(e) => tracing::warn!(error = %e, "heartbeat failed; retrying"),
         }
     })?;
-    Ok(())
+    Ok(left)
 }
 
 /// When this node's membership lease was last renewed: the instant its
@@ -138,11 +146,11 @@ impl LeaseClock {
 
     fn renewed(&self, at: Instant) {
         let ms = at.saturating_duration_since(self.base).as_millis() as u64;
-        self.renewed_ms.fetch_max(ms, std::sync::atomic::Ordering::AcqRel);
+        self.renewed_ms.fetch_max(ms, Ordering::AcqRel);
     }
 
     fn since(&self) -> Duration {
-        let at = self.base + Duration::from_millis(self.renewed_ms.load(std::sync::atomic::Ordering::Acquire));
+        let at = self.base + Duration::from_millis(self.renewed_ms.load(Ordering::Acquire));
         at.elapsed()
     }
 
@@ -161,13 +169,14 @@ fn lapse_watch(
     clock: Arc<LeaseClock>,
     ttl: Duration,
     core: std::sync::Weak<Core>,
+    left: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
     let every = (ttl / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
     std::thread::Builder::new().name("lapse-watch".into()).spawn(move || {
         let mut told = false;
         loop {
             std::thread::sleep(every);
-            if engine.strong_count() == 0 {
+            if engine.strong_count() == 0 || left.load(Ordering::Acquire) {
                 return;
             }
             let since = clock.since();
@@ -355,9 +364,10 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     let addr = serve_peers(args, &core, &engine, &workers)?;
     // A read-only node is a reader: it does not register, so placement sends
     // it no copies and no membership lease is taken.
-    if !args.read_only {
-        join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?;
-    }
+    let left = match args.read_only {
+        false => Some(join_cluster(&engine, args, &c.data_dir, addr, Arc::downgrade(&core))?),
+        true => None,
+    };
     if let Some(t) = &tier {
         // Read-only: reads of evicted or imported files come from the
         // store, and nothing is uploaded or evicted.
@@ -380,6 +390,9 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     }
     mount_and_serve(args, &c, core, &engine, kernel)?;
     notify_systemd("STOPPING=1");
+    if let Some(left) = &left {
+        left.store(true, Ordering::Release);
+    }
     if let Some(m) = engine.membership() {
         if let Err(e) = m.leave() {
             tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");

@@ -457,7 +457,11 @@ impl EtcdKv {
     fn revoke(&self, lease: &Lease) -> KvResult<()> {
         let mut client = self.client.clone();
         round_trips::count(RoundTrip::Lease);
-        self.run(client.lease_revoke(lease.id)).map(|_| ())?;
+        match self.run_raw(client.lease_revoke(lease.id))? {
+            // Gone already (it ran out while the node was cut off): left all the same.
+            Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic_code::NotFound => {}
+            r => r.map(|_| ()).map_err(from_etcd)?,
+        }
         tracing::info!(node = %lease.node, "left the cluster");
         Ok(())
     }
@@ -1005,7 +1009,8 @@ impl KvEngine for EtcdKv {
                                 }
                             };
                             heard = tokio::time::Instant::now();
-                            if resp.created() {
+                            // (A watch etcd refuses is created and cancelled in one answer.)
+                            if resp.created() && !resp.canceled() {
                                 pause = WATCH_RETRY_FIRST;
                                 on_change(b"", gap.then_some(MISSED), 0);
                             }
