@@ -456,6 +456,49 @@ fn a_node_whose_change_feed_missed_changes_drops_what_its_kernel_cached() {
     assert_eq!(fs::read(a.path("d/from-b")).unwrap(), b"after");
 }
 
+/// A node whose change feed is reset and resumes where it stopped keeps
+/// what its kernel cached: the watch is sent the changes it missed, so no
+/// name needs looking up again (only a feed that starts from the present,
+/// as in the test above, costs every cached name a lookup). Before, every
+/// restart of the watch had the kernel look up every name it held again.
+/// Counted in the node's FUSE lookups.
+#[test]
+fn a_node_whose_change_feed_resumes_keeps_what_its_kernel_cached() {
+    let Some(mut c) = Cluster::start(1, &[]) else { return };
+    let proxy = common::proxy::Proxy::start(c.etcd_endpoints()[0].parse().unwrap());
+    let port = format!("127.0.0.1:{}", etcd_cluster::free_port());
+    c.add_node_via(&format!("etcd://{}/vol", proxy.addr()), &["--attr-timeout", "60", "--metrics", &port]);
+    let (a, b) = (c.node(0), c.node(1));
+    let names: Vec<String> = (0..20).map(|i| format!("d/f{i}")).collect();
+    fs::create_dir(a.path("d")).unwrap();
+    for p in &names {
+        fs::write(a.path(p), p).unwrap();
+    }
+    let lookups = || {
+        let text = scrape(&port);
+        let line = text.lines().find(|l| l.starts_with("converged_fuse_ops_total{op=\"lookup\"}")).map(str::to_string);
+        line.and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).unwrap_or(0.0) as u64
+    };
+    let stat_all = || {
+        for p in &names {
+            fs::metadata(b.path(p)).unwrap();
+        }
+    };
+    stat_all();
+    let cached = lookups();
+    stat_all();
+    assert_eq!(lookups(), cached, "B's kernel holds the names (60 s)");
+    proxy.cut();
+    proxy.restore();
+    // The feed is back: a file A makes after the reset reaches B.
+    fs::write(a.path("d/after"), b"after").unwrap();
+    eventually(20, "B to see A's new file", || fs::read(b.path("d/after")).is_ok_and(|d| d == b"after"));
+    assert!(b.log().contains("etcd watch ended"), "B's watch was reset");
+    let before = lookups();
+    stat_all();
+    assert_eq!(lookups(), before, "B's kernel looked up no name it held again");
+}
+
 /// A node whose connection to etcd is reset (a proxy in between
 /// restarting, the etcd member it talks to restarting in a rolling
 /// upgrade) loses nothing: its membership lease has not run out, so the
