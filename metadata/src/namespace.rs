@@ -565,13 +565,27 @@ impl Namespace {
         durability: Durability,
         f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
+        self.write_owning(durability, true, f)
+    }
+
+    /// [`Namespace::write`]; `own`: only this call's own attempts can make
+    /// the change `f` records (false for a request the kernel sent again,
+    /// which a dead daemon's commit may still make: then a change found
+    /// made is not answered with this call's values).
+    pub(crate) fn write_owning<T>(
+        &self,
+        durability: Durability,
+        own: bool,
+        f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
+    ) -> MetaResult<T> {
         let kind = if durability == Durability::Durable { "write_durable" } else { "write" };
-        crate::timed(kind, || self.write_untimed(durability, f))
+        crate::timed(kind, || self.write_untimed(durability, own, f))
     }
 
     fn write_untimed<T>(
         &self,
         durability: Durability,
+        own: bool,
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         crate::held_locks::assert_none_held("a KV transaction");
@@ -590,7 +604,8 @@ impl Namespace {
         // on as after any commit (an orphan marked, a victim's chunks
         // dropped). Two such attempts in a row cannot both have landed (the
         // second compared what the first changed); the later one's value
-        // stands for whichever did.
+        // stands for whichever did. Only when no one else can make the
+        // change (`own`).
         let mut unsure: Option<T> = None;
         loop {
             attempt += 1;
@@ -603,7 +618,7 @@ impl Namespace {
                     match txn.commit(durability) {
                         Ok(()) => Ok(v),
                         Err(e) => {
-                            if matches!(e, KvError::Backend { retryable: true, .. }) {
+                            if own && matches!(e, KvError::Backend { retryable: true, .. }) {
                                 unsure = Some(v);
                             }
                             Err(MetaError::from(e))

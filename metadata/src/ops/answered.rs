@@ -24,9 +24,10 @@
 //! (compared at its commit like any read; under `--nowsync` a change only
 //! queued here reads the node's own queue, which no other node writes),
 //! and ends with [`MetaError::AlreadyMade`] when the change is there
-//! ([`Namespace::write_answering`]); `Namespace::write` then answers with
-//! what the attempt that landed returned. The first attempt of a request
-//! the kernel sent once does not read it: the request is new.
+//! ([`Namespace::write_answering`]); for a request the kernel sent once,
+//! whose change only this daemon's attempts can make, `Namespace::write`
+//! then answers with what the attempt that landed returned. The first
+//! attempt of such a request does not read the record: the request is new.
 
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvRead, KvWrite};
@@ -90,7 +91,7 @@ impl Namespace {
     ) -> MetaResult<T> {
         let Some(request) = request else { return self.write(durability, f) };
         let mut look = request.resent;
-        self.write(durability, |txn| {
+        self.write_owning(durability, !request.resent, |txn| {
             if look {
                 if let Some(ino) = self.record_in(txn, request)? {
                     return Err(MetaError::AlreadyMade { ino });
