@@ -448,10 +448,16 @@ impl EtcdKv {
         }
         *slot = LeaseSlot::Left;
         drop(slot);
-        if let Err(e) = self.revoke(&lease) {
+        self.revoke_leaving(&lease);
+        false
+    }
+
+    /// Revoke a lease found held after the node left (a heartbeat or a
+    /// registration that ended after `leave`); failing that, it runs out.
+    fn revoke_leaving(&self, lease: &Lease) {
+        if let Err(e) = self.revoke(lease) {
             tracing::warn!(error = %e, "could not revoke the lease on leaving; it runs out by itself");
         }
-        false
     }
 
     fn revoke(&self, lease: &Lease) -> KvResult<()> {
@@ -1092,9 +1098,7 @@ impl Membership for EtcdKv {
             // Left while this registration was under way (a heartbeat
             // registering again as the mount ends).
             drop(slot);
-            if let Err(e) = self.revoke(&lease) {
-                tracing::warn!(error = %e, "could not revoke the lease on leaving; it runs out by itself");
-            }
+            self.revoke_leaving(&lease);
             return Err(KvError::backend("the node left the cluster while it registered"));
         }
         *slot = LeaseSlot::Here(lease);
