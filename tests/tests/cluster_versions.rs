@@ -5,7 +5,8 @@
 //! a file is rewritten, never EIO; a writer killed in the middle of a large
 //! fsync leaves every other node reading the old version or the new one,
 //! whole, even with its disk gone; and an open after another node's close
-//! sees that close, size and bytes together, round after round.
+//! sees that close, size and bytes together, round after round. A writer
+//! whose connection to etcd hangs is fenced as a paused one is.
 
 mod common;
 
@@ -120,6 +121,51 @@ fn a_paused_writer_cannot_overwrite_another_nodes_acknowledged_write() {
 /// closed on n1; n1 opens it again and changes one byte in each chunk
 /// without closing. n2 and n3 read the closed version, whole, no EIO; after
 /// n1's fsync they read the new bytes.
+/// The paused-writer scenario with the daemon running and its network to
+/// etcd hung instead (bytes held in both directions, no reset): its
+/// heartbeat waits in a round trip while its membership lease runs out in
+/// etcd. The node fences its writers on its own once its lease may have
+/// run out, before etcd answers again (its log says so); n1 takes the
+/// write lease over and writes. Once etcd answers, the hung node's close
+/// fails (EIO) and n1's bytes are what every node reads.
+#[test]
+fn a_writer_whose_connection_to_etcd_hangs_cannot_overwrite_another_nodes_write() {
+    let Some(mut c) = Cluster::start(2, &[]) else { return };
+    let proxy = common::proxy::Proxy::start(c.etcd_endpoints()[0].parse().unwrap());
+    c.add_node_via(&format!("etcd://{}/vol", proxy.addr()), &[]);
+    let (n1, n2, hung) = (c.node(0), c.node(1), c.node(2));
+    let mut want = pattern(3 * MIB, 2);
+    fs::write(hung.path("f"), &want).unwrap();
+    eventually(10, "n1 reads the file", || fs::read(n1.path("f")).is_ok_and(|d| d == want));
+
+    let writer = Writer::start(&hung.path("f"), b"HHHH", b"hh");
+    proxy.stall();
+    eventually(20, "the hung node is seen dead", || status(&c).contains("2 live, 1 dead"));
+    // Its lease ran out in etcd while its heartbeat still waits for an
+    // answer (two 5 s deadlines): the node fences without that answer.
+    eventually(5, "the hung node fences its writers while etcd still hangs", || {
+        hung.log().contains("no heartbeat for longer than the membership lease")
+    });
+
+    let f1 = OpenOptions::new().write(true).open(n1.path("f")).unwrap();
+    f1.write_all_at(b"AAAA", 0).unwrap();
+    assert_eq!(close(f1), Ok(()), "n1's write is acknowledged");
+    want[..4].copy_from_slice(b"AAAA");
+    same(&fs::read(n2.path("f")).unwrap(), &want, "n2 reads n1's write");
+
+    proxy.restore();
+    assert_eq!(
+        writer.finish(),
+        format!("close errno {}", libc::EIO),
+        "the hung node's close reports its dropped writes"
+    );
+    drop_caches();
+    for (name, n) in [("n1", n1), ("n2", n2), ("the hung node", hung)] {
+        eventually(15, &format!("{name} reads n1's bytes"), || fs::read(n.path("f")).is_ok_and(|d| d == want));
+    }
+    eventually(20, "the hung node is live again", || status(&c).contains("3 live, 0 dead"));
+}
+
 #[test]
 fn readers_elsewhere_read_the_last_published_version_while_a_file_is_rewritten() {
     let Some(c) = Cluster::start(3, &[]) else { return };

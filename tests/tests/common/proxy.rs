@@ -1,7 +1,10 @@
 //! A TCP forwarder on 127.0.0.1 in front of a server, which a test can cut
 //! (every connection reset, new ones refused) and restore: a network
 //! partition between converged and its object store, while the store
-//! itself keeps what it holds.
+//! itself keeps what it holds. Or stall: connections stay open and bytes
+//! are held, in both directions, until it is restored (a network that
+//! drops packets without a reset, where a request hangs until its
+//! deadline).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -12,6 +15,7 @@ use std::time::Duration;
 pub struct Proxy {
     addr: SocketAddr,
     cut: Arc<AtomicBool>,
+    stalled: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
 }
 
@@ -21,8 +25,9 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
         let addr = listener.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
+        let stalled = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (c, cs) = (cut.clone(), conns.clone());
+        let (c, cs, st) = (cut.clone(), conns.clone(), stalled.clone());
         std::thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 if c.load(Ordering::SeqCst) {
@@ -35,11 +40,11 @@ impl Proxy {
                         cs.lock().unwrap().push(s);
                     }
                 }
-                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
-                pipe(server, client);
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap(), st.clone());
+                pipe(server, client, st.clone());
             }
         });
-        Proxy { addr, cut, conns }
+        Proxy { addr, cut, stalled, conns }
     }
 
     /// Where it listens (`host:port`).
@@ -59,18 +64,29 @@ impl Proxy {
         }
     }
 
+    /// The hang: connections stay open, new ones are taken, and no byte
+    /// crosses in either direction until [`Proxy::restore`].
+    pub fn stall(&self) {
+        self.stalled.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends a cut or a stall (what a stall held goes on its way).
     pub fn restore(&self) {
         self.cut.store(false, Ordering::SeqCst);
+        self.stalled.store(false, Ordering::SeqCst);
     }
 }
 
-fn pipe(mut from: TcpStream, mut to: TcpStream) {
+fn pipe(mut from: TcpStream, mut to: TcpStream, stalled: Arc<AtomicBool>) {
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 64 << 10];
         loop {
             match from.read(&mut buf) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
+                    while stalled.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
                     if to.write_all(&buf[..n]).is_err() {
                         break;
                     }
