@@ -16,7 +16,8 @@ pub enum Fault {
     Unavailable,
     /// The commit lands but its answer is lost (the connection to etcd
     /// reset after the request went out): a retryable error, though the
-    /// change is made.
+    /// change is made, and nothing the answer carries (the records a range
+    /// delete took) comes back.
     Unanswered,
 }
 
@@ -70,6 +71,17 @@ impl FaultyKv {
 struct FaultyWrite<'a> {
     kv: &'a FaultyKv,
     inner: Box<dyn KvWrite + 'a>,
+    /// What range deletes took, for each caller's buffer: handed on with the
+    /// commit's answer, so a lost answer loses them, as it does on etcd.
+    taken: Vec<(crate::kv::Taken, crate::kv::Taken)>,
+}
+
+impl FaultyWrite<'_> {
+    fn hand_on_taken(taken: Vec<(crate::kv::Taken, crate::kv::Taken)>) {
+        for (mine, theirs) in taken {
+            *theirs.lock() = std::mem::take(&mut *mine.lock());
+        }
+    }
 }
 
 impl KvRead for FaultyWrite<'_> {
@@ -98,7 +110,10 @@ impl KvWrite for FaultyWrite<'_> {
         self.inner.delete_range(start, end)
     }
     fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
-        self.inner.delete_range_taking(start, end, into)
+        let mine = crate::kv::Taken::default();
+        self.inner.delete_range_taking(start, end, &mine)?;
+        self.taken.push((mine, into.clone()));
+        Ok(())
     }
     fn assume(&mut self, key: &[u8], version: i64) -> bool {
         self.inner.assume(key, version)
@@ -113,17 +128,22 @@ impl KvWrite for FaultyWrite<'_> {
         self.commit_at(durability).map(|_| ())
     }
     fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
-        match self.kv.take_fault() {
+        let FaultyWrite { kv, inner, taken } = *self;
+        match kv.take_fault() {
             Some(Fault::Conflict) => Err(KvError::Conflict),
             Some(Fault::NoSpace) => Err(KvError::NoSpace),
             Some(Fault::Unavailable) => {
                 Err(KvError::Backend { msg: "injected: metadata engine unavailable".into(), retryable: false })
             }
             Some(Fault::Unanswered) => {
-                self.inner.commit_at(durability)?;
+                inner.commit_at(durability)?;
                 Err(KvError::Backend { msg: "injected: the commit's answer was lost".into(), retryable: true })
             }
-            None => self.inner.commit_at(durability),
+            None => {
+                let rev = inner.commit_at(durability)?;
+                FaultyWrite::hand_on_taken(taken);
+                Ok(rev)
+            }
         }
     }
 }
@@ -142,7 +162,7 @@ impl KvEngine for FaultyKv {
         self.inner.fresh_read_txn()
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        Ok(Box::new(FaultyWrite { kv: self, inner: self.inner.write_txn()? }))
+        Ok(Box::new(FaultyWrite { kv: self, inner: self.inner.write_txn()?, taken: Vec::new() }))
     }
     fn sync(&self) -> KvResult<()> {
         self.inner.sync()

@@ -565,27 +565,32 @@ impl Namespace {
         durability: Durability,
         f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
-        self.write_owning(durability, true, f)
+        self.write_owning(durability, true, None, f)
     }
 
     /// [`Namespace::write`]; `own`: only this call's own attempts can make
     /// the change `f` records (false for a request the kernel sent again,
     /// which a dead daemon's commit may still make: then a change found
-    /// made is not answered with this call's values).
+    /// made is not answered with this call's values). `unanswered`, when
+    /// given, is set when the value returned is that of an attempt whose
+    /// commit landed and whose answer was lost: nothing the answer carried
+    /// (the records a range delete took) came back.
     pub(crate) fn write_owning<T>(
         &self,
         durability: Durability,
         own: bool,
+        unanswered: Option<&std::cell::Cell<bool>>,
         f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         let kind = if durability == Durability::Durable { "write_durable" } else { "write" };
-        crate::timed(kind, || self.write_untimed(durability, own, f))
+        crate::timed(kind, || self.write_untimed(durability, own, unanswered, f))
     }
 
     fn write_untimed<T>(
         &self,
         durability: Durability,
         own: bool,
+        unanswered: Option<&std::cell::Cell<bool>>,
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         crate::held_locks::assert_none_held("a KV transaction");
@@ -629,7 +634,11 @@ impl Namespace {
             };
             match result {
                 Err(MetaError::AlreadyMade { ino }) => {
-                    return unsure.take().ok_or(MetaError::AlreadyMade { ino });
+                    let v = unsure.take().ok_or(MetaError::AlreadyMade { ino })?;
+                    if let Some(u) = unanswered {
+                        u.set(true);
+                    }
+                    return Ok(v);
                 }
                 Err(MetaError::Kv(KvError::NoSpace)) if !freed && self.free_space() => {
                     freed = true;

@@ -783,6 +783,55 @@ fn a_change_whose_answer_was_lost_under_the_node_cache_is_made_once() {
     answer_lost_cases("etcd, lost under the cache", &ns(cached), &faulty);
 }
 
+/// A purge whose commit landed and whose answer was lost loses with it the
+/// chunk records etcd hands back with the range delete: the caller is still
+/// told whom to ask to remove their copies (every node that registered,
+/// the holders among them), for an unlink's purge and an orphan's. Before,
+/// it was told nobody and the copies waited for each holder's sweep.
+#[test]
+fn a_purge_whose_answer_was_lost_still_names_the_holders() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let (_n2, _) = etcd_node(&cluster.endpoints, "purged", "n2");
+    let (_n3, _) = etcd_node(&cluster.endpoints, "purged", "n3");
+    let kv = EtcdKv::connect(&cluster.endpoints, "purged", Duration::from_secs(5)).unwrap();
+    let faulty = Arc::new(FaultyKv::new(Arc::new(kv)));
+    let ns = ns(faulty.clone()).with_node("n1");
+    assert!(ns.is_clustered());
+    let lost = |what: &str| assert_eq!(faulty.injected.swap(0, std::sync::atomic::Ordering::SeqCst), 1, "{what}");
+    let holders = |h: &[String]| {
+        let mut h = h.to_vec();
+        h.retain(|n| n != "n1");
+        h.sort();
+        h
+    };
+
+    let f = ns.mknod(ROOT, b"f", &file(0o644)).unwrap().ino;
+    seal_one_chunk(&ns, f, 1, &["n1", "n2"]);
+    // Answered: the holders the records named.
+    let g = ns.mknod(ROOT, b"g", &file(0o644)).unwrap().ino;
+    seal_one_chunk(&ns, g, 1, &["n1", "n3"]);
+    let gone = ns.unlink_purging(ROOT, b"g", &|_| true, None).unwrap();
+    assert!(gone.purged);
+    assert_eq!(holders(&gone.holders), ["n3"]);
+
+    let req = Some(RequestMark { connection: 9, unique: 2, resent: false });
+    faulty.fail_next(Fault::Unanswered, 1);
+    let gone = ns.unlink_purging(ROOT, b"f", &|_| true, req).unwrap();
+    lost("unlink");
+    assert!(gone.purged, "purged once");
+    assert!(holders(&gone.holders).contains(&"n2".to_string()), "the holder is told: {:?}", gone.holders);
+    assert_eq!(errno(ns.getattr(f)), libc::ENOENT);
+
+    let t = ns.tmpfile(ROOT, &file(0o644)).unwrap().ino;
+    seal_one_chunk(&ns, t, 1, &["n1", "n3"]);
+    faulty.fail_next(Fault::Unanswered, 1);
+    let told = ns.purge_orphan(t).unwrap();
+    lost("orphan purge");
+    let told = told.expect("the orphan is purged");
+    assert!(holders(&told).contains(&"n3".to_string()), "the holder is told: {told:?}");
+    assert_eq!(errno(ns.getattr(t)), libc::ENOENT);
+}
+
 fn answer_lost_cases(name: &str, ns: &Namespace, faulty: &FaultyKv) {
     let req = |unique: u64| Some(RequestMark { connection: 9, unique, resent: false });
     let lost = |what: &str| {

@@ -87,11 +87,24 @@ impl Namespace {
         &self,
         durability: Durability,
         request: Option<RequestMark>,
+        f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
+    ) -> MetaResult<T> {
+        self.write_answering_noting(durability, request, None, f)
+    }
+
+    /// [`Namespace::write_answering`], setting `unanswered` when the value
+    /// returned is that of an attempt whose commit landed and whose answer
+    /// was lost (see [`Namespace::write_owning`]).
+    pub(crate) fn write_answering_noting<T>(
+        &self,
+        durability: Durability,
+        request: Option<RequestMark>,
+        unanswered: Option<&std::cell::Cell<bool>>,
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
-        let Some(request) = request else { return self.write(durability, f) };
+        let Some(request) = request else { return self.write_owning(durability, true, unanswered, f) };
         let mut look = request.resent;
-        self.write_owning(durability, !request.resent, |txn| {
+        self.write_owning(durability, !request.resent, unanswered, |txn| {
             if look {
                 if let Some(ino) = self.record_in(txn, request)? {
                     return Err(MetaError::AlreadyMade { ino });

@@ -1,10 +1,24 @@
 //! unlink, rmdir and purge (dropping an inode whose last name and last open are gone).
 
+use std::cell::Cell;
+
 use crate::error::{MetaError, MetaResult};
 use crate::kv::{Durability, KvWrite, Taken};
 use crate::namespace::{check_name, dir_is_empty, get_dentry, get_inode, put_inode, scan_all, Namespace};
 use crate::schema;
 use crate::types::{Ino, Inode, RequestMark, Timespec};
+
+/// What a purge of an orphan did.
+#[derive(Clone, Copy)]
+enum Purged {
+    /// Nothing: the inode has a name again, or was gone at the first look.
+    No,
+    /// This commit removed its records (handed back on a shared engine).
+    Here,
+    /// Gone when a retry looked: perhaps purged by an attempt whose answer
+    /// was lost, perhaps by another node.
+    Unknown,
+}
 
 /// What an unlink left behind: the inode, and whether its last name is gone.
 /// An inode with no names is an orphan until [`Namespace::purge`] drops it
@@ -90,7 +104,8 @@ impl Namespace {
         check_name(name)?;
         let shared = self.clustered;
         let taken: [Taken; 2] = Default::default();
-        let mut gone = self.write_answering(Durability::Buffered, request, |txn| {
+        let unanswered = Cell::new(false);
+        let mut gone = self.write_answering_noting(Durability::Buffered, request, Some(&unanswered), |txn| {
             let mut dir = self.dir_in(txn, parent)?;
             let d = get_dentry(txn, parent, name)?.ok_or(MetaError::NotFound)?;
             let inode = get_inode(txn, d.ino)?;
@@ -111,8 +126,16 @@ impl Namespace {
             Ok(gone)
         })?;
         if gone.purged && shared {
-            gone.holders = crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?;
-            self.queue_unindex_purged(gone.ino, &[&taken[0], &taken[1]])?;
+            if !unanswered.get() {
+                gone.holders = crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?;
+                self.queue_unindex_purged(gone.ino, &[&taken[0], &taken[1]])?;
+            } else {
+                // An earlier attempt landed and lost its answer, and with
+                // it the records its range deletes removed: every node
+                // that could hold a copy is told. (The holder index
+                // entries are left to its readers, which drop stale ones.)
+                gone.holders = self.every_known_node()?;
+            }
         }
         Ok(gone)
     }
@@ -186,31 +209,50 @@ impl Namespace {
     pub fn purge_orphan(&self, ino: Ino) -> MetaResult<Option<Vec<String>>> {
         let shared = self.clustered;
         let taken: [Taken; 2] = Default::default();
+        let attempts = Cell::new(0u32);
         let purged = self.write(Durability::Buffered, |txn| {
+            attempts.set(attempts.get() + 1);
             let inode = match get_inode(txn, ino) {
                 Ok(i) => i,
                 Err(MetaError::NotFound) => {
                     txn.delete(&schema::orphan(ino));
                     txn.delete(&schema::unsealed(ino));
-                    return Ok(false);
+                    // Gone at a retry: the attempt before may have purged
+                    // it and lost its answer (or another node purged it
+                    // meanwhile): purged, by whom and of what is unknown.
+                    return Ok(if attempts.get() > 1 { Purged::Unknown } else { Purged::No });
                 }
                 Err(e) => return Err(e),
             };
             if inode.nlink > 0 {
                 txn.delete(&schema::orphan(ino));
-                return Ok(false);
+                return Ok(Purged::No);
             }
             purge_records(txn, ino, shared.then_some(&taken))?;
-            Ok(true)
+            Ok(Purged::Here)
         })?;
         match (purged, shared) {
-            (false, _) => Ok(None),
-            (true, false) => Ok(Some(Vec::new())),
-            (true, true) => {
+            (Purged::No, _) => Ok(None),
+            (_, false) => Ok(Some(Vec::new())),
+            (Purged::Here, true) => {
                 self.queue_unindex_purged(ino, &[&taken[0], &taken[1]])?;
                 Ok(Some(crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?))
             }
+            // Every node that could hold a copy is told (see `unlink_purging`).
+            (Purged::Unknown, true) => Ok(Some(self.every_known_node()?)),
         }
+    }
+
+    /// Every node that registered in the volume once: whom to tell to remove
+    /// the copies of a purged inode when the records naming its holders
+    /// never came back (the purge's commit landed, its answer lost).
+    fn every_known_node(&self) -> MetaResult<Vec<String>> {
+        self.read(|txn| {
+            Ok(scan_all(txn, schema::KNOWN_NODES)?
+                .into_iter()
+                .filter_map(|(k, _)| String::from_utf8(k[schema::KNOWN_NODES.len()..].to_vec()).ok())
+                .collect())
+        })
     }
 
     /// Inodes left with no name while open on this node (a crash before last close).
