@@ -58,6 +58,32 @@ pub enum MetaError {
 }
 
 impl MetaError {
+    /// An answer a transaction gave from what it read (the name exists, is
+    /// missing, is a directory...), not a failure of the engine or of a
+    /// record: reads another state can change. Exhaustive on purpose.
+    pub fn read_from_state(&self) -> bool {
+        match self {
+            MetaError::NotFound
+            | MetaError::Exists
+            | MetaError::NotDir
+            | MetaError::IsDir
+            | MetaError::NotEmpty
+            | MetaError::Invalid(_)
+            | MetaError::NotPermitted(_)
+            | MetaError::Denied(_)
+            | MetaError::NoAttr
+            | MetaError::TooManyLinks
+            | MetaError::WriteLeased { .. }
+            | MetaError::LeaseLost { .. } => true,
+            MetaError::NameTooLong
+            | MetaError::XattrTooBig
+            | MetaError::Delegated { .. }
+            | MetaError::AlreadyMade { .. }
+            | MetaError::Corrupt { .. }
+            | MetaError::Kv(_) => false,
+        }
+    }
+
     /// The errno a POSIX caller sees. Exhaustive on purpose: a new variant
     /// must decide its errno here.
     pub fn errno(&self) -> i32 {

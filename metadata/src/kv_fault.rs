@@ -19,6 +19,32 @@ pub enum Fault {
     /// change is made, and nothing the answer carries (the records a range
     /// delete took) comes back.
     Unanswered,
+    /// The commit is still on its way when its error comes back (retryable),
+    /// and lands during the next write transaction, after that one's first
+    /// read: the rest of what it reads shows the landed change, as a node
+    /// cache the change feed updated would, and its commit (or its end)
+    /// finds the change made.
+    LandsLate,
+}
+
+/// A write of a transaction, kept to land it later ([`Fault::LandsLate`]).
+#[derive(Clone)]
+enum Op {
+    Put(Vec<u8>, Vec<u8>),
+    Delete(Vec<u8>),
+    DeleteRange(Vec<u8>, Vec<u8>),
+}
+
+impl Op {
+    /// What this write makes of `key`, if it touches it.
+    fn of(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        match self {
+            Op::Put(k, v) if k == key => Some(Some(v.clone())),
+            Op::Delete(k) if k == key => Some(None),
+            Op::DeleteRange(s, e) if s.as_slice() <= key && key < e.as_slice() => Some(None),
+            _ => None,
+        }
+    }
 }
 
 pub struct FaultyKv {
@@ -30,6 +56,9 @@ pub struct FaultyKv {
     remaining: AtomicU32,
     /// Commits that were failed so far.
     pub injected: AtomicU32,
+    /// The writes of a commit that lands late, until the next write
+    /// transaction takes them.
+    late: parking_lot::Mutex<Option<Vec<Op>>>,
 }
 
 impl FaultyKv {
@@ -40,6 +69,24 @@ impl FaultyKv {
             skip: AtomicU32::new(0),
             remaining: AtomicU32::new(0),
             injected: AtomicU32::new(0),
+            late: Default::default(),
+        }
+    }
+
+    /// Commit `ops` in a transaction of their own.
+    fn land(&self, ops: &[Op]) {
+        let landed = self.inner.write_txn().and_then(|mut txn| {
+            for op in ops {
+                match op {
+                    Op::Put(k, v) => txn.put(k, v),
+                    Op::Delete(k) => txn.delete(k),
+                    Op::DeleteRange(s, e) => txn.delete_range(s, e)?,
+                }
+            }
+            txn.commit(Durability::Durable)
+        });
+        if let Err(e) = landed {
+            tracing::warn!(error = %e, "injected: the late commit did not land");
         }
     }
 
@@ -70,13 +117,33 @@ impl FaultyKv {
 
 struct FaultyWrite<'a> {
     kv: &'a FaultyKv,
-    inner: Box<dyn KvWrite + 'a>,
+    /// Taken out only when the transaction ends (to land a late commit
+    /// after it, see `Drop`).
+    inner: Option<Box<dyn KvWrite + 'a>>,
     /// What range deletes took, for each caller's buffer: handed on with the
     /// commit's answer, so a lost answer loses them, as it does on etcd.
     taken: Vec<(crate::kv::Taken, crate::kv::Taken)>,
+    /// This transaction's writes, for a commit that lands late.
+    ops: Vec<Op>,
+    /// Reads so far.
+    reads: usize,
+    /// A late commit landing during this transaction (after its first read).
+    landing: Option<Vec<Op>>,
 }
 
-impl FaultyWrite<'_> {
+impl<'a> FaultyWrite<'a> {
+    fn inner(&mut self) -> &mut (dyn KvWrite + 'a) {
+        self.inner.as_mut().expect("open until the transaction ends").as_mut()
+    }
+
+    /// What the late commit made of `key`, once it has landed for this
+    /// transaction's reads.
+    fn landed(&mut self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        self.reads += 1;
+        let ops = self.landing.as_ref().filter(|_| self.reads > 1)?;
+        ops.iter().rev().find_map(|op| op.of(key))
+    }
+
     fn hand_on_taken(taken: Vec<(crate::kv::Taken, crate::kv::Taken)>) {
         for (mine, theirs) in taken {
             *theirs.lock() = std::mem::take(&mut *mine.lock());
@@ -84,51 +151,88 @@ impl FaultyWrite<'_> {
     }
 }
 
+impl Drop for FaultyWrite<'_> {
+    fn drop(&mut self) {
+        // The late commit lands once this transaction let go of the engine
+        // (a write transaction of redb or of memory excludes others).
+        drop(self.inner.take());
+        if let Some(ops) = self.landing.take() {
+            self.kv.land(&ops);
+        }
+    }
+}
+
 impl KvRead for FaultyWrite<'_> {
     fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        self.inner.get(key)
+        match self.landed(key) {
+            Some(v) => Ok(v),
+            None => self.inner().get(key),
+        }
     }
     fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<crate::kv::Versioned>)> {
-        self.inner.get_versioned(key)
+        match self.landed(key) {
+            Some(v) => Ok((v, None)),
+            None => self.inner().get_versioned(key),
+        }
     }
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
-        self.inner.get_many_versioned(keys)
+        let mut found = self.inner().get_many_versioned(keys)?;
+        for (key, f) in keys.iter().zip(found.iter_mut()) {
+            if let Some(v) = self.landed(key) {
+                *f = (v, None);
+            }
+        }
+        Ok(found)
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-        self.inner.scan(start, end, limit)
+        self.reads += 1;
+        self.inner().scan(start, end, limit)
     }
 }
 
 impl KvWrite for FaultyWrite<'_> {
     fn put(&mut self, key: &[u8], value: &[u8]) {
-        self.inner.put(key, value)
+        self.ops.push(Op::Put(key.to_vec(), value.to_vec()));
+        self.inner().put(key, value)
     }
     fn delete(&mut self, key: &[u8]) {
-        self.inner.delete(key)
+        self.ops.push(Op::Delete(key.to_vec()));
+        self.inner().delete(key)
     }
     fn delete_range(&mut self, start: &[u8], end: &[u8]) -> KvResult<()> {
-        self.inner.delete_range(start, end)
+        self.ops.push(Op::DeleteRange(start.to_vec(), end.to_vec()));
+        self.inner().delete_range(start, end)
     }
     fn delete_range_taking(&mut self, start: &[u8], end: &[u8], into: &crate::kv::Taken) -> KvResult<()> {
+        self.ops.push(Op::DeleteRange(start.to_vec(), end.to_vec()));
         let mine = crate::kv::Taken::default();
-        self.inner.delete_range_taking(start, end, &mine)?;
+        self.inner().delete_range_taking(start, end, &mine)?;
         self.taken.push((mine, into.clone()));
         Ok(())
     }
     fn assume(&mut self, key: &[u8], version: i64) -> bool {
-        self.inner.assume(key, version)
+        self.inner().assume(key, version)
     }
     fn known_absent(&mut self, key: &[u8]) {
-        self.inner.known_absent(key)
+        self.inner().known_absent(key)
     }
     fn known_empty(&mut self, prefix: &[u8]) {
-        self.inner.known_empty(prefix)
+        self.inner().known_empty(prefix)
     }
     fn commit(self: Box<Self>, durability: Durability) -> KvResult<()> {
         self.commit_at(durability).map(|_| ())
     }
-    fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
-        let FaultyWrite { kv, inner, taken } = *self;
+    fn commit_at(mut self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
+        let kv = self.kv;
+        let inner = self.inner.take().expect("open until the transaction ends");
+        let (taken, ops) = (std::mem::take(&mut self.taken), std::mem::take(&mut self.ops));
+        if self.landing.is_some() {
+            // The late commit landed before this one: what this one read
+            // before it (the first read) is compared, and changed.
+            drop(inner);
+            drop(self);
+            return Err(KvError::Conflict);
+        }
         match kv.take_fault() {
             Some(Fault::Conflict) => Err(KvError::Conflict),
             Some(Fault::NoSpace) => Err(KvError::NoSpace),
@@ -138,6 +242,11 @@ impl KvWrite for FaultyWrite<'_> {
             Some(Fault::Unanswered) => {
                 inner.commit_at(durability)?;
                 Err(KvError::Backend { msg: "injected: the commit's answer was lost".into(), retryable: true })
+            }
+            Some(Fault::LandsLate) => {
+                drop(inner);
+                *kv.late.lock() = Some(ops);
+                Err(KvError::Backend { msg: "injected: the commit is still on its way".into(), retryable: true })
             }
             None => {
                 let rev = inner.commit_at(durability)?;
@@ -162,7 +271,15 @@ impl KvEngine for FaultyKv {
         self.inner.fresh_read_txn()
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        Ok(Box::new(FaultyWrite { kv: self, inner: self.inner.write_txn()?, taken: Vec::new() }))
+        let landing = self.late.lock().take();
+        Ok(Box::new(FaultyWrite {
+            kv: self,
+            inner: Some(self.inner.write_txn()?),
+            taken: Vec::new(),
+            ops: Vec::new(),
+            reads: 0,
+            landing,
+        }))
     }
     fn sync(&self) -> KvResult<()> {
         self.inner.sync()

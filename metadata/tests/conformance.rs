@@ -32,6 +32,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("namespace_rename_rules", namespace_rename_rules),
     ("changes_made_for_a_request_say_so", changes_made_for_a_request_say_so),
     ("a_change_whose_answer_was_lost_is_made_once", a_change_whose_answer_was_lost_is_made_once),
+    ("a_change_whose_commit_lands_late_is_made_once", a_change_whose_commit_lands_late_is_made_once),
     ("tmpfiles_are_orphans_until_linked", tmpfiles_are_orphans_until_linked),
     ("namespace_setattr_xattr_and_seal", namespace_setattr_xattr_and_seal),
     ("large_directories_list_in_pages", large_directories_list_in_pages),
@@ -781,6 +782,51 @@ fn a_change_whose_answer_was_lost_under_the_node_cache_is_made_once() {
     let faulty = Arc::new(FaultyKv::new(Arc::new(kv)));
     let cached = CachedKv::wrap(faulty.clone()).unwrap();
     answer_lost_cases("etcd, lost under the cache", &ns(cached), &faulty);
+}
+
+/// A commit whose error came back while it was still on its way, and that
+/// lands during the next attempt, after that attempt read the request's
+/// record (not there yet) and before its other reads (which show the
+/// change, as the node cache the change feed keeps does): the change is
+/// made once and answered as made. Before, that attempt answered from what
+/// it read: a create `EEXIST`, an unlink `ENOENT`, for changes made
+/// (`cluster::a_reset_connection_to_etcd_costs_a_node_nothing_and_a_long_cut_ends`
+/// met it about once in fifteen runs).
+fn a_change_whose_commit_lands_late_is_made_once(name: &str, kv: Arc<dyn KvEngine>) {
+    let faulty = Arc::new(FaultyKv::new(kv));
+    let ns = ns(faulty.clone());
+    let req = |unique: u64, resent: bool| Some(RequestMark { connection: 7, unique, resent });
+    let late = |what: &str| {
+        assert_eq!(faulty.injected.swap(0, std::sync::atomic::Ordering::SeqCst), 1, "{name}: {what}: one commit late");
+    };
+    // The node's first create takes a range of inode numbers first.
+    ns.mknod(ROOT, b"first", &file(0o644)).unwrap();
+
+    faulty.fail_next(Fault::LandsLate, 1);
+    let f = ns.mknod(ROOT, b"f", &NewNode { request: req(2, false), ..file(0o644) });
+    late("create");
+    let f = f.unwrap_or_else(|e| panic!("{name}: a create whose commit landed late: {e:?}"));
+    assert_eq!(ns.lookup(ROOT, b"f").unwrap().ino, f.ino, "{name}: the file made is the one answered");
+
+    faulty.fail_next(Fault::LandsLate, 1);
+    let gone = ns.unlink_purging(ROOT, b"f", &|_| false, req(4, false));
+    late("unlink");
+    let gone = gone.unwrap_or_else(|e| panic!("{name}: an unlink whose commit landed late: {e:?}"));
+    assert_eq!((gone.ino, gone.orphaned), (f.ino, true), "{name}");
+    assert_eq!(errno(ns.lookup(ROOT, b"f")), libc::ENOENT, "{name}");
+
+    // An exchange made again finds nothing wrong in what it reads (the
+    // names swapped by the landed commit): its own commit is refused, as
+    // the record it read before the landing changed, and it is not made
+    // a second time.
+    let a = ns.mknod(ROOT, b"a", &file(0o644)).unwrap().ino;
+    let b = ns.mknod(ROOT, b"b", &file(0o644)).unwrap().ino;
+    faulty.fail_next(Fault::LandsLate, 1);
+    let r = ns.rename_answering(ROOT, b"a", ROOT, b"b", RenameMode::Exchange, req(6, false));
+    late("exchange");
+    r.unwrap_or_else(|e| panic!("{name}: an exchange whose commit landed late: {e:?}"));
+    let ino_of = |n: &[u8]| ns.lookup(ROOT, n).unwrap().ino;
+    assert_eq!((ino_of(b"a"), ino_of(b"b")), (b, a), "{name}: exchanged once, not swapped back");
 }
 
 /// A purge whose commit landed and whose answer was lost loses with it the

@@ -30,7 +30,7 @@
 //! attempt of such a request does not read the record: the request is new.
 
 use crate::error::{MetaError, MetaResult};
-use crate::kv::{Durability, KvRead, KvWrite};
+use crate::kv::{Durability, KvError, KvRead, KvWrite};
 use crate::namespace::Namespace;
 use crate::schema;
 use crate::types::{Ino, RequestMark};
@@ -103,15 +103,32 @@ impl Namespace {
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         let Some(request) = request else { return self.write_owning(durability, true, unanswered, f) };
-        let mut look = request.resent;
+        let (mut look, mut looked_again) = (request.resent, false);
         self.write_owning(durability, !request.resent, unanswered, |txn| {
+            let looked = look;
             if look {
                 if let Some(ino) = self.record_in(txn, request)? {
                     return Err(MetaError::AlreadyMade { ino });
                 }
             }
             look = true;
-            f(txn)
+            let made = f(txn);
+            match made {
+                // An answer `f` gave from what it read (EEXIST for a
+                // create, ENOENT for an unlink) after the record was read
+                // without the change: the change may have landed in
+                // between (its commit was still on its way when this
+                // attempt began), and the node's cache, which the change
+                // feed keeps, show it to `f` while the record's read, at
+                // the transaction's first revision, did not. Such an
+                // answer is not compared at any commit: once, the next
+                // attempt reads the record again, at a revision past it.
+                Err(ref e) if looked && !looked_again && e.read_from_state() => {
+                    looked_again = true;
+                    Err(MetaError::Kv(KvError::Conflict))
+                }
+                made => made,
+            }
         })
     }
 }
