@@ -58,9 +58,10 @@ pub enum MetaError {
 }
 
 impl MetaError {
-    /// An answer a transaction gave from what it read (the name exists, is
-    /// missing, is a directory...), not a failure of the engine or of a
-    /// record: reads another state can change. Exhaustive on purpose.
+    /// An answer a transaction gave from the records it read (the name
+    /// exists, is missing, is a directory...), which a later state of those
+    /// records could change; not a failure of the engine, a limit or a
+    /// corrupt record. Exhaustive on purpose.
     pub fn read_from_state(&self) -> bool {
         match self {
             MetaError::NotFound

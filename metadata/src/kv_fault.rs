@@ -176,14 +176,22 @@ impl KvRead for FaultyWrite<'_> {
         }
     }
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
+        // One read, however many keys.
+        self.reads += 1;
+        let after = self.reads > 1;
         let mut found = self.inner().get_many_versioned(keys)?;
-        for (key, f) in keys.iter().zip(found.iter_mut()) {
-            if let Some(v) = self.landed(key) {
-                *f = (v, None);
+        if let Some(ops) = self.landing.as_ref().filter(|_| after) {
+            for (key, f) in keys.iter().zip(found.iter_mut()) {
+                if let Some(v) = ops.iter().rev().find_map(|op| op.of(key)) {
+                    *f = (v, None);
+                }
             }
         }
         Ok(found)
     }
+    /// Scans show the state before a late commit lands (the namespace
+    /// operations the fault is aimed at read their names and inodes with
+    /// `get`).
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         self.reads += 1;
         self.inner().scan(start, end, limit)
@@ -271,10 +279,11 @@ impl KvEngine for FaultyKv {
         self.inner.fresh_read_txn()
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+        let inner = self.inner.write_txn()?;
         let landing = self.late.lock().take();
         Ok(Box::new(FaultyWrite {
             kv: self,
-            inner: Some(self.inner.write_txn()?),
+            inner: Some(inner),
             taken: Vec::new(),
             ops: Vec::new(),
             reads: 0,

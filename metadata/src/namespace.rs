@@ -21,7 +21,7 @@ use crate::types::*;
 /// engine, and with etcd fewer conflicts on the counter between nodes.
 /// Numbers lost in a crash are never reused, which u64 can afford.
 const INO_BATCH: u64 = 1 << 16;
-const MAX_ATTEMPTS: u32 = 64;
+pub(crate) const MAX_ATTEMPTS: u32 = 64;
 pub const LINK_MAX: u32 = 65_000;
 
 pub struct Namespace {

@@ -103,8 +103,9 @@ impl Namespace {
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         let Some(request) = request else { return self.write_owning(durability, true, unanswered, f) };
-        let (mut look, mut looked_again) = (request.resent, false);
+        let (mut look, mut looked_again, mut attempts) = (request.resent, false, 0);
         self.write_owning(durability, !request.resent, unanswered, |txn| {
+            attempts += 1;
             let looked = look;
             if look {
                 if let Some(ino) = self.record_in(txn, request)? {
@@ -119,11 +120,16 @@ impl Namespace {
                 // without the change: the change may have landed in
                 // between (its commit was still on its way when this
                 // attempt began), and the node's cache, which the change
-                // feed keeps, show it to `f` while the record's read, at
-                // the transaction's first revision, did not. Such an
-                // answer is not compared at any commit: once, the next
-                // attempt reads the record again, at a revision past it.
-                Err(ref e) if looked && !looked_again && e.read_from_state() => {
+                // feed keeps, shows it to `f` while the record's read, at
+                // the transaction's first revision, did not. An error
+                // commits nothing, so no compare catches the stale read of
+                // the record: once per call, such an answer becomes a
+                // conflict, and the next attempt reads the record again at
+                // a fresh revision. (Not on the last attempt: the answer
+                // stands there.)
+                Err(ref e)
+                    if looked && !looked_again && attempts < crate::namespace::MAX_ATTEMPTS && e.read_from_state() =>
+                {
                     looked_again = true;
                     Err(MetaError::Kv(KvError::Conflict))
                 }

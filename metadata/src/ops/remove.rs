@@ -35,7 +35,10 @@ pub struct Unlinked {
     /// The orphan was purged in the same transaction (it was not open).
     pub purged: bool,
     /// The nodes its purged chunk records named (on a shared engine, where
-    /// other nodes hold chunks): whom to tell to remove their copies.
+    /// other nodes hold chunks): whom to tell to remove their copies. Every
+    /// node that ever registered when those records never came back (the
+    /// purge's answer was lost); none when even that list could not be read
+    /// (their sweeps remove the copies).
     pub holders: Vec<String>,
 }
 
@@ -134,7 +137,7 @@ impl Namespace {
                 // it the records its range deletes removed: every node
                 // that could hold a copy is told. (The holder index
                 // entries are left to its readers, which drop stale ones.)
-                gone.holders = self.every_known_node()?;
+                gone.holders = self.every_known_node_or_none(gone.ino);
             }
         }
         Ok(gone)
@@ -198,7 +201,9 @@ impl Namespace {
     }
 
     /// Remove an orphan's records (inode, layout, xattrs). Returns false and
-    /// does nothing when the inode got a name back or is already gone.
+    /// does nothing when the inode got a name back or was gone at the first
+    /// look (gone at a retry, it counts as purged: see
+    /// [`Namespace::purge_orphan`]).
     pub fn purge(&self, ino: Ino) -> MetaResult<bool> {
         Ok(self.purge_orphan(ino)?.is_some())
     }
@@ -239,19 +244,26 @@ impl Namespace {
                 Ok(Some(crate::ops::layout::holders_in(&[&taken[0], &taken[1]])?))
             }
             // Every node that could hold a copy is told (see `unlink_purging`).
-            (Purged::Unknown, true) => Ok(Some(self.every_known_node()?)),
+            (Purged::Unknown, true) => Ok(Some(self.every_known_node_or_none(ino))),
         }
     }
 
     /// Every node that registered in the volume once: whom to tell to remove
     /// the copies of a purged inode when the records naming its holders
     /// never came back (the purge's commit landed, its answer lost).
-    fn every_known_node(&self) -> MetaResult<Vec<String>> {
-        self.read(|txn| {
+    /// The purge is made: a failure to read the list (likely just after a
+    /// lost answer) leaves the copies to the holders' sweeps, and the
+    /// removal still succeeds.
+    fn every_known_node_or_none(&self, ino: Ino) -> Vec<String> {
+        let known = self.read(|txn| {
             Ok(scan_all(txn, schema::KNOWN_NODES)?
                 .into_iter()
                 .filter_map(|(k, _)| String::from_utf8(k[schema::KNOWN_NODES.len()..].to_vec()).ok())
                 .collect())
+        });
+        known.unwrap_or_else(|e| {
+            tracing::warn!(ino, error = %e, "purged, but the nodes to tell could not be read; their sweeps remove the copies");
+            Vec::new()
         })
     }
 
