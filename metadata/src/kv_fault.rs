@@ -36,6 +36,11 @@ enum Op {
 }
 
 impl Op {
+    /// What the last of `ops` that touches `key` made of it.
+    fn last_of(ops: &[Op], key: &[u8]) -> Option<Option<Vec<u8>>> {
+        ops.iter().rev().find_map(|op| op.of(key))
+    }
+
     /// What this write makes of `key`, if it touches it.
     fn of(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
         match self {
@@ -136,12 +141,16 @@ impl<'a> FaultyWrite<'a> {
         self.inner.as_mut().expect("open until the transaction ends").as_mut()
     }
 
-    /// What the late commit made of `key`, once it has landed for this
-    /// transaction's reads.
-    fn landed(&mut self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+    /// Count a read (a batch counts once): the late commit's writes, once
+    /// they have landed for it (every read after the first).
+    fn read_landed(&mut self) -> Option<&[Op]> {
         self.reads += 1;
-        let ops = self.landing.as_ref().filter(|_| self.reads > 1)?;
-        ops.iter().rev().find_map(|op| op.of(key))
+        self.landing.as_deref().filter(|_| self.reads > 1)
+    }
+
+    /// What the late commit made of `key`, once it has landed for this read.
+    fn landed(&mut self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        Op::last_of(self.read_landed()?, key)
     }
 
     fn hand_on_taken(taken: Vec<(crate::kv::Taken, crate::kv::Taken)>) {
@@ -176,13 +185,10 @@ impl KvRead for FaultyWrite<'_> {
         }
     }
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
-        // One read, however many keys.
-        self.reads += 1;
-        let after = self.reads > 1;
         let mut found = self.inner().get_many_versioned(keys)?;
-        if let Some(ops) = self.landing.as_ref().filter(|_| after) {
+        if let Some(ops) = self.read_landed() {
             for (key, f) in keys.iter().zip(found.iter_mut()) {
-                if let Some(v) = ops.iter().rev().find_map(|op| op.of(key)) {
+                if let Some(v) = Op::last_of(ops, key) {
                     *f = (v, None);
                 }
             }
