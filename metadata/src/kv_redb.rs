@@ -81,6 +81,8 @@ struct RedoLog {
     appended: std::sync::atomic::AtomicU64,
     /// The last record a durable commit covers.
     durable: std::sync::atomic::AtomicU64,
+    /// The log's length: where the next record starts.
+    len: std::sync::atomic::AtomicU64,
 }
 
 /// The last redo record whose writes the database holds, stored by every
@@ -196,7 +198,7 @@ impl RedbKv {
             .append(true)
             .open(&log_path)
             .map_err(|e| KvError::backend(format!("{}: {e}", log_path.display())))?;
-        Ok(RedoLog { file, appended: AtomicU64::new(last), durable: AtomicU64::new(last) })
+        Ok(RedoLog { file, appended: AtomicU64::new(last), durable: AtomicU64::new(last), len: AtomicU64::new(0) })
     }
 
     /// Write into `db`, durably, the records of the log at `log_path` it does
@@ -349,9 +351,20 @@ impl RedbKv {
         if redo.durable.load(Ordering::SeqCst) == seq {
             // Everything logged is durable: start the log again.
             redo.file.set_len(0).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
+            redo.len.store(0, Ordering::SeqCst);
         }
         let rec = RedoLog::encode(seq + 1, &writes);
-        std::io::Write::write_all(&mut &redo.file, &rec).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
+        let start = redo.len.load(Ordering::SeqCst);
+        if let Err(e) = std::io::Write::write_all(&mut &redo.file, &rec) {
+            // A full disk can take part of the record: cut it off, or the
+            // records appended after it would sit behind a torn one, which
+            // ends the replay (acknowledged commits lost at the next start).
+            if let Err(cut) = redo.file.set_len(start) {
+                tracing::error!(error = %cut, "could not cut a torn record off the redo log");
+            }
+            return Err(KvError::backend(format!("redo log: {e}")));
+        }
+        redo.len.store(start + rec.len() as u64, Ordering::SeqCst);
         redo.appended.store(seq + 1, Ordering::SeqCst);
         let mut recent = self.recent.write();
         let mut layers = Vec::with_capacity(recent.len() + 1);
