@@ -25,6 +25,10 @@ pub enum Fault {
     /// cache the change feed updated would, and its commit (or its end)
     /// finds the change made.
     LandsLate,
+    /// The disk is full when a transaction begins (read or write): redb
+    /// reopening its database after a disk-full error writes before it
+    /// can read. Counted per transaction, not per commit.
+    FullAtBegin,
 }
 
 /// A write of a transaction, kept to land it later ([`Fault::LandsLate`]).
@@ -108,8 +112,13 @@ impl FaultyKv {
         self.remaining.store(count, Ordering::SeqCst);
     }
 
-    fn take_fault(&self) -> Option<Fault> {
+    /// The fault a commit (`at_begin` false) or a transaction's start
+    /// (`at_begin`: [`Fault::FullAtBegin`] only) meets next.
+    fn take_fault(&self, at_begin: bool) -> Option<Fault> {
         let fault = (*self.fault.lock())?;
+        if (fault == Fault::FullAtBegin) != at_begin {
+            return None;
+        }
         if self.skip.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
             return None;
         }
@@ -247,7 +256,7 @@ impl KvWrite for FaultyWrite<'_> {
             drop(self);
             return Err(KvError::Conflict);
         }
-        match kv.take_fault() {
+        match kv.take_fault(false) {
             Some(Fault::Conflict) => Err(KvError::Conflict),
             Some(Fault::NoSpace) => Err(KvError::NoSpace),
             Some(Fault::Unavailable) => {
@@ -262,7 +271,8 @@ impl KvWrite for FaultyWrite<'_> {
                 *kv.late.lock() = Some(ops);
                 Err(KvError::Backend { msg: "injected: the commit is still on its way".into(), retryable: true })
             }
-            None => {
+            // (`FullAtBegin` is met when a transaction begins, not here.)
+            Some(Fault::FullAtBegin) | None => {
                 let rev = inner.commit_at(durability)?;
                 FaultyWrite::hand_on_taken(taken);
                 Ok(rev)
@@ -276,6 +286,9 @@ impl KvEngine for FaultyKv {
         "faulty"
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
+        if self.take_fault(true).is_some() {
+            return Err(KvError::NoSpace);
+        }
         self.inner.read_txn()
     }
     fn txn_limit(&self) -> Option<usize> {
@@ -285,6 +298,9 @@ impl KvEngine for FaultyKv {
         self.inner.fresh_read_txn()
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
+        if self.take_fault(true).is_some() {
+            return Err(KvError::NoSpace);
+        }
         let inner = self.inner.write_txn()?;
         let landing = self.late.lock().take();
         Ok(Box::new(FaultyWrite {

@@ -614,7 +614,21 @@ impl Namespace {
         let mut unsure: Option<T> = None;
         loop {
             attempt += 1;
-            let mut txn = self.kv.write_txn()?;
+            // A transaction that cannot begin is answered as a failed commit
+            // is: redb reopening its database after a disk-full error writes
+            // before it reads, and a full disk then frees the reserve.
+            let mut txn = match self.kv.write_txn() {
+                Ok(txn) => txn,
+                Err(KvError::NoSpace) if !freed && self.free_space() => {
+                    freed = true;
+                    continue;
+                }
+                Err(e) if e.is_retryable() && attempt < MAX_ATTEMPTS => {
+                    std::thread::sleep(Duration::from_micros(100 << attempt.min(10)));
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             let result = match f(txn.as_mut()) {
                 Ok(v) => {
                     if durability == Durability::Buffered {
@@ -668,7 +682,11 @@ impl Namespace {
     pub(crate) fn read<T>(&self, f: impl FnOnce(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
         crate::held_locks::assert_none_held("a KV read");
         crate::timed("read", || {
-            let mut txn = self.kv.read_txn()?;
+            // See `write_untimed`: a read view can need the disk too.
+            let mut txn = match self.kv.read_txn() {
+                Err(KvError::NoSpace) if self.free_space() => self.kv.read_txn()?,
+                txn => txn?,
+            };
             f(txn.as_mut())
         })
     }
