@@ -43,9 +43,13 @@
 //! | `Z` node-id                | u64 (BE)             | the last gc request the node has swept for   |
 //! | `H`                        | u64 (BE)             | the last request to queue files for upload   |
 //! |                            |                      | again (`fsck --repair`)                      |
-//! | `J` node-id NUL slot(u16)  | connection, unique,  | a kernel request of that node whose change   |
+//! | `j` node-id NUL slot(u16)  | connection, unique,  | a kernel request of that node whose change   |
 //! |                            | ino (3 × u64 BE)     | committed: a ring of slots, overwritten as   |
-//! |                            |                      | requests go (see `ops/answered.rs`)          |
+//! |                            |                      | requests go (see `ops/answered.rs`). Past    |
+//! |                            |                      | the watched range: only the node itself      |
+//! |                            |                      | reads its ring, and only when it makes a     |
+//! |                            |                      | change again. Volumes made before kept it    |
+//! |                            |                      | under `J`, which is still read and dropped   |
 //! | `M` dir-ino                | node id              | the directory is delegated to that node      |
 //! |                            |                      | (`--nowsync`, see `kv_deferred.rs`): its     |
 //! |                            |                      | names, attributes and xattrs, and the files  |
@@ -62,9 +66,9 @@
 //! |                            |                      | is dropped when read and found stale. Repair,|
 //! |                            |                      | drain, scrub and eviction find a node's      |
 //! |                            |                      | chunks here instead of scanning every record |
-//! |                            |                      | (`ops/holders.rs`). The one lowercase prefix:|
-//! |                            |                      | it sorts after every other, past the range   |
-//! |                            |                      | the change feed watches ([`WATCHED_END`]).   |
+//! |                            |                      | (`ops/holders.rs`). Lowercase, as `j`: it    |
+//! |                            |                      | sorts after every other, past the range the  |
+//! |                            |                      | change feed watches ([`WATCHED_END`]).       |
 //!
 //! A crash leaves `O`, `U` and `S` keys behind; the next mount of the same
 //! node purges its orphans and re-seals its unsealed files, and those whose
@@ -101,13 +105,17 @@ const LEASE_EPOCH: u8 = b'E';
 const KEY_OWNER: u8 = b'Y';
 const PENDING_CHUNK: u8 = b'P';
 const LAYOUT_COMMIT: u8 = b'Q';
-const ANSWERED: u8 = b'J';
+const ANSWERED: u8 = b'j';
+/// Where volumes made before the ring left the watched range kept it.
+const ANSWERED_BEFORE: u8 = b'J';
 const DELEGATION: u8 = b'M';
 const HOLDER_INDEX: u8 = b'h';
 
 /// Where the keys the change feed watches end: the holder index (`h`) is
 /// read only fresh, by background work, and watching it would add one
-/// event per copy to every create that every node hears.
+/// event per copy to every create that every node hears; a node's ring of
+/// answered requests (`j`), written by every namespace change, is read
+/// only by that node, fresh, when it makes a change again.
 pub const WATCHED_END: &[u8] = b"h";
 
 fn with_ino(prefix: u8, ino: Ino) -> Vec<u8> {
@@ -153,8 +161,24 @@ pub fn answered(node: &str, slot: u16) -> Vec<u8> {
 
 /// Every slot of node `node`'s ring.
 pub fn answered_of(node: &str) -> Vec<u8> {
+    ring_of(ANSWERED, node)
+}
+
+/// Slot `slot` of node `node`'s ring as volumes made before kept it.
+pub fn answered_before(node: &str, slot: u16) -> Vec<u8> {
+    let mut k = answered_before_of(node);
+    k.extend_from_slice(&slot.to_be_bytes());
+    k
+}
+
+/// Every slot of node `node`'s ring as volumes made before kept it.
+pub fn answered_before_of(node: &str) -> Vec<u8> {
+    ring_of(ANSWERED_BEFORE, node)
+}
+
+fn ring_of(prefix: u8, node: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(node.len() + 4);
-    k.push(ANSWERED);
+    k.push(prefix);
     k.extend_from_slice(node.as_bytes());
     k.push(0);
     k
@@ -607,6 +631,10 @@ mod tests {
         for other in [inode(u64::MAX), chunk(u64::MAX, u32::MAX), live_node("zz"), delegation(u64::MAX)] {
             assert!(other.as_slice() < WATCHED_END && WATCHED_END <= key.as_slice(), "{other:?}");
         }
+        // So does the ring of answered requests, and the holder index's
+        // prefix range does not reach it.
+        assert!(WATCHED_END <= answered("n1", 0).as_slice());
+        assert!(answered_before("zz", u16::MAX).as_slice() < WATCHED_END);
         let (start, end) = prefix_range(&held_by("n1"));
         assert!(start <= key && key < end);
         assert!(held_chunk("n10", 1, 1) >= end || held_chunk("n10", 1, 1) < start);

@@ -812,15 +812,34 @@ fn changes_made_for_a_request_say_so(name: &str, kv: Arc<dyn KvEngine>) {
     assert_eq!(answered(14), None, "{name}: overwritten");
     assert!(answered(later).is_some(), "{name}");
     assert_eq!(answered(6), Some(f.ino), "{name}: other slots kept");
-    // A node forgotten takes its records along; another node's stay.
+    // A record a daemon of a volume made before kept in its ring under
+    // `J` (a request it committed, sent again to this daemon) is found, and
+    // the change made again for it is answered as made.
+    let slot = |unique: u64| ((unique >> 1) % 4096) as u16;
+    let legacy = |unique: u64, ino: u64| [7u64.to_be_bytes(), unique.to_be_bytes(), ino.to_be_bytes()].concat();
+    let x = ns.mknod(ROOT, b"x", &dir()).unwrap();
+    let mut t = kv.write_txn().unwrap();
+    t.put(&converged_metadata::schema::answered_before(ns.node(), slot(20)), &legacy(20, x.ino));
+    t.commit(Durability::Durable).unwrap();
+    assert_eq!(answered(20), Some(x.ino), "{name}: a record of the ring's earlier place");
+    let again = ns.mknod(ROOT, b"x", &NewNode { request: Some(RequestMark { resent: true, ..req(20) }), ..dir() });
+    assert!(
+        matches!(again, Err(MetaError::AlreadyMade { ino }) if ino == x.ino),
+        "{name}: a resent mkdir made before is found made: {again:?}"
+    );
+    // A node forgotten takes its records along (in both places); another
+    // node's stay.
     let n9 = Namespace::open(kv.clone(), 0, 0).unwrap().with_node("n9");
     n9.mknod(ROOT, b"n9", &NewNode { request: Some(req(2)), ..dir() }).unwrap();
     let mut t = kv.write_txn().unwrap();
     t.put(&converged_metadata::schema::known_node("n9"), b"");
+    t.put(&converged_metadata::schema::answered_before("n9", slot(22)), &legacy(22, x.ino));
     t.commit(Durability::Durable).unwrap();
     assert!(n9.answered(req(2)).unwrap().is_some(), "{name}");
+    assert_eq!(n9.answered(req(22)).unwrap(), Some(x.ino), "{name}");
     n9.forget_node("n9").unwrap();
     assert_eq!(n9.answered(req(2)).unwrap(), None, "{name}: forgotten with its node");
+    assert_eq!(n9.answered(req(22)).unwrap(), None, "{name}: the ring's earlier place too");
     assert_eq!(answered(6), Some(f.ino), "{name}: another node's kept");
 }
 
@@ -1665,6 +1684,64 @@ fn etcd_node(endpoints: &[String], volume: &str, id: &str) -> (Namespace, Arc<Et
     };
     kv.membership().unwrap().register(&info, Duration::from_secs(5)).unwrap();
     (Namespace::open(kv.clone(), 0, 0).unwrap().with_node(id), kv)
+}
+
+/// What another node's change feed hears of a create and an unlink made
+/// for kernel requests: the records nodes use (the inode, the name, the
+/// directory), not the writer's ring of answered requests, which only the
+/// writer reads. Every change writes one; watched, it cost etcd and every
+/// other node an event per change.
+#[test]
+fn other_nodes_hear_of_a_change_only_the_records_they_use() {
+    use converged_metadata::schema;
+    use converged_metadata::KvEngine as _;
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let (n1, kv1) = etcd_node(&cluster.endpoints, "heard", "n1");
+    let (_n2, kv2) = etcd_node(&cluster.endpoints, "heard", "n2");
+    let heard = Arc::new(parking_lot::Mutex::new(Vec::<Vec<u8>>::new()));
+    let h = heard.clone();
+    kv2.watch(Arc::new(move |key: &[u8], _: Option<&[u8]>| h.lock().push(key.to_vec()))).unwrap();
+    // What n2's feed heard up to a marker n1 writes after `what`, from the
+    // start of `what` (events come in commit order; a node's feed skips
+    // its own commits).
+    let hear = |what: &dyn Fn()| -> Vec<Vec<u8>> {
+        heard.lock().clear();
+        what();
+        let mut t = kv1.write_txn().unwrap();
+        t.put(schema::GC_REQUEST, b"marker");
+        t.commit(Durability::Durable).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let keys = heard.lock().clone();
+            if let Some(end) = keys.iter().position(|k| k == schema::GC_REQUEST) {
+                let mut keys = keys[..end].to_vec();
+                keys.retain(|k| !k.is_empty());
+                keys.sort();
+                return keys;
+            }
+            assert!(std::time::Instant::now() < deadline, "the feed heard the marker");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let req = |unique: u64| Some(RequestMark { connection: 3, unique, resent: false });
+    // The node's first create takes a range of inode numbers first.
+    hear(&|| drop(n1.mknod(ROOT, b"first", &file(0o644)).unwrap()));
+    let f = std::sync::atomic::AtomicU64::new(0);
+    let created = hear(&|| {
+        let ino = n1.mknod(ROOT, b"f", &NewNode { request: req(2), ..file(0o644) }).unwrap().ino;
+        f.store(ino, std::sync::atomic::Ordering::SeqCst);
+    });
+    let f = f.into_inner();
+    let mut want = vec![schema::dentry(ROOT, b"f"), schema::inode(ROOT), schema::inode(f)];
+    want.sort();
+    assert_eq!(created, want, "a create: its name, its inode and the directory's");
+    let removed = hear(&|| {
+        n1.unlink_purging(ROOT, b"f", &|_| true, req(4)).unwrap();
+    });
+    assert!(removed.contains(&schema::dentry(ROOT, b"f")), "{removed:?}");
+    let ring = schema::answered_of("n1");
+    let before = schema::answered_before_of("n1");
+    assert!(!removed.iter().any(|k| k.starts_with(&ring) || k.starts_with(&before)), "{removed:?}");
 }
 
 #[test]

@@ -9,11 +9,14 @@
 //! request (its [`RequestMark`]) and the inode it made or named, and the
 //! next daemon asks for that record before doing a resent request again.
 //!
-//! A node's records are a ring of [`ANSWERED_SLOTS`] keys (`J`), the slot
+//! A node's records are a ring of [`ANSWERED_SLOTS`] keys (`j`), the slot
 //! chosen by the request's id, so they need no cleaning: a record is
 //! overwritten `ANSWERED_SLOTS` requests later, long after its request was
 //! answered (a change is answered as soon as it commits). The ring is the
-//! node's: a connection belongs to one node.
+//! node's: a connection belongs to one node. Its keys sort past the range
+//! the change feed watches: every change writes one, and no other node
+//! reads it, so watching it would cost etcd and every node an event per
+//! change for nothing.
 //!
 //! A change's commit can also land without its answer reaching the daemon
 //! (its connection to etcd reset after the request went out): the
@@ -70,11 +73,18 @@ impl Namespace {
         self.read(|txn| self.record_in(txn, request))
     }
 
+    /// The request's record, in its slot of the ring, or of the ring as a
+    /// daemon of a volume made before kept it (`J`: a request that daemon
+    /// committed and the kernel sends to this one). Both slots are read
+    /// in one batch; only a change made again reads them.
     fn record_in(&self, txn: &mut (impl KvRead + ?Sized), request: RequestMark) -> MetaResult<Option<Ino>> {
-        let found = txn.get(&schema::answered(&self.node, request.slot()))?;
+        let keys = [schema::answered(&self.node, request.slot()), schema::answered_before(&self.node, request.slot())];
+        let found = txn.get_many_versioned(&keys)?;
         let ours = request.record(0);
         Ok(found
-            .filter(|v| v.len() == RECORD && v[..16] == ours[..16])
+            .into_iter()
+            .filter_map(|(v, _)| v)
+            .find(|v| v.len() == RECORD && v[..16] == ours[..16])
             .map(|v| Ino::from_be_bytes(v[16..24].try_into().expect("8 bytes"))))
     }
 

@@ -219,8 +219,10 @@ impl Namespace {
             }
             txn.delete(&schema::known_node(id));
             txn.delete(&schema::node_admin(id));
-            let (start, end) = schema::prefix_range(&schema::answered_of(id));
-            txn.delete_range(&start, &end)?;
+            for ring in [schema::answered_of(id), schema::answered_before_of(id)] {
+                let (start, end) = schema::prefix_range(&ring);
+                txn.delete_range(&start, &end)?;
+            }
             Ok(())
         })
     }
