@@ -367,7 +367,7 @@ pub fn subject(key: &[u8]) -> Subject<'_> {
             Some(ino) => Subject::File(Ino::from_be_bytes(ino.try_into().expect("8 bytes"))),
             None => Subject::Other,
         },
-        (Some(&ANSWERED), _) => match key[1..].iter().position(|b| *b == 0) {
+        (Some(&(ANSWERED | ANSWERED_BEFORE)), _) => match key[1..].iter().position(|b| *b == 0) {
             Some(end) => Subject::Answered(&key[1..1 + end]),
             None => Subject::Other,
         },
@@ -635,6 +635,9 @@ mod tests {
         // prefix range does not reach it.
         assert!(WATCHED_END <= answered("n1", 0).as_slice());
         assert!(answered_before("zz", u16::MAX).as_slice() < WATCHED_END);
+        // Both places are the node's own, to the --nowsync overlay.
+        assert_eq!(subject(&answered("n1", 7)), Subject::Answered(b"n1"));
+        assert_eq!(subject(&answered_before("n1", 7)), Subject::Answered(b"n1"));
         let (start, end) = prefix_range(&held_by("n1"));
         assert!(start <= key && key < end);
         assert!(held_chunk("n10", 1, 1) >= end || held_chunk("n10", 1, 1) < start);
