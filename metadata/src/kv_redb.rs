@@ -83,6 +83,10 @@ struct RedoLog {
     durable: std::sync::atomic::AtomicU64,
     /// The log's length: where the next record starts.
     len: std::sync::atomic::AtomicU64,
+    /// A record the disk cut short could not be cut off: the log is not
+    /// appended to again before the database holds all of it, durably, and
+    /// it starts over.
+    torn: std::sync::atomic::AtomicBool,
 }
 
 /// The last redo record whose writes the database holds, stored by every
@@ -198,7 +202,13 @@ impl RedbKv {
             .append(true)
             .open(&log_path)
             .map_err(|e| KvError::backend(format!("{}: {e}", log_path.display())))?;
-        Ok(RedoLog { file, appended: AtomicU64::new(last), durable: AtomicU64::new(last), len: AtomicU64::new(0) })
+        Ok(RedoLog {
+            file,
+            appended: AtomicU64::new(last),
+            durable: AtomicU64::new(last),
+            len: AtomicU64::new(0),
+            torn: Default::default(),
+        })
     }
 
     /// Write into `db`, durably, the records of the log at `log_path` it does
@@ -347,11 +357,17 @@ impl RedbKv {
     /// writes laid over the database. Called holding the write slot.
     fn commit_buffered(&self, writes: PendingWrites) -> KvResult<usize> {
         let redo = &self.redo;
+        if redo.torn.load(Ordering::SeqCst) {
+            // Behind the torn record a record would be lost at the next
+            // start: first make every commit logged so far durable.
+            self.flush(true, None)?;
+        }
         let seq = redo.appended.load(Ordering::SeqCst);
         if redo.durable.load(Ordering::SeqCst) == seq {
             // Everything logged is durable: start the log again.
             redo.file.set_len(0).map_err(|e| KvError::backend(format!("redo log: {e}")))?;
             redo.len.store(0, Ordering::SeqCst);
+            redo.torn.store(false, Ordering::SeqCst);
         }
         let rec = RedoLog::encode(seq + 1, &writes);
         let start = redo.len.load(Ordering::SeqCst);
@@ -360,7 +376,8 @@ impl RedbKv {
             // records appended after it would sit behind a torn one, which
             // ends the replay (acknowledged commits lost at the next start).
             if let Err(cut) = redo.file.set_len(start) {
-                tracing::error!(error = %cut, "could not cut a torn record off the redo log");
+                tracing::error!(error = %cut, "could not cut a torn record off the redo log; the next commit makes the log durable first");
+                redo.torn.store(true, Ordering::SeqCst);
             }
             return Err(KvError::backend(format!("redo log: {e}")));
         }

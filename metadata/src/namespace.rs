@@ -594,7 +594,7 @@ impl Namespace {
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         crate::held_locks::assert_none_held("a KV transaction");
-        let mut attempt = 0;
+        let (mut attempt, mut unbegun) = (0, 0);
         let mut freed = false;
         // A durable change makes durable what was acknowledged before it
         // began (--nowsync), not what is acknowledged while it retries.
@@ -613,22 +613,24 @@ impl Namespace {
         // change (`own`).
         let mut unsure: Option<T> = None;
         loop {
-            attempt += 1;
             // A transaction that cannot begin is answered as a failed commit
             // is: redb reopening its database after a disk-full error writes
-            // before it reads, and a full disk then frees the reserve.
+            // before it reads, and a full disk then frees the reserve. Not
+            // an attempt: `f` counts its own calls against MAX_ATTEMPTS.
             let mut txn = match self.kv.write_txn() {
                 Ok(txn) => txn,
                 Err(KvError::NoSpace) if !freed && self.free_space() => {
                     freed = true;
                     continue;
                 }
-                Err(e) if e.is_retryable() && attempt < MAX_ATTEMPTS => {
-                    std::thread::sleep(Duration::from_micros(100 << attempt.min(10)));
+                Err(e) if e.is_retryable() && unbegun < MAX_ATTEMPTS => {
+                    unbegun += 1;
+                    std::thread::sleep(Duration::from_micros(100 << unbegun.min(10)));
                     continue;
                 }
                 Err(e) => return Err(e.into()),
             };
+            attempt += 1;
             let result = match f(txn.as_mut()) {
                 Ok(v) => {
                     if durability == Durability::Buffered {

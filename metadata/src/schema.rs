@@ -335,7 +335,8 @@ pub enum Subject<'a> {
     /// A file's layout, lease, marks and tier record (`C`, `P`, `Q`, `U`,
     /// `E`, `S`, `O`, `T`).
     File(Ino),
-    /// A slot of node `0`'s ring of answered kernel requests (`J`).
+    /// A slot of node `0`'s ring of answered kernel requests (`j`, or `J`
+    /// where volumes made before kept it).
     Answered(&'a [u8]),
     /// Volume-wide and control-plane records, and anything unparsable.
     Other,

@@ -299,7 +299,7 @@ pub struct NewNode<'a> {
 }
 
 /// A kernel request that changes the namespace, recorded in the
-/// transaction of its change (key `J`, see `ops/answered.rs`): when the
+/// transaction of its change (key `j`, see `ops/answered.rs`): when the
 /// daemon dies after the commit and before its answer, the kernel sends
 /// the request again, and the next daemon learns from the record that it
 /// is done instead of doing it again (a committed mkdir would fail with

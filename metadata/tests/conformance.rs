@@ -1601,15 +1601,20 @@ fn a_transaction_that_cannot_begin_on_a_full_disk_frees_the_reserve() {
     let calls = Arc::new(AtomicU32::new(0));
     let c = calls.clone();
     ns.set_no_space_handler(move || c.fetch_add(1, SeqCst) < 2);
-    faulty.fail_next(Fault::FullAtBegin, 1);
+    // The node's first create takes a range of inode numbers first.
+    ns.mknod(ROOT, b"first", &file(0o644)).unwrap();
+    // A create reads the directory's replica policy, then begins its
+    // change: the second transaction to begin is the change's.
+    faulty.fail_after(1, Fault::FullAtBegin, 1);
     let a = ns.mknod(ROOT, b"a", &file(0o644)).expect("a change that could not begin, once");
     assert_eq!((faulty.injected.load(SeqCst), calls.load(SeqCst)), (1, 1));
     faulty.fail_next(Fault::FullAtBegin, 1);
     assert_eq!(ns.lookup(ROOT, b"a").expect("a read that could not begin, once").ino, a.ino);
     assert_eq!((faulty.injected.load(SeqCst), calls.load(SeqCst)), (2, 2));
     // Nothing left to free.
-    faulty.fail_next(Fault::FullAtBegin, 1);
+    faulty.fail_after(1, Fault::FullAtBegin, 1);
     assert_eq!(errno(ns.mknod(ROOT, b"b", &file(0o644))), libc::ENOSPC);
+    assert_eq!((faulty.injected.load(SeqCst), calls.load(SeqCst)), (3, 3));
     assert_eq!(errno(ns.lookup(ROOT, b"b")), libc::ENOENT, "a change that could not begin leaves nothing");
 }
 
@@ -1701,6 +1706,12 @@ fn other_nodes_hear_of_a_change_only_the_records_they_use() {
     let heard = Arc::new(parking_lot::Mutex::new(Vec::<Vec<u8>>::new()));
     let h = heard.clone();
     kv2.watch(Arc::new(move |key: &[u8], _: Option<&[u8]>| h.lock().push(key.to_vec()))).unwrap();
+    // The feed says "start over" (the empty key) once its watch is in place.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !heard.lock().iter().any(|k| k.is_empty()) {
+        assert!(std::time::Instant::now() < deadline, "the watch started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     // What n2's feed heard up to a marker n1 writes after `what`, from the
     // start of `what` (events come in commit order; a node's feed skips
     // its own commits).
