@@ -49,7 +49,8 @@
 //! |                            |                      | the watched range: only the node itself      |
 //! |                            |                      | reads its ring, and only when it makes a     |
 //! |                            |                      | change again. Volumes made before kept it    |
-//! |                            |                      | under `J`, which is still read and dropped   |
+//! |                            |                      | under `J`, still read, and removed with the  |
+//! |                            |                      | node (`forget_node`)                         |
 //! | `M` dir-ino                | node id              | the directory is delegated to that node      |
 //! |                            |                      | (`--nowsync`, see `kv_deferred.rs`): its     |
 //! |                            |                      | names, attributes and xattrs, and the files  |
@@ -154,30 +155,27 @@ pub fn dentry(parent: Ino, name: &[u8]) -> Vec<u8> {
 
 /// Slot `slot` of node `node`'s ring of committed kernel requests.
 pub fn answered(node: &str, slot: u16) -> Vec<u8> {
-    let mut k = answered_of(node);
-    k.extend_from_slice(&slot.to_be_bytes());
-    k
+    [answered_of(node).as_slice(), &slot.to_be_bytes()].concat()
 }
 
 /// Every slot of node `node`'s ring.
 pub fn answered_of(node: &str) -> Vec<u8> {
-    ring_of(ANSWERED, node)
+    of_node(ANSWERED, node)
 }
 
 /// Slot `slot` of node `node`'s ring as volumes made before kept it.
 pub fn answered_before(node: &str, slot: u16) -> Vec<u8> {
-    let mut k = answered_before_of(node);
-    k.extend_from_slice(&slot.to_be_bytes());
-    k
+    [answered_before_of(node).as_slice(), &slot.to_be_bytes()].concat()
 }
 
 /// Every slot of node `node`'s ring as volumes made before kept it.
 pub fn answered_before_of(node: &str) -> Vec<u8> {
-    ring_of(ANSWERED_BEFORE, node)
+    of_node(ANSWERED_BEFORE, node)
 }
 
-fn ring_of(prefix: u8, node: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(node.len() + 4);
+/// The start of node `node`'s keys under `prefix`: prefix, node id, NUL.
+fn of_node(prefix: u8, node: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(node.len() + 12);
     k.push(prefix);
     k.extend_from_slice(node.as_bytes());
     k.push(0);
@@ -446,11 +444,7 @@ pub fn is_inode_keyed_prefix(prefix: &[u8]) -> bool {
 
 /// Every holder-index entry of node `node`.
 pub fn held_by(node: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(node.len() + 2);
-    k.push(HOLDER_INDEX);
-    k.extend_from_slice(node.as_bytes());
-    k.push(0);
-    k
+    of_node(HOLDER_INDEX, node)
 }
 
 /// The holder-index entry saying that node `node` holds a copy of chunk
