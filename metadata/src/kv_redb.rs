@@ -8,12 +8,19 @@
 //! final puts and deletes, to a redo log beside the database (one
 //! `write(2)`, never synced: it lives in the page cache, as long as the
 //! process crash it covers) and kept in memory as a layer over the
-//! database, which reads consult first. Every 32 buffered commits the layers
-//! go into the database in one redb transaction (`Durability::None`),
-//! which stores the number of the last record it holds; a durable commit
-//! writes the layers and its own writes in one durable transaction. One
-//! redb commit per create cost more than the rest of the create (its page
-//! copies, checksums and allocator work); in a batch it is shared.
+//! database, which reads consult first. Every 32 buffered commits a
+//! background thread writes the layers into the database in one redb
+//! transaction (`Durability::None`), which stores the number of the last
+//! record it holds; a durable commit writes the layers and its own writes
+//! in one durable transaction. One redb commit per create cost more than
+//! the rest of the create (its page copies, checksums and allocator work);
+//! in a batch it is shared, and off the path of the request that made the
+//! 32nd commit (a committer writes them itself only when 128 piled up).
+//! Reads share one snapshot of the database per commit into it.
+//!
+//! Locks, in order: the write slot (`Engine::writer`), redb's own write
+//! slot, `Engine::publishing`, then `Engine::snapshot` and `Engine::recent`
+//! (never both at once); `Engine::wanted` is a leaf.
 //!
 //! A daemon that dies (kill -9, a crash) must not lose its buffered commits:
 //! its kernel connection may outlive it, and the kernel then holds names and
@@ -45,6 +52,15 @@ use crate::kv::{
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("converged");
 
 pub struct RedbKv {
+    engine: Arc<Engine>,
+    /// The thread that writes buffered commits into the database (see
+    /// [`Engine::wanted`]); stopped and joined on drop, so that the
+    /// database is closed when the engine is.
+    background: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The engine's state, shared with its background flush thread.
+struct Engine {
     path: std::path::PathBuf,
     db: parking_lot::RwLock<Option<Arc<Database>>>,
     redo: RedoLog,
@@ -61,6 +77,38 @@ pub struct RedbKv {
     recent: parking_lot::RwLock<Arc<Vec<Arc<Layer>>>>,
     /// An inline flush is under way: other committers go on without one.
     flushing: std::sync::atomic::AtomicBool,
+    /// The database as the last commit into it left it, which every view
+    /// shares until the next one (see [`Snapshot`]). Replaced whole after
+    /// each commit, before the layers it holds leave `recent`; held only to
+    /// take or replace it.
+    snapshot: parking_lot::RwLock<Option<Arc<Snapshot>>>,
+    /// Held from a commit into the database until its snapshot replaced
+    /// the last one, so that snapshots are published in commit order. Taken
+    /// inside redb's write slot (which already orders the commits), before
+    /// `snapshot` and `recent`.
+    publishing: parking_lot::Mutex<()>,
+    /// Wakes the background flush: `Flush::Wanted` once `FLUSH_AT`
+    /// commits piled up, `Flush::Stop` at drop. A leaf, held only to set or
+    /// wait for the state.
+    wanted: (parking_lot::Mutex<Flush>, parking_lot::Condvar),
+}
+
+/// What the background flush thread is asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flush {
+    Idle,
+    Wanted,
+    Stop,
+}
+
+/// A read snapshot of the database, taken once per commit into it and
+/// shared by every view until the next: opening a read transaction and its
+/// table for each view was a tenth of a metadata operation's time.
+struct Snapshot {
+    db: Arc<Database>,
+    table: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
+    /// The last redo record the snapshot holds.
+    held: u64,
 }
 
 /// One buffered commit: its redo record's number and its writes.
@@ -70,8 +118,13 @@ struct Layer {
 }
 
 /// Buffered commits kept in memory before they go into the database in one
-/// transaction: a read checks at most this many layers before the database.
+/// transaction, by the background flush thread: a read checks about this
+/// many layers before the database.
 const FLUSH_AT: usize = 32;
+/// Buffered commits past which a committer writes them into the database
+/// itself (the background thread is behind: a busy host), so that reads
+/// never check more than about this many layers.
+const FLUSH_INLINE_AT: usize = 4 * FLUSH_AT;
 
 /// The redo log of buffered commits (see the module comment). Its fields
 /// change only under redb's write slot.
@@ -178,15 +231,42 @@ impl RedbKv {
     /// Open (or create) the database file. Another daemon holding it is
     /// waited for up to `wait`, so a remount right after an unmount works.
     pub fn open(path: &Path, wait: Duration) -> KvResult<Self> {
+        let engine = Arc::new(Engine::open(path, wait)?);
+        let bg = engine.clone();
+        let background = std::thread::Builder::new()
+            .name("meta-flush".into())
+            .spawn(move || bg.flush_in_background())
+            .map_err(|e| KvError::backend(format!("start the metadata flush thread: {e}")))?;
+        Ok(RedbKv { engine, background: Some(background) })
+    }
+}
+
+impl Drop for RedbKv {
+    fn drop(&mut self) {
+        *self.engine.wanted.0.lock() = Flush::Stop;
+        self.engine.wanted.1.notify_one();
+        if let Some(t) = self.background.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Engine {
+    fn open(path: &Path, wait: Duration) -> KvResult<Self> {
         let db = Self::open_db(path, wait)?;
         let redo = Self::replay(&db, path)?;
+        let db = Arc::new(db);
+        let snapshot = Snapshot::of(&db).map_err(KvError::backend)?;
         Ok(Self {
             path: path.to_path_buf(),
-            db: parking_lot::RwLock::new(Some(Arc::new(db))),
+            db: parking_lot::RwLock::new(Some(db)),
             redo,
             writer: parking_lot::Mutex::new(()),
             recent: parking_lot::RwLock::new(Arc::new(Vec::new())),
             flushing: std::sync::atomic::AtomicBool::new(false),
+            snapshot: parking_lot::RwLock::new(Some(Arc::new(snapshot))),
+            publishing: parking_lot::Mutex::new(()),
+            wanted: (parking_lot::Mutex::new(Flush::Idle), parking_lot::Condvar::new()),
         })
     }
 
@@ -284,6 +364,10 @@ impl RedbKv {
         let last = Self::apply_log(&db, &RedoLog::path(&self.path))?;
         self.redo.durable.fetch_max(last, Ordering::SeqCst);
         let db = Arc::new(db);
+        // The views of the old database make their own snapshot until this
+        // one is published (they check which database theirs is of).
+        let snapshot = Snapshot::of(&db).map_err(KvError::backend)?;
+        *self.snapshot.write() = Some(Arc::new(snapshot));
         *slot = Some(db.clone());
         Ok(db)
     }
@@ -292,6 +376,8 @@ impl RedbKv {
     fn check<E: std::fmt::Display>(&self, e: E) -> KvError {
         if poisoned(&e) {
             self.db.write().take();
+            // Its snapshot holds the database open: a reopen would wait for it.
+            self.snapshot.write().take();
             return KvError::Backend { msg: e.to_string(), retryable: true };
         }
         KvError::backend(e)
@@ -305,16 +391,14 @@ impl RedbKv {
     fn view(&self) -> KvResult<View> {
         let layers = self.recent.read().clone();
         let db = self.db()?;
-        let txn = db.begin_read().map_err(|e| self.check(e))?;
-        let table = txn.open_table(TABLE).map_err(|e| self.check(e))?;
-        let from = match layers.is_empty() {
-            true => 0,
-            false => {
-                let held = held_seq(&table).map_err(|e| self.check(e))?;
-                layers.partition_point(|l| l.seq <= held)
-            }
+        let shared = self.snapshot.read().clone().filter(|s| Arc::ptr_eq(&s.db, &db));
+        let snap = match shared {
+            Some(s) => s,
+            // Reopened and not published yet: a snapshot of its own.
+            None => Arc::new(Snapshot::of(&db).map_err(|e| self.check(e))?),
         };
-        Ok(View { _db: db, table, layers, from })
+        let from = layers.partition_point(|l| l.seq <= snap.held);
+        Ok(View { snap, layers, from })
     }
 
     /// Write the buffered commits into the database in one transaction, then
@@ -342,7 +426,20 @@ impl RedbKv {
             RedoLog::cover(&mut table, held).map_err(|e| self.check(e))?;
             held
         };
-        txn.commit().map_err(|e| self.check(e))?;
+        {
+            let _order = self.publishing.lock();
+            txn.commit().map_err(|e| self.check(e))?;
+            // Published before the layers it holds leave `recent`: a view
+            // that finds them gone finds this snapshot (or a later one).
+            match Snapshot::of(&db) {
+                Ok(snap) => *self.snapshot.write() = Some(Arc::new(snap)),
+                Err(e) => {
+                    // Committed; without a snapshot of it the layers stay.
+                    self.snapshot.write().take();
+                    return Err(self.check(e));
+                }
+            }
+        }
         if durable {
             self.redo.durable.fetch_max(held, Ordering::SeqCst);
         }
@@ -392,8 +489,36 @@ impl RedbKv {
         Ok(n)
     }
 
-    /// The flush a committer does once enough layers piled up, unless one
-    /// is under way. Its failure fails no commit (each is in the redo log
+    /// The background flush thread: writes the buffered commits into the
+    /// database whenever `FLUSH_AT` of them piled up, off the path of the
+    /// request that committed the last one, until the engine is dropped.
+    fn flush_in_background(&self) {
+        loop {
+            {
+                let mut wanted = self.wanted.0.lock();
+                while *wanted == Flush::Idle {
+                    self.wanted.1.wait(&mut wanted);
+                }
+                if *wanted == Flush::Stop {
+                    return;
+                }
+                *wanted = Flush::Idle;
+            }
+            self.flush_inline();
+        }
+    }
+
+    /// Ask the background thread for a flush.
+    fn want_flush(&self) {
+        let mut wanted = self.wanted.0.lock();
+        if *wanted == Flush::Idle {
+            *wanted = Flush::Wanted;
+            self.wanted.1.notify_one();
+        }
+    }
+
+    /// The flush a committer or the background thread does once enough
+    /// layers piled up, unless one is under way. Its failure fails no commit (each is in the redo log
     /// and in memory): the next flush tries again.
     fn flush_inline(&self) {
         if self.flushing.swap(true, Ordering::AcqRel) {
@@ -429,10 +554,17 @@ fn apply(
 /// A consistent view: `layers[from..]` (buffered commits, oldest first)
 /// over a database snapshot that holds the ones before `from`.
 struct View {
-    _db: Arc<Database>,
-    table: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
+    snap: Arc<Snapshot>,
     layers: Arc<Vec<Arc<Layer>>>,
     from: usize,
+}
+
+impl Snapshot {
+    fn of(db: &Arc<Database>) -> Result<Snapshot, redb::Error> {
+        let table = db.begin_read()?.open_table(TABLE)?;
+        let held = held_seq(&table)?;
+        Ok(Snapshot { db: db.clone(), table, held })
+    }
 }
 
 fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
@@ -457,12 +589,12 @@ impl KvRead for View {
                 return Ok(v.clone());
             }
         }
-        Ok(self.table.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec()))
+        Ok(self.snap.table.get(key).map_err(KvError::backend)?.map(|v| v.value().to_vec()))
     }
     fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
         let layers = &self.layers[self.from..];
         if layers.is_empty() {
-            return collect_range(&self.table, start, end, limit);
+            return collect_range(&self.snap.table, start, end, limit);
         }
         let mut over = PendingWrites::new();
         for l in layers {
@@ -471,10 +603,10 @@ impl KvRead for View {
             }
         }
         if over.is_empty() {
-            return collect_range(&self.table, start, end, limit);
+            return collect_range(&self.snap.table, start, end, limit);
         }
         let extra = pending_deletes(&over, start, end);
-        let base = collect_range(&self.table, start, end, limit.saturating_add(extra))?;
+        let base = collect_range(&self.snap.table, start, end, limit.saturating_add(extra))?;
         Ok(merge_pending(base, &over, start, end, limit))
     }
 }
@@ -482,7 +614,7 @@ impl KvRead for View {
 /// A write transaction: the write slot, a view of the state the last
 /// commit left, and the writes, applied at commit.
 struct RedbWrite<'a> {
-    kv: &'a RedbKv,
+    kv: &'a Engine,
     slot: parking_lot::MutexGuard<'a, ()>,
     view: View,
     pending: PendingWrites,
@@ -523,8 +655,10 @@ impl KvWrite for RedbWrite<'_> {
             Durability::Buffered => {
                 let layers = kv.commit_buffered(pending)?;
                 drop(slot);
-                if layers >= FLUSH_AT {
+                if layers >= FLUSH_INLINE_AT {
                     kv.flush_inline();
+                } else if layers >= FLUSH_AT {
+                    kv.want_flush();
                 }
                 Ok(())
             }
@@ -537,14 +671,15 @@ impl KvEngine for RedbKv {
         "redb"
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
-        Ok(Box::new(self.view()?))
+        Ok(Box::new(self.engine.view()?))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
-        let slot = self.writer.lock();
-        let view = self.view()?;
-        Ok(Box::new(RedbWrite { kv: self, slot, view, pending: BTreeMap::new() }))
+        let kv = &*self.engine;
+        let slot = kv.writer.lock();
+        let view = kv.view()?;
+        Ok(Box::new(RedbWrite { kv, slot, view, pending: BTreeMap::new() }))
     }
     fn sync(&self) -> KvResult<()> {
-        self.flush(true, None)
+        self.engine.flush(true, None)
     }
 }

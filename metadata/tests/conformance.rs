@@ -695,6 +695,47 @@ fn redb_readers_see_one_state_while_commits_move_into_the_database() {
     assert_eq!(moved.iter().sum::<u64>(), 8000);
 }
 
+/// A read never goes back in time while buffered commits move into the
+/// database behind it (a background thread writes them every 32 commits,
+/// and reads share one snapshot of the database per such write): a writer
+/// counts up, commit by commit; readers see the count only grow, and each
+/// count's own record with it.
+#[test]
+fn redb_reads_never_go_back_while_commits_move_into_the_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = Arc::new(RedbKv::open(&dir.path().join("m.redb"), Duration::from_secs(1)).unwrap());
+    let count = |v: Option<Vec<u8>>| v.map_or(0, |v| u64::from_le_bytes(v.try_into().unwrap()));
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let (kv, done) = (kv.clone(), &done);
+            s.spawn(move || {
+                let mut last = 0;
+                while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                    let mut r = kv.read_txn().unwrap();
+                    let now = count(r.get(b"count").unwrap());
+                    assert!(now >= last, "a read saw count {now} after {last}");
+                    if now > 0 {
+                        let own = r.get(format!("n{now:08}").as_bytes()).unwrap();
+                        assert!(own.is_some(), "count {now} without its record");
+                    }
+                    last = now;
+                }
+            });
+        }
+        for n in 1..=3000u64 {
+            let mut t = kv.write_txn().unwrap();
+            t.put(b"count", &n.to_le_bytes());
+            t.put(format!("n{n:08}").as_bytes(), b"x");
+            t.commit(if n % 1000 == 0 { Durability::Durable } else { Durability::Buffered }).unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    assert_eq!(count(kv.read_txn().unwrap().get(b"count").unwrap()), 3000);
+    let n = kv.read_txn().unwrap().scan(b"n", b"o", 10_000).unwrap().len();
+    assert_eq!(n, 3000, "every commit's record");
+}
+
 /// Range deletes that take their records, from many threads at once (on
 /// etcd they share transactions: group commit), each get exactly the
 /// records of their own range, never another commit's.
