@@ -434,9 +434,14 @@ impl Engine {
             match Snapshot::of(&db) {
                 Ok(snap) => *self.snapshot.write() = Some(Arc::new(snap)),
                 Err(e) => {
-                    // Committed; without a snapshot of it the layers stay.
+                    // Committed all the same: the views make their own
+                    // snapshots (of this commit or later) until the next
+                    // commit publishes one.
                     self.snapshot.write().take();
-                    return Err(self.check(e));
+                    tracing::warn!(error = %e, "could not take a read snapshot of the metadata database after a commit");
+                    if poisoned(&e) {
+                        self.db.write().take();
+                    }
                 }
             }
         }
