@@ -25,8 +25,9 @@
 //! an entry lives until the feed evicts it, for [`CACHE_TTL`] at most (a
 //! bound on memory, not on staleness).
 //!
-//! Locks: `Listings::dirs`, `dropped` and a moka entry's own (held only
-//! inside `and_compute_with`, which reads its key's epoch) are leaves, each taken
+//! Locks: `Listings::dirs`, `dropped` and a shard of the record map (held
+//! only inside [`RecordCache`]'s calls; `compute` reads and bumps its key's
+//! epoch under it, atomics) are leaves, each taken
 //! alone and never across a call to the engine; the change feed calls its
 //! subscribers with `subscribers` alone held.
 
@@ -37,6 +38,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::kv::{ChangeFeed, Durability, KvEngine, KvError, KvRead, KvResult, KvWrite, RevisionFeed, Versioned};
+use crate::record_cache::{Op, RecordCache};
 
 /// Longest an entry lives without an eviction from the change feed: a
 /// file made or read minutes ago is still stat-ed, looked up and unlinked
@@ -48,7 +50,7 @@ const DROPPED_MAX: usize = 1 << 16;
 /// Listings kept at most (directories, and inodes' xattrs); past it the
 /// expired ones go, and when none has expired, all of them.
 const LISTINGS_MAX: usize = 1 << 16;
-const CAPACITY: u64 = 1 << 20;
+const CAPACITY: usize = 1 << 20;
 
 /// A cached record: its value (`None`: absent), its version and the engine
 /// revision it was known at.
@@ -59,10 +61,8 @@ struct Entry {
     at: i64,
 }
 
-/// Keyed by the engine's keys, hashed with foldhash (seeded per process):
-/// moka's default SipHash was a fifth of the time a commit spent filling
-/// the cache with what it wrote.
-type Cache = moka::sync::Cache<Vec<u8>, Entry, foldhash::fast::RandomState>;
+/// Keyed by the engine's keys (see [`RecordCache`]).
+type Cache = Arc<RecordCache<Entry>>;
 
 pub struct CachedKv {
     inner: Arc<dyn KvEngine>,
@@ -354,13 +354,13 @@ impl Listings {
 /// copy checks before it deletes the copy). A key not held stays out: the
 /// node caches what it uses, not all the cluster writes.
 fn renew(cache: &Cache, key: &[u8], value: Option<&[u8]>, rev: i64) {
-    cache.entry(key.to_vec()).and_compute_with(|old| match old {
-        Some(e) if e.value().at < rev => moka::ops::compute::Op::Put(Entry {
+    cache.compute(key, |old| match old {
+        Some(e) if e.at < rev => Op::Put(Entry {
             value: value.map(|v| Arc::new(v.to_vec())),
             version: if value.is_some() { rev } else { 0 },
             at: rev,
         }),
-        _ => moka::ops::compute::Op::Nop,
+        _ => Op::Nop,
     });
 }
 
@@ -384,17 +384,9 @@ impl CachedKv {
         // land in its place, as after an eviction (see `fill`).
         let dropped_for_room = {
             let epochs = epochs.clone();
-            move |key: Arc<Vec<u8>>, _: Entry, cause: moka::notification::RemovalCause| {
-                if cause == moka::notification::RemovalCause::Size {
-                    epochs.bump(&key);
-                }
-            }
+            move |key: &[u8]| epochs.bump(key)
         };
-        let cache: Cache = moka::sync::Cache::builder()
-            .max_capacity(CAPACITY)
-            .time_to_live(CACHE_TTL)
-            .eviction_listener(dropped_for_room)
-            .build_with_hasher(foldhash::fast::RandomState::default());
+        let cache: Cache = Arc::new(RecordCache::new(CAPACITY, CACHE_TTL, dropped_for_room));
         let subscribers: Arc<Mutex<Vec<ChangeFeed>>> = Arc::default();
         let listings = Arc::new(Listings::default());
         let feed: RevisionFeed = {
@@ -435,18 +427,18 @@ impl CachedKv {
         // fill leaves empty, where nothing would say it is older. A later
         // state already there stays.
         let mut raced = false;
-        self.cache.entry(key.to_vec()).and_compute_with(|old| {
+        self.cache.compute(key, |old| {
             if self.epochs.of(key) != epoch {
-                if old.as_ref().is_some_and(|e| e.value().at >= at) {
-                    return moka::ops::compute::Op::Nop;
+                if old.is_some_and(|e| e.at >= at) {
+                    return Op::Nop;
                 }
                 raced = true;
                 self.epochs.bump(key);
-                return moka::ops::compute::Op::Remove;
+                return Op::Remove;
             }
             match old {
-                Some(e) if e.value().at >= at => moka::ops::compute::Op::Nop,
-                _ => moka::ops::compute::Op::Put(fresh),
+                Some(e) if e.at >= at => Op::Nop,
+                _ => Op::Put(fresh),
             }
         });
         if raced {

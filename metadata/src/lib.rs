@@ -19,6 +19,7 @@ pub mod kv_redb;
 pub mod membership;
 mod namespace;
 pub mod ops;
+mod record_cache;
 pub mod round_trips;
 pub mod schema;
 pub mod types;
