@@ -66,6 +66,11 @@ struct Args {
     /// (a cluster's nodes).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256))]
     watchers: u32,
+    /// Microseconds each thread spends between its commits, asleep (a
+    /// mount's FUSE work between creates). Each commit's own time is
+    /// printed beside the rate.
+    #[arg(long, default_value_t = 0)]
+    think_us: u64,
 }
 
 fn main() {
@@ -98,11 +103,18 @@ fn main() {
         for shape in &shapes {
             let (reads, assumed, puts) = shape.counts();
             let t0 = Instant::now();
+            let think = Duration::from_micros(args.think_us);
+            let committing = Arc::new(std::sync::atomic::AtomicU64::new(0));
             let workers: Vec<_> = (0..threads)
                 .map(|t| {
                     let kv = kv.clone();
+                    let committing = committing.clone();
                     std::thread::spawn(move || -> Result<(), String> {
                         for i in 0..total / threads {
+                            if !think.is_zero() {
+                                std::thread::sleep(think);
+                            }
+                            let c0 = Instant::now();
                             let mut txn = kv.write_txn().map_err(|e| e.to_string())?;
                             for r in 0..reads {
                                 txn.get(format!("r{t}-{r}").as_bytes()).map_err(|e| e.to_string())?;
@@ -114,6 +126,8 @@ fn main() {
                                 txn.put(format!("k{reads}{puts}-{t}-{i}-{p}").as_bytes(), &[7u8; 64]);
                             }
                             txn.commit(Durability::Durable).map_err(|e| e.to_string())?;
+                            let took = c0.elapsed().as_nanos() as u64;
+                            committing.fetch_add(took, std::sync::atomic::Ordering::Relaxed);
                         }
                         Ok(())
                     })
@@ -126,9 +140,16 @@ fn main() {
                 }
             }
             let secs = t0.elapsed().as_secs_f64();
+            let done = (total / threads * threads) as f64;
+            let thinking = match args.think_us {
+                0 => String::new(),
+                us => format!(", {us} µs between commits"),
+            };
             println!(
-                "{threads} threads, {label}, {reads} reads + {assumed} compares + {puts} puts per txn{watched}: {:.0} txn/s",
-                (total / threads * threads) as f64 / secs
+                "{threads} threads, {label}, {reads} reads + {assumed} compares + {puts} puts per txn{watched}{thinking}: \
+                 {:.0} txn/s, {:.0} µs a commit",
+                done / secs,
+                committing.load(std::sync::atomic::Ordering::Relaxed) as f64 / done / 1000.0
             );
         }
     }
