@@ -438,10 +438,8 @@ impl Engine {
                     // snapshots (of this commit or later) until the next
                     // commit publishes one.
                     self.snapshot.write().take();
+                    let e = self.check(e);
                     tracing::warn!(error = %e, "could not take a read snapshot of the metadata database after a commit");
-                    if poisoned(&e) {
-                        self.db.write().take();
-                    }
                 }
             }
         }
