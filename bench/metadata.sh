@@ -49,6 +49,8 @@
 #   BENCH_DIR   work directory, on the disk under test [/var/tmp/converged-meta-bench]
 #   NFILES      files per create/stat/unlink test [10000]
 #   TREE        files in the untar test [20000]
+#   PAUSE_US    microseconds etcd's one-client probe also pauses between
+#               commits, as a mount's creates from one process do [500]
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   PEERS       1: also run on MooseFS and GlusterFS (../shared/peers) [0]
 #   SAVE        1: also save the table under bench/results/ [0]
@@ -66,6 +68,7 @@ REPO=$(cd "$SCRIPT_DIR/.." && pwd)
 BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-meta-bench}
 NFILES=${NFILES:-10000}
 TREE=${TREE:-20000}
+PAUSE_US=${PAUSE_US:-500}
 PEERS=${PEERS:-0}
 SAVE=${SAVE:-0}
 read -r -a TARGETS <<<"${TARGETS:-raw floor one cluster nowsync}"
@@ -91,7 +94,7 @@ done
 CLUSTERED=0
 if wants cluster || wants nowsync; then CLUSTERED=1; fi
 [[ $CLUSTERED == 0 || -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
-for v in NFILES TREE; do
+for v in NFILES TREE PAUSE_US; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
 done
 case $BENCH_DIR in /*) ;; *) die "BENCH_DIR must be an absolute path" ;; esac
@@ -228,6 +231,11 @@ if [[ -n $ENDPOINT ]]; then
     # The same with two clients watching, as the two nodes' change feeds do:
     # etcd sends each transaction to both.
     "$RATE" "$ENDPOINT" 1 3000 --mode alone --shape put,create --watchers 2 > "$OUT/etcd-1-watched.txt"
+    # And pausing between commits, as a mount's creates from one process
+    # do (the FUSE requests of a create besides its commit): etcd answers a
+    # commit after a pause more slowly than one sent back to back.
+    "$RATE" "$ENDPOINT" 1 2000 --mode alone --shape put,create --watchers 2 --think-us "$PAUSE_US" \
+        > "$OUT/etcd-1-paused.txt"
 fi
 
 # Before each create phase and each untar, every target starts from the
@@ -283,8 +291,7 @@ for t in "${TARGETS[@]}"; do
     case $t in
         one) profile=(--stats "$ONE/mnt" --proc "node=mount $ONE/mnt --data-dir") ;;
         cluster | nowsync)
-            c=$DEV e=$DEV_ENDPOINT
-            [[ $t == nowsync ]] && c=$NW e=$NW_ENDPOINT
+            if [[ $t == nowsync ]]; then c=$NW e=$NW_ENDPOINT; else c=$DEV e=$DEV_ENDPOINT; fi
             profile=(--stats "$c/n1/mnt" --etcd "http://$e" --proc "node=mount $c/n1/mnt --data-dir"
                 --proc "other=mount $c/n2/mnt --data-dir" --proc "etcd=etcd --name dev --data-dir $c/etcd") ;;
     esac
@@ -322,7 +329,7 @@ REPORT=$OUT/table.txt
     git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
     echo "converged ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR; NFILES=$NFILES TREE=$TREE"
     echo
-    TREE=$TREE python3 - "$OUT" "${TARGETS[*]}" <<'PY'
+    TREE=$TREE PAUSE_US=$PAUSE_US python3 - "$OUT" "${TARGETS[*]}" <<'PY'
 import json, os, re, sys
 
 out, targets = sys.argv[1], sys.argv[2].split()
@@ -358,6 +365,17 @@ if e1 and e16:
     if watched and ("alone", 0, 0, 1) in watched and ("alone", 0, 3, 4) in watched:
         print("1 client while 2 others watch (as the 2 nodes' change feeds do): %d (one put), %d (a create's shape)"
               % (watched[("alone", 0, 0, 1)], watched[("alone", 0, 3, 4)]))
+    paused = {}
+    if os.path.exists(f"{out}/etcd-1-paused.txt"):
+        with open(f"{out}/etcd-1-paused.txt") as f:
+            for line in f:
+                m = re.match(r"1 threads, alone, 0 reads \+ (\d+) compares \+ (\d+) puts per txn.*between commits: "
+                             r"(\d+) txn/s, (\d+) µs a commit", line)
+                if m:
+                    paused[(int(m[1]), int(m[2]))] = (int(m[3]), int(m[4]))
+    if (0, 1) in paused and (3, 4) in paused:
+        print("1 client pausing %s us between commits, 2 watching: %d (one put, %d us a commit), %d (a create's shape, "
+              "%d us a commit)" % (os.environ["PAUSE_US"], *paused[(0, 1)], *paused[(3, 4)]))
     print()
 cols = "".join(f"{names[t]:>15}" for t in targets)
 print(f"{'ops/s (etcd round trips per op)':<34}{cols}")
