@@ -109,7 +109,9 @@ if wants floor && [[ ! -x $FLOOR ]]; then
     log "building the FUSE floor (cargo build --release -p converged-fs --example fuse_floor)"
     (cd "$REPO" && cargo build --release -p converged-fs --example fuse_floor) || die "build failed"
 fi
-if [[ $CLUSTERED == 1 && ! -x $RATE ]]; then
+# Built every time (a no-op when current): a stale probe prints lines the
+# table does not read.
+if [[ $CLUSTERED == 1 ]]; then
     log "building the etcd rate probe (cargo build --release -p converged-metadata --example etcd_rate)"
     (cd "$REPO" && cargo build --release -p converged-metadata --example etcd_rate) || die "build failed"
 fi
