@@ -91,23 +91,26 @@ impl<V: Clone> RecordCache<V> {
     /// Decide, from the entry `key` has now (none when absent or expired),
     /// what it becomes; under the shard's lock.
     pub fn compute(&self, key: &[u8], f: impl FnOnce(Option<&V>) -> Op<V>) {
+        let now = Instant::now();
         let mut shard = self.shard(key).lock();
-        let old = shard.get(key).filter(|s| s.born.elapsed() < self.ttl).map(|s| &s.value);
-        match f(old) {
+        // One lookup: the slot found is the one replaced.
+        let slot = shard.get_mut(key);
+        match f(slot.as_deref().filter(|s| now.duration_since(s.born) < self.ttl).map(|s| &s.value)) {
             Op::Nop => {}
             Op::Remove => {
                 shard.remove(key);
             }
             Op::Put(value) => {
-                let slot = Slot { value, born: Instant::now() };
-                if let Some(s) = shard.get_mut(key) {
-                    *s = slot;
-                    return;
+                let fresh = Slot { value, born: now };
+                match slot {
+                    Some(s) => *s = fresh,
+                    None => {
+                        if shard.len() >= self.per_shard {
+                            self.make_room(&mut shard);
+                        }
+                        shard.insert(key.to_vec(), fresh);
+                    }
                 }
-                if shard.len() >= self.per_shard {
-                    self.make_room(&mut shard);
-                }
-                shard.insert(key.to_vec(), slot);
             }
         }
     }
