@@ -616,6 +616,10 @@ impl KvRead for CachedRead<'_> {
         // changes the cache already knows of.
         self.inner.scan(start, end, limit)
     }
+    fn scan_many(&mut self, ranges: &[(Vec<u8>, Vec<u8>)], limit: usize) -> KvResult<Vec<crate::kv::Pairs>> {
+        // As `scan`: past the cache, in the engine's batched read.
+        self.inner.scan_many(ranges, limit)
+    }
     /// Cached keys from memory, the rest in one batched read, kept.
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
         let mut out: Vec<Option<crate::kv::Found>> = vec![None; keys.len()];

@@ -1164,6 +1164,25 @@ impl KvRead for DeferredRead<'_> {
         };
         Ok(crate::kv::merge_pending(base, &over, start, end, limit))
     }
+    /// [`KvRead::scan`] of each range, the overlay over each; the ranges
+    /// the overlay does not know whole go to the engine in one batched read.
+    fn scan_many(&mut self, ranges: &[(Vec<u8>, Vec<u8>)], limit: usize) -> KvResult<Vec<crate::kv::Pairs>> {
+        let views: Vec<RangeView> = ranges.iter().map(|(s, e)| self.kv.state.lock().range_view(s, e, false)).collect();
+        let ask: Vec<usize> = (0..ranges.len()).filter(|i| views[*i].known.is_none()).collect();
+        // Room for the engine's keys the overlay deletes, as `scan` leaves.
+        let extra = ask.iter().map(|i| views[*i].overlay.values().filter(|v| v.is_none()).count()).max().unwrap_or(0);
+        let asked: Vec<(Vec<u8>, Vec<u8>)> = ask.iter().map(|i| ranges[*i].clone()).collect();
+        let mut fetched = self.inner.scan_many(&asked, limit.saturating_add(extra))?.into_iter();
+        let mut out = Vec::with_capacity(ranges.len());
+        for ((start, end), view) in ranges.iter().zip(views) {
+            let base = match view.known {
+                Some(records) => records,
+                None => fetched.next().expect("an answer for every range asked"),
+            };
+            out.push(crate::kv::merge_pending(base, &view.overlay, start, end, limit));
+        }
+        Ok(out)
+    }
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
         let mut out: Vec<Option<crate::kv::Found>> = vec![None; keys.len()];
         let mut ask = Vec::new();

@@ -58,7 +58,9 @@ pub(crate) fn timed<T>(kind: &'static str, f: impl FnOnce() -> T) -> T {
     }
 }
 pub use ops::holders::HeldWalk;
-pub use ops::layout::{chunk_held_by, lease_holder_of, next_version, Seal, SessionEnd, CREATE_LEASE};
+pub use ops::layout::{
+    chunk_held_by, lease_holder_of, next_version, Seal, SessionEnd, SweepFacts, CREATE_LEASE, SWEEP_FACTS_BATCH,
+};
 pub use ops::nodes::{NodeAdmin, Rebalance};
 pub use ops::tier::{ImportEntry, UploadEnd, UploadStart};
 pub use ops::xattr::{XATTR_NAME_MAX, XATTR_SIZE_MAX};

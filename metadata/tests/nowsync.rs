@@ -419,3 +419,56 @@ fn a_chunk_record_another_node_changes_is_read_afresh_where_the_file_was_made() 
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The sweep reads the records of many files at once
+/// (`Namespace::sweep_facts`): what it answers for each file is what reading
+/// that file alone answers (inode, chunk records, write lease; nothing for a
+/// number with no inode), also for a file still in the overlay of the node
+/// that made it; and on etcd a hundred files cost a handful of requests,
+/// where reading them one by one cost three or four each.
+#[test]
+fn the_sweep_reads_a_hundred_files_records_in_a_few_requests() {
+    let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
+    let a = etcd_node(&cluster.endpoints, "sweep", "a", true);
+    let b = etcd_node(&cluster.endpoints, "sweep", "b", false);
+    let d = b.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
+    let mut inos = Vec::new();
+    for i in 0..100u32 {
+        let f = b.ns.mknod(d.ino, format!("f{i}").as_bytes(), &NewNode { unsealed: true, ..file() }).unwrap();
+        // Every third file stays open for writing (b holds its lease).
+        if i % 3 != 0 {
+            b.ns.seal(f.ino, &published(i + 1), converged_metadata::Durability::Buffered).unwrap();
+        }
+        inos.push(f.ino);
+    }
+    inos.push(inos.iter().max().unwrap() + 1_000_000);
+    let before = converged_metadata::round_trips::on_this_thread();
+    let facts = a.ns.sweep_facts(&inos).unwrap();
+    let reads = converged_metadata::round_trips::on_this_thread() - before;
+    // 404 keys in transactions of 128 reads, 101 chunk ranges in one.
+    assert!(reads <= 5, "{reads} requests for the records of 101 files");
+    assert_eq!(facts.len(), inos.len());
+    for (ino, got) in inos.iter().zip(&facts) {
+        match b.ns.layout(*ino) {
+            Err(MetaError::NotFound) => assert!(got.is_none(), "facts of a number with no inode: {got:?}"),
+            Ok((inode, chunks)) => {
+                let got = got.as_ref().unwrap_or_else(|| panic!("no facts for {ino}"));
+                assert_eq!((got.inode.ino, got.inode.size), (inode.ino, inode.size));
+                assert_eq!(got.chunks, chunks, "chunk records of {ino}");
+                assert_eq!(got.writer, b.ns.writer(*ino).unwrap(), "write lease of {ino}");
+                assert!(got.tier.is_none());
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(facts.iter().filter(|f| f.as_ref().is_some_and(|f| f.writer.as_deref() == Some("b"))).count(), 34);
+    // A file a made and published, still in its overlay (no flusher runs).
+    let ad = a.ns.mknod(ROOT_INO, b"ad", &dir()).unwrap();
+    let af = a.ns.mknod(ad.ino, b"f", &NewNode { unsealed: true, ..file() }).unwrap();
+    a.ns.seal(af.ino, &published(7), converged_metadata::Durability::Buffered).unwrap();
+    assert!(a.deferred.as_ref().unwrap().backlog().0 > 0, "the overlay holds the file");
+    let mine = a.ns.sweep_facts(&[af.ino, inos[1]]).unwrap();
+    let own = mine[0].as_ref().expect("the overlay's file");
+    assert_eq!((own.inode.size, own.chunks.len(), own.writer.as_deref()), (7, 1, None));
+    assert_eq!(mine[1].as_ref().map(|f| f.chunks.clone()), Some(b.ns.layout(inos[1]).unwrap().1));
+}

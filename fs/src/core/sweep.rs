@@ -37,7 +37,7 @@ use converged_metadata::held_locks::Mutex;
 use converged_metadata::schema::{change_of, Change};
 
 use converged_metadata::types::*;
-use converged_metadata::MetaError;
+use converged_metadata::SweepFacts;
 
 use super::Core;
 use crate::error::{FsError, FsResult};
@@ -89,8 +89,8 @@ impl Seen {
 
 /// How often every copy held is looked at even when no change was heard.
 pub const SAFETY_PASS_EVERY: Duration = Duration::from_secs(15 * 60);
-/// Files a second the safety pass looks at (each look is about four
-/// metadata reads).
+/// Files a second the safety pass looks at (their records read
+/// [`converged_metadata::SWEEP_FACTS_BATCH`] files to a request).
 pub const SAFETY_PASS_RATE: usize = 50;
 /// Files noted beyond this many before the sweep takes them make it look
 /// at everything instead (a node that hears another create a million
@@ -198,29 +198,41 @@ impl SweepHints {
 }
 
 impl Core {
-    /// One look at this node's copy of `ino`: its inode and chunk records
-    /// in one read, its write lease and its tier record; no read for a
-    /// file whose purge the change feed reported. `live`: the live nodes
-    /// other than this one.
+    /// One look at this node's copy of `ino`, its records read on their
+    /// own: the second look before a copy goes, under the file's hold.
     fn look(&self, ino: Ino, live: &HashSet<String>) -> FsResult<Look> {
+        if let Some(look) = self.look_here(ino) {
+            return Ok(look);
+        }
+        let facts = self.ns.sweep_facts(&[ino])?.pop().flatten();
+        self.judge(ino, facts, live)
+    }
+
+    /// What this node alone tells of its copy of `ino`: busy (open here, a
+    /// spare, a number this node is about to hand out), or purged as the
+    /// change feed reported; `None` when the records must say.
+    fn look_here(&self, ino: Ino) -> Option<Look> {
         if self.open.get(ino).is_some() || self.spares.holds(ino) || self.ns.upcoming_inos(u64::MAX).contains(&ino) {
-            return Ok(Look::Busy);
+            return Some(Look::Busy);
         }
-        if self.sweep_hints.purged(ino) {
+        self.sweep_hints.purged(ino).then_some(Look::Purged)
+    }
+
+    /// This node's copy of `ino` judged by its records (`None`: it has no
+    /// inode record), read in one view with its write lease and tier
+    /// record. `live`: the live nodes other than this one.
+    fn judge(&self, ino: Ino, facts: Option<SweepFacts>, live: &HashSet<String>) -> FsResult<Look> {
+        let Some(SweepFacts { inode, chunks, writer, tier }) = facts else {
             return Ok(Look::Purged);
-        }
-        let (inode, chunks) = match self.ns.layout(ino) {
-            Ok(l) => l,
-            Err(MetaError::NotFound) => return Ok(Look::Purged),
-            Err(e) => return Err(e.into()),
         };
-        if self.ns.writer(ino)?.is_some() {
+        if writer.is_some() {
             return Ok(Look::Busy);
         }
         if inode.kind != FileKind::Regular || chunks.is_empty() {
             return Ok(Look::Keep);
         }
-        let backed = self.backed_object(ino)?.is_some();
+        let backed = self.tier.get().is_some()
+            && tier.is_some_and(|r| matches!(r.state, TierState::Backed | TierState::ReKeying));
         // A chunk whose record names no live node but this one's old id (an
         // id that changed) is kept: this copy may be the only one.
         let elsewhere = |r: &converged_metadata::ChunkRecord| backed || r.replicas.iter().any(|h| live.contains(h));
@@ -284,12 +296,39 @@ impl Core {
         let Some(cluster) = self.cluster.get() else { return Ok(0) };
         let live: HashSet<String> = cluster.live_peers().into_iter().map(|n| n.id).collect();
         let mut removed = 0;
-        for ino in files {
+        let files: Vec<Ino> = files.into_iter().collect();
+        for batch in files.chunks(converged_metadata::SWEEP_FACTS_BATCH) {
+            removed += self.sweep_batch(seen, grace, batch, &live)?;
+        }
+        Ok(removed)
+    }
+
+    /// [`Core::sweep`] of a few files: the records of those held here and
+    /// not busy are read together, the second look before a removal on
+    /// its own.
+    fn sweep_batch(&self, seen: &mut Seen, grace: Duration, batch: &[Ino], live: &HashSet<String>) -> FsResult<usize> {
+        let mut looks: HashMap<Ino, Look> = HashMap::with_capacity(batch.len());
+        let mut ask = Vec::with_capacity(batch.len());
+        for &ino in batch {
             if !self.holds(ino) {
                 seen.forget(ino);
                 continue;
             }
-            let look = self.look(ino, &live)?;
+            match self.look_here(ino) {
+                Some(look) => {
+                    looks.insert(ino, look);
+                }
+                None => ask.push(ino),
+            }
+        }
+        if !ask.is_empty() {
+            for (&ino, facts) in ask.iter().zip(self.ns.sweep_facts(&ask)?) {
+                looks.insert(ino, self.judge(ino, facts, live)?);
+            }
+        }
+        let mut removed = 0;
+        for &ino in batch {
+            let Some(look) = looks.remove(&ino) else { continue };
             if !matches!(look, Look::Purged | Look::Moved) {
                 seen.files.remove(&ino);
             }
@@ -308,7 +347,7 @@ impl Core {
                     // Held closed (opens wait) while the copy goes, and
                     // looked at again under that hold.
                     let gone = self.while_closed(ino, || -> FsResult<bool> {
-                        if self.look(ino, &live)? != look {
+                        if self.look(ino, live)? != look {
                             return Ok(false);
                         }
                         self.store.remove(ino)?;
@@ -320,7 +359,7 @@ impl Core {
                     }
                 }
                 Look::Partly { chunk_size, others } => {
-                    removed += self.trim(ino, chunk_size, &others, &live, &mut seen.chunks, grace)?;
+                    removed += self.trim(ino, chunk_size, &others, live, &mut seen.chunks, grace)?;
                 }
             }
         }

@@ -24,6 +24,25 @@ use crate::namespace::{
 use crate::schema;
 use crate::types::{ChunkRecord, Ino, Inode, SetAttr, Timespec};
 
+/// What the sweep judges a node's copy of a file by, read together: its
+/// inode and chunk records, the holder of its write lease, its tier record.
+#[derive(Debug, Clone)]
+pub struct SweepFacts {
+    pub inode: Inode,
+    pub chunks: Vec<(u32, ChunkRecord)>,
+    /// The node holding the file's write lease (its `U` mark), if any.
+    pub writer: Option<String>,
+    pub tier: Option<crate::types::TierRecord>,
+}
+
+/// Files whose [`SweepFacts`] one etcd request reads (four keys each, in
+/// a transaction of at most 128 reads; their chunk ranges in a second).
+pub const SWEEP_FACTS_BATCH: usize = 32;
+
+/// Chunk records a batched sweep read takes of one file (a file with more
+/// is read on its own, in pages).
+const SWEEP_CHUNKS: usize = 256;
+
 /// A writing session of this node that ended with nothing left to record
 /// but the end of its write lease (see [`Namespace::end_sessions`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -309,6 +328,62 @@ impl Namespace {
         let inode = get_inode(txn.as_mut(), ino)?;
         let chunks = read_layout(txn.as_mut(), ino)?;
         Ok((inode, chunks))
+    }
+
+    /// [`SweepFacts`] of each of `inos`, at one point in time past any
+    /// node-local cache: `None` for a file with no inode record. On etcd
+    /// one request per [`SWEEP_FACTS_BATCH`] files, where reading them
+    /// file by file took three. A file with a batched layout current, or
+    /// more chunk records than one read returns, is read on its own.
+    pub fn sweep_facts(&self, inos: &[Ino]) -> MetaResult<Vec<Option<SweepFacts>>> {
+        const KEYS: usize = 4;
+        let mut keys = Vec::with_capacity(inos.len() * KEYS);
+        let mut ranges = Vec::with_capacity(inos.len());
+        for &ino in inos {
+            keys.extend([schema::inode(ino), schema::unsealed(ino), schema::tier(ino), schema::layout_commit(ino)]);
+            ranges.push(schema::prefix_range(&schema::chunks_of(ino)));
+        }
+        let mut txn = self.kv.fresh_read_txn()?;
+        let found = txn.get_many_versioned(&keys)?;
+        let scanned = txn.scan_many(&ranges, SWEEP_CHUNKS)?;
+        let mut out = Vec::with_capacity(inos.len());
+        for ((&ino, found), pairs) in inos.iter().zip(found.chunks(KEYS)).zip(scanned) {
+            let [inode, unsealed, tier, token] = [0, 1, 2, 3].map(|i| found[i].0.as_deref());
+            let Some(inode) = inode else {
+                out.push(None);
+                continue;
+            };
+            if token.is_some() || pairs.len() >= SWEEP_CHUNKS {
+                out.push(self.sweep_facts_of(ino)?);
+                continue;
+            }
+            let chunks = pairs
+                .iter()
+                .map(|(k, v)| Ok((schema::chunk_index(k), decode(k, v)?)))
+                .collect::<MetaResult<Vec<(u32, ChunkRecord)>>>()?;
+            out.push(Some(SweepFacts {
+                inode: decode(&schema::inode(ino), inode)?,
+                chunks,
+                writer: unsealed.map(|v| String::from_utf8_lossy(parse_lease_mark(v).0).into_owned()),
+                tier: tier.map(|v| decode(&schema::tier(ino), v)).transpose()?,
+            }));
+        }
+        Ok(out)
+    }
+
+    /// [`SweepFacts`] of one file, in one read view past any cache.
+    fn sweep_facts_of(&self, ino: Ino) -> MetaResult<Option<SweepFacts>> {
+        let mut txn = self.kv.fresh_read_txn()?;
+        let inode = match get_inode(txn.as_mut(), ino) {
+            Ok(inode) => inode,
+            Err(MetaError::NotFound) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let chunks = read_layout(txn.as_mut(), ino)?;
+        let writer =
+            txn.get(&schema::unsealed(ino))?.map(|v| String::from_utf8_lossy(parse_lease_mark(&v).0).into_owned());
+        let tier = crate::ops::tier::get_tier(txn.as_mut(), ino)?;
+        Ok(Some(SweepFacts { inode, chunks, writer, tier }))
     }
 
     /// What decides whether a peer may store a version of chunk `index` of
