@@ -167,18 +167,45 @@ impl Core {
     /// One pass of the settler worker: every inode with version files not
     /// settled yet that is not open here. Returns how many version files it
     /// installed or removed (and backing ranges it vacated).
+    ///
+    /// The records of the inodes are read [`SWEEP_FACTS_BATCH`] to a request
+    /// first: one whose every version file they show to be its chunk's home
+    /// here (a replica received, the usual case after a restart) is settled
+    /// without more; the others are settled one by one, under their hold,
+    /// from a read of their own.
+    ///
+    /// [`SWEEP_FACTS_BATCH`]: converged_metadata::SWEEP_FACTS_BATCH
     pub fn settle_step(&self) -> FsResult<usize> {
         let mut changed = 0;
-        for ino in self.store.inodes_to_settle() {
-            if let Some(r) = self.while_closed(ino, || self.settle_versions(ino, false)) {
-                let r = r?;
-                changed += r.changed;
-                if !r.pending {
+        for batch in self.store.inodes_to_settle().chunks(converged_metadata::SWEEP_FACTS_BATCH) {
+            let facts = self.ns.sweep_facts(batch)?;
+            for (&ino, facts) in batch.iter().zip(facts) {
+                if self.open.get(ino).is_none() && facts.is_some_and(|f| self.all_home(ino, &f)) {
                     self.store.settled(ino);
+                    continue;
+                }
+                if let Some(r) = self.while_closed(ino, || self.settle_versions(ino, false)) {
+                    let r = r?;
+                    changed += r.changed;
+                    if !r.pending {
+                        self.store.settled(ino);
+                    }
                 }
             }
         }
         Ok(changed)
+    }
+
+    /// Whether every version file of `ino` is its chunk's home by `facts`:
+    /// a version the layout records with this node as a holder, and no
+    /// backing file here (which [`Core::settle_versions`] would find
+    /// [`Fate::Home`] and leave alone).
+    fn all_home(&self, ino: Ino, facts: &converged_metadata::SweepFacts) -> bool {
+        let versions = self.store.versions_of(ino);
+        let recorded = |(index, version): &(u32, u64)| {
+            facts.chunks.iter().any(|(i, r)| i == index && r.version == *version && self.is_local(r))
+        };
+        !versions.is_empty() && versions.iter().all(recorded) && !self.store.path(ino).exists()
     }
 
     /// A change feed subscriber that tells the chunk store which chunk
