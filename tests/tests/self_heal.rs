@@ -432,6 +432,40 @@ fn scrub_finds_and_repairs_a_flipped_copy() {
     eventually(30, "every chunk has its copies", || health(&c) == (0, 0));
 }
 
+/// The scrub worker, not `scrub --now`: checking in the background the
+/// copies of many small files (their chunk records read many to a
+/// request), it finds the block flipped in one of them and rewrites it
+/// from the other holder.
+#[test]
+fn the_background_scrub_repairs_a_flipped_block_among_many_small_files() {
+    let Some(c) = Cluster::start(2, &["--scrub-period", "15s"]) else { return };
+    fs::create_dir(c.node(0).path("s")).unwrap();
+    let files: Vec<(u64, Vec<u8>)> = (0..40)
+        .map(|i| {
+            let data = pattern(8192, 500 + i);
+            (write_on_n1(&c, &format!("s/f{i}"), &data), data)
+        })
+        .collect();
+    for (ino, data) in &files {
+        assert!(c.stored_becomes(1, *ino, data), "n2 holds a copy of inode {ino}");
+    }
+    let (ino, data) = &files[17];
+    let (backing, versions) = c.stored_files(1, *ino);
+    let held = versions.last().map_or(backing, |(_, p)| p.clone());
+    let out = std::process::Command::new("dd")
+        .args(["if=/dev/urandom", "bs=512", "count=1", "seek=4", "conv=notrunc,fsync"])
+        .arg(format!("of={}", held.display()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    drop_caches();
+    assert!(c.stored(1, *ino) != *data, "the block was flipped");
+    eventually(90, "n2's background scrub rewrote the flipped block", || c.stored(1, *ino) == *data);
+    for (ino, data) in &files {
+        assert!(c.stored(1, *ino) == *data, "n2's copy of inode {ino}");
+    }
+}
+
 /// The holders of each chunk of each file, as n`i` reads the layouts.
 fn holders(c: &Cluster, i: usize, names: &[String]) -> Vec<Vec<String>> {
     names

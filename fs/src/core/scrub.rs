@@ -71,8 +71,16 @@ impl Core {
     /// Check this node's copy of chunk `index` of `ino` block by block,
     /// and rewrite bad blocks from a good source.
     pub(crate) fn scrub_chunk(&self, ino: Ino, index: u32) -> FsResult<Scrubbed> {
+        let rec = self.ns.chunk(ino, index)?;
+        self.scrub_recorded(ino, index, rec)
+    }
+
+    /// [`Core::scrub_chunk`] against `rec`, the chunk's record as read
+    /// (with others, by the scrub worker): found rotten, the copy is
+    /// checked against the record read again before anything is rewritten.
+    pub(crate) fn scrub_recorded(&self, ino: Ino, index: u32, rec: Option<ChunkRecord>) -> FsResult<Scrubbed> {
         let mut s = Scrubbed::default();
-        let Some(rec) = self.ns.chunk(ino, index)? else { return Ok(s) };
+        let Some(rec) = rec else { return Ok(s) };
         if !self.is_local(&rec) || self.rewrites_backing_file(ino) {
             return Ok(s);
         }
@@ -88,7 +96,13 @@ impl Core {
             Some(f) => (f, 0),
             None => match File::open(self.store.path(ino)) {
                 Ok(f) => (f, start),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.copy_missing(ino, index, &rec),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    // Missing: acted on only as the record stands now.
+                    return match self.ns.chunk(ino, index)? {
+                        Some(now) if now == rec => self.copy_missing(ino, index, &rec),
+                        _ => Ok(s),
+                    };
+                }
                 Err(e) => return Err(FsError::io("open backing file to scrub", e)),
             },
         };

@@ -249,8 +249,31 @@ pub(crate) fn read_layout(txn: &mut (impl KvRead + ?Sized), ino: Ino) -> MetaRes
 /// The token, the pending record and the plain record are read together
 /// (one request to a remote engine).
 pub(crate) fn read_chunk(txn: &mut (impl KvRead + ?Sized), ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
-    let keys = [schema::layout_commit(ino), schema::pending_chunk(ino, index), schema::chunk(ino, index)];
+    Ok(read_chunks(txn, &[(ino, index)])?.pop().flatten())
+}
+
+/// [`read_chunk`] of each of `which`, in order, in one batched read (one
+/// request per 42 chunks on etcd).
+pub(crate) fn read_chunks(
+    txn: &mut (impl KvRead + ?Sized),
+    which: &[(Ino, u32)],
+) -> MetaResult<Vec<Option<ChunkRecord>>> {
+    let keys: Vec<Vec<u8>> = which
+        .iter()
+        .flat_map(|&(ino, index)| {
+            [schema::layout_commit(ino), schema::pending_chunk(ino, index), schema::chunk(ino, index)]
+        })
+        .collect();
     let found = txn.get_many_versioned(&keys)?;
+    let mut out = Vec::with_capacity(which.len());
+    for ((&(ino, _), found), keys) in which.iter().zip(found.chunks(3)).zip(keys.chunks(3)) {
+        out.push(chunk_of(ino, found, keys)?);
+    }
+    Ok(out)
+}
+
+/// The current record among a chunk's token, pending and plain records.
+fn chunk_of(ino: Ino, found: &[crate::kv::Found], keys: &[Vec<u8>]) -> MetaResult<Option<ChunkRecord>> {
     if let Some(token) = &found[0].0 {
         let token = parse_token(ino, token)?;
         if let Some(v) = &found[1].0 {
@@ -404,6 +427,17 @@ impl Namespace {
     /// One chunk record, if the file has one for `index`.
     pub fn chunk(&self, ino: Ino, index: u32) -> MetaResult<Option<ChunkRecord>> {
         self.read(|txn| read_chunk(txn, ino, index))
+    }
+
+    /// [`Namespace::chunk`] of each of `which`, in one batched read, with
+    /// the inode records of their files (kept by the node cache, so that
+    /// a `getattr` of one of them next costs no read).
+    pub fn chunks_at(&self, which: &[(Ino, u32)]) -> MetaResult<Vec<Option<ChunkRecord>>> {
+        self.read(|txn| {
+            let inodes: Vec<Vec<u8>> = which.iter().map(|(ino, _)| schema::inode(*ino)).collect();
+            txn.get_many_versioned(&inodes)?;
+            read_chunks(txn, which)
+        })
     }
 
     /// Visit every plain and pending chunk record of the volume, whatever
