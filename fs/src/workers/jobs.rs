@@ -554,9 +554,10 @@ impl Worker for Scrubber {
                 match core.namespace().chunks_at(&which) {
                     Ok(recs) => {
                         let mut recs = which.into_iter().zip(recs);
-                        self.ahead = recs.by_ref().skip(1).collect();
+                        let first = recs.next().and_then(|(_, rec)| rec);
+                        self.ahead = recs.collect();
                         self.ahead_read = Instant::now();
-                        recs.next().expect("asked").1
+                        first
                     }
                     Err(e) => {
                         self.queue.push((ino, index));
