@@ -41,7 +41,9 @@
 #   where the untar's time goes on converged (bench/scripts/profile_run.py),
 #   per file: FUSE requests by operation and the mean time of one, the
 #   node's etcd transactions and the mean time of one, what etcd served
-#   meanwhile to every client (transactions, reads), CPU milliseconds of
+#   meanwhile to every client (transactions, reads), the keys etcd
+#   committed meanwhile by record kind (`I put`, `U delete`, ...; schema.rs
+#   names the kinds; replayed from etcd's history after the run), CPU milliseconds of
 #   tar, of the node's daemon, of the other node's and of etcd, and
 #   context switches
 #
@@ -319,6 +321,12 @@ for t in "${TARGETS[@]}"; do
     echo "ls $(awk "BEGIN { print $e - $s }")" >> "$OUT/$t-tree.txt"
     s=$(date +%s.%N); rm -rf "$d"; e=$(date +%s.%N)
     echo "rm $(awk "BEGIN { print $e - $s }")" >> "$OUT/$t-tree.txt"
+    # What etcd wrote while tar ran, by record kind: replayed from its
+    # history now, outside every timed step.
+    if [[ $t == cluster || $t == nowsync ]]; then
+        python3 "$SCRIPT_DIR/scripts/profile_run.py" --writes "$OUT/$t-untar-profile.json" dev/ ||
+            log "$t: etcd's writes not counted"
+    fi
 done
 
 REPORT=$OUT/table.txt
@@ -486,6 +494,17 @@ if profiles:
     # too (a read-only transaction of many gets is one Txn).
     for method in ("Txn", "Range"):
         row(f"etcd served, {method}", lambda p: p["etcd_served"].get(method, 0) / n if "etcd_served" in p else None)
+    # Every key etcd committed while tar ran, from both nodes and their
+    # background work, by record kind (metadata/src/schema.rs): the writes
+    # a file costs the store.
+    written = [t for t in shown if "etcd_writes" in profiles[t]]
+    if written:
+        row("etcd writes (keys)", lambda p: sum(p["etcd_writes"].values()) / n if "etcd_writes" in p else None)
+        kinds = sorted({k for t in written for k in profiles[t]["etcd_writes"]},
+                       key=lambda k: -max(profiles[t]["etcd_writes"].get(k, 0) for t in written))
+        for k in kinds:
+            if max(profiles[t]["etcd_writes"].get(k, 0) for t in written) >= n / 20:
+                row(f"  {k}", lambda p: p["etcd_writes"].get(k, 0) / n if "etcd_writes" in p else None)
     for who, label in (("cmd", "tar"), ("node", "this node's daemon"), ("other", "the other node's daemon"),
                        ("etcd", "etcd")):
         row(f"CPU ms, {label}", lambda p: 1000 * p["cpu"][who] / n if who in p["cpu"] else None)

@@ -10,7 +10,8 @@ served it.
               FUSE requests by operation (count, seconds), the metadata round
               trips charged to them, and etcd transactions (count, seconds)
 --etcd URL    an etcd client URL (http://HOST:PORT): the requests it served
-              meanwhile, from every client, by gRPC method (its /metrics)
+              meanwhile, from every client, by gRPC method (its /metrics),
+              and the revisions before and after CMD (for --writes)
 --proc NAME=PATTERN   processes whose command line matches PATTERN (as
               `pgrep -f`), all threads: CPU seconds (user + system) and
               context switches (voluntary and not) while CMD ran, as NAME
@@ -20,8 +21,19 @@ CMD's own CPU (its children's rusage) is recorded as "cmd". Prints nothing
 but errors; OUT is one JSON object:
     {"wall": s, "cpu": {NAME: s}, "switches": {NAME: n},
      "fuse": {op: [count, seconds]}, "trips": n, "etcd_txn": [count, seconds],
-     "etcd_served": {method: n}}
+     "etcd_served": {method: n}, "etcd_revisions": [first, last]}
+
+    profile_run.py --writes OUT.json PREFIX
+
+afterwards adds to OUT "etcd_writes": {"KIND put" | "KIND delete": n}, every
+key etcd committed while CMD ran (from every client, background work
+included), by record kind: the byte after PREFIX, the volume's key prefix
+(`dev/` for `converged dev-cluster`), as metadata/src/schema.rs names them.
+It replays etcd's history of those revisions with a watch, after the run,
+so that counting them costs the run nothing; a history compacted since
+leaves the count out.
 """
+import base64
 import json
 import os
 import re
@@ -84,8 +96,65 @@ def etcd_served(url):
     return served
 
 
+def etcd_post(url, path, body, timeout=10):
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST")
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def etcd_revision(url):
+    """etcd's current revision."""
+    with etcd_post(url, "/v3/kv/range", {"key": base64.b64encode(b"\0").decode(), "limit": 1}) as r:
+        return int(json.load(r)["header"]["revision"])
+
+
+def etcd_writes(url, prefix, first, last):
+    """Keys etcd committed at revisions first..=last, by record kind and
+    put or delete; None when that history is compacted away."""
+    every = base64.b64encode(b"\0").decode()
+    body = {"create_request": {"key": every, "range_end": every, "start_revision": first}}
+    counts, seen = {}, first - 1
+    if last < first:
+        return counts
+    # etcd's gateway streams one JSON object per line.
+    with etcd_post(url, "/v3/watch", body, timeout=60) as r:
+        for line in r:
+            result = json.loads(line).get("result", {})
+            if result.get("compact_revision") or result.get("canceled"):
+                return None
+            for ev in result.get("events", []):
+                kv = ev["kv"]
+                rev = int(kv["mod_revision"])
+                if rev > last:
+                    return counts
+                key = base64.b64decode(kv["key"])
+                kind = chr(key[len(prefix)]) if key.startswith(prefix) and len(key) > len(prefix) else "other"
+                what = f"{kind} {'delete' if ev.get('type') == 'DELETE' else 'put'}"
+                counts[what] = counts.get(what, 0) + 1
+                seen = rev
+            if seen >= last:
+                return counts
+    return counts
+
+
+def add_writes(out, prefix):
+    with open(out) as f:
+        result = json.load(f)
+    first, last = result["etcd_revisions"]
+    writes = etcd_writes(result["etcd_url"], prefix.encode(), first, last)
+    if writes is None:
+        print(f"profile_run: etcd compacted revisions {first}..{last}: no write count", file=sys.stderr)
+        return
+    result["etcd_writes"] = writes
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
 def main():
     args = sys.argv[1:]
+    if args[:1] == ["--writes"]:
+        if len(args) != 3:
+            sys.exit(__doc__)
+        return add_writes(args[1], args[2])
     if "--" not in args or args.index("--") < 1:
         sys.exit(__doc__)
     cmd = args[args.index("--") + 1:]
@@ -111,6 +180,7 @@ def main():
     before = {name: usage(p) for name, p in found.items()}
     s0 = stats(mnt) if mnt else None
     e0 = etcd_served(etcd) if etcd else None
+    r0 = etcd_revision(etcd) if etcd else None
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     rc = subprocess.run(cmd).returncode
@@ -132,6 +202,8 @@ def main():
         result["trips"] = s1[1] - s0[1]
         result["etcd_txn"] = [s1[2][0] - s0[2][0], (s1[2][1] - s0[2][1]) / 1e9]
     if etcd:
+        result["etcd_url"] = etcd
+        result["etcd_revisions"] = [r0 + 1, etcd_revision(etcd)]
         e1 = etcd_served(etcd)
         result["etcd_served"] = {m: n - e0.get(m, 0) for m, n in e1.items() if n != e0.get(m, 0)}
     with open(out, "w") as f:
