@@ -673,6 +673,15 @@ impl Cluster {
         self.rt.block_on(fut)
     }
 
+    /// Run blocking `f` (a disk sync) on the transport runtime's blocking
+    /// threads, beside the peer calls in flight; wait with `block_on`.
+    pub fn spawn_blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        self.rt.spawn_blocking(f)
+    }
+
     pub fn spawn<T: Send + 'static>(
         &self,
         fut: impl std::future::Future<Output = T> + Send + 'static,

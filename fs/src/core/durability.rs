@@ -114,6 +114,7 @@ impl Core {
                 keep_unsealed: false,
                 durability: Durability::Buffered,
                 data_durable: false,
+                sync_here: false,
                 lease: epoch,
                 fresh: false,
                 streamed: Default::default(),

@@ -90,7 +90,23 @@ impl Core {
         let md = file.metadata().map_err(|e| FsError::io("stat backing file", e))?;
         let size = md.len();
         let plan = self.plan_seal(inode, size, dirty, &how)?;
-        let mut pass = self.seal_chunks(inode, file, size, &plan, &how)?;
+        // A small file's copy here goes to stable storage while the peers
+        // take theirs (the disk's sync beside the network's round trip).
+        let syncing = match plan.replicate_now {
+            Some(c) if how.sync_here && !how.data_durable && !plan.leaving && !plan.which.is_empty() => {
+                let f = file.try_clone().map_err(|e| FsError::io("open backing file to sync", e))?;
+                Some((c, c.spawn_blocking(move || f.sync_data())))
+            }
+            _ => None,
+        };
+        let pass = self.seal_chunks(inode, file, size, &plan, &how);
+        if let Some((c, task)) = syncing {
+            c.block_on(task)
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+                .map_err(|e| FsError::io("sync backing file", e))?;
+            how.data_durable = true;
+        }
+        let mut pass = pass?;
         if let Some(c) = self.cluster.get() {
             vouch_for_streamed(c, inode.ino, &mut pass);
         }
