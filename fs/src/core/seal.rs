@@ -18,7 +18,7 @@ use converged_metadata::{ChunkRecord, Seal};
 use converged_transport::ChunkRef;
 
 use super::open::OpenInode;
-use super::write::{Dirty, Looked, SealAs, StreamJob, Streamed};
+use super::write::{Dirty, Looked, SealAs, StreamJob, Streamed, SYNC_HERE_MAX};
 use super::{ts_from, Core};
 use crate::chunkstore::block_crcs;
 use crate::cluster::{Cluster, DurabilityMode, Push};
@@ -93,7 +93,13 @@ impl Core {
         // A small file's copy here goes to stable storage while the peers
         // take theirs (the disk's sync beside the network's round trip).
         let syncing = match plan.replicate_now {
-            Some(c) if how.sync_here && !how.data_durable && !plan.leaving && !plan.which.is_empty() => {
+            Some(c)
+                if how.sync_here
+                    && size <= SYNC_HERE_MAX
+                    && !how.data_durable
+                    && !plan.leaving
+                    && !plan.which.is_empty() =>
+            {
                 let f = file.try_clone().map_err(|e| FsError::io("open backing file to sync", e))?;
                 Some((c, c.spawn_blocking(move || f.sync_data())))
             }

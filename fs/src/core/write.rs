@@ -163,7 +163,7 @@ pub(super) struct SealAs<'a> {
     /// The backing file was synced before the checksums were computed.
     pub data_durable: bool,
     /// Sync the backing file while the peers take their copies, when any
-    /// do (a small file's last seal; see [`SYNC_HERE_MAX`]): the seal then
+    /// do and it is small (a last seal; see [`SYNC_HERE_MAX`]): the seal then
     /// records every copy on stable storage, and no sync-pending mark is
     /// left for the flusher to sync and clear (two etcd writes a file).
     pub sync_here: bool,
@@ -625,8 +625,7 @@ impl Core {
             return Ok(());
         }
         let dirty = if unchanged { Dirty::None } else { u.dirty };
-        let backing_len = oi.file.metadata().map(|m| m.len()).ok();
-        let backing_empty = backing_len == Some(0);
+        let backing_empty = oi.file.metadata().is_ok_and(|m| m.len() == 0);
         if u.created_here && !u.size_recorded && backing_empty && u.attrs.is_none() {
             // Created here and never written: recorded with size 0 at
             // create, nothing to read back or checksum.
@@ -642,7 +641,7 @@ impl Core {
             keep_unsealed: false,
             durability: Durability::Buffered,
             data_durable: false,
-            sync_here: backing_len.is_some_and(|len| len <= SYNC_HERE_MAX),
+            sync_here: true,
             lease: Some(u.lease),
             fresh: u.created_here && !u.publish_begun,
             streamed: u.streamed,
