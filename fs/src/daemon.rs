@@ -615,7 +615,10 @@ fn mount_and_serve(
         source,
         attr_timeout: Duration::from_secs_f64(args.attr_timeout),
         want_passthrough: !args.verify_reads,
-        threads: args.threads as usize,
+        threads: args.threads.unwrap_or(match engine.membership() {
+            Some(_) => crate::config::CLUSTER_FUSE_THREADS,
+            None => crate::config::FUSE_THREADS,
+        }) as usize,
         read_only: args.read_only,
         suid: args.suid,
         dev: args.dev,
