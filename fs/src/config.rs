@@ -113,6 +113,7 @@ pub struct MountArgs {
     pub verify_reads: bool,
 
     /// Number of threads serving FUSE requests [default: 8 on the embedded store, 16 on etcd].
+    ///
     /// On etcd a thread waits out its request's commit off the CPU, and the requests waiting
     /// at once share one transaction: with fewer threads than processes creating or removing
     /// files, the rest wait in the kernel and their commits go out in the next transaction.
