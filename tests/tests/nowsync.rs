@@ -106,6 +106,32 @@ fn an_untarred_tree_is_removed_by_rm_rf_at_once() {
     }
 }
 
+/// An unmount while etcd is gone ends the daemon. Its last flush asks the
+/// store whether each file it purged is gone before removing the data; a
+/// store that does not answer made each question wait out etcd's timeout
+/// in turn, so after an `rm -rf` of 600 files the daemon outlived its
+/// unmount by many minutes (`converged umount` gave up: the data dir
+/// stayed in use). Now the files it cannot ask about keep their data for
+/// a later flush, and the daemon exits.
+#[test]
+fn an_unmount_while_etcd_is_gone_ends_the_daemon() {
+    let Some(mut c) = Cluster::start(2, &["--nowsync"]) else { return };
+    let top = c.node(0).path("removed");
+    for d in 0..10 {
+        fs::create_dir_all(top.join(format!("d{d}"))).unwrap();
+    }
+    for i in 0..600 {
+        let (name, data) = small(i);
+        fs::write(top.join(format!("d{}/{name}", i % 10)), &data[..data.len().min(4096)]).unwrap();
+    }
+    fs::remove_dir_all(&top).unwrap();
+    let pid = c.nodes[0].daemon_pid();
+    c.kill_etcd();
+    c.nodes[0].umount();
+    wait_gone(pid);
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "n1's daemon outlived its unmount");
+}
+
 /// fsync beside an untar in another directory: it makes durable what was
 /// acknowledged before it began, and returns. It used to flush all that
 /// was due, start over, find more due each time (the untar goes on), and

@@ -239,12 +239,27 @@ impl Core {
             return Err(e);
         }
         let mut gone = Vec::with_capacity(doomed.len());
-        for (ino, holders) in doomed {
+        let mut doomed = doomed.into_iter();
+        while let Some((ino, holders)) = doomed.next() {
             // A metadata reopen after a disk-full error rolls back to the last
             // durable commit and may bring the inode back: then keep its data.
-            if matches!(self.ns.getattr(ino), Err(MetaError::NotFound)) {
-                self.delete_on_peers(ino, &holders);
-                gone.push(ino);
+            match self.ns.getattr(ino) {
+                Err(MetaError::NotFound) => {
+                    self.delete_on_peers(ino, &holders);
+                    gone.push(ino);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    // The store does not answer (etcd unreachable): each
+                    // next question would wait out the same timeout, one
+                    // file after another (an unmount during an outage sat
+                    // here for minutes). This file and the rest keep their
+                    // data and are asked about again at the next flush.
+                    let rest: Vec<_> = std::iter::once((ino, holders)).chain(doomed).collect();
+                    tracing::warn!(error = %e, files = rest.len(), "cannot tell whether purged files are gone; their data stays until the metadata store answers");
+                    self.pending.doomed.lock().extend(rest);
+                    break;
+                }
             }
         }
         // Backing files become the spares of the next creates, or go.

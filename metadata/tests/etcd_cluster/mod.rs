@@ -169,6 +169,17 @@ pub fn free_port() -> u16 {
     }
 }
 
+impl EtcdCluster {
+    /// Kill every member (an outage); dropping it then does nothing more.
+    #[allow(dead_code)] // Used by the kernel-mount tests, not by these.
+    pub fn kill(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 impl Drop for EtcdCluster {
     fn drop(&mut self) {
         for c in &mut self.children {

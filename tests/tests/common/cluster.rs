@@ -40,6 +40,12 @@ impl Cluster {
         self.add_node_via(&meta, extra);
     }
 
+    /// Kill every etcd member: the cluster's metadata store is gone.
+    #[allow(dead_code)] // Not every test binary that includes this module calls it.
+    pub fn kill_etcd(&mut self) {
+        self._etcd.kill();
+    }
+
     /// [`Cluster::add_node`], the node reaching the volume at `meta` (an
     /// etcd:// URI naming a proxy in front of one member, say).
     pub fn add_node_via(&mut self, meta: &str, extra: &[&str]) {
