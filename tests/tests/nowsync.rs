@@ -21,6 +21,18 @@ fn small(i: usize) -> (String, Vec<u8>) {
     (format!("f{i:04}"), pattern(i * 37 % 9000, i as u64 + 1))
 }
 
+/// `files` small files (at most 4 KiB) spread over ten directories under
+/// `top`, as an untar writes them.
+fn write_small_tree(top: &std::path::Path, files: usize) {
+    for d in 0..10 {
+        fs::create_dir_all(top.join(format!("d{d}"))).unwrap();
+    }
+    for i in 0..files {
+        let (name, data) = small(i);
+        fs::write(top.join(format!("d{}/{name}", i % 10)), &data[..data.len().min(4096)]).unwrap();
+    }
+}
+
 #[test]
 fn what_one_node_closed_another_reads_whole_at_once() {
     let Some(c) = Cluster::start(2, &["--nowsync"]) else { return };
@@ -91,13 +103,7 @@ fn an_untarred_tree_is_removed_by_rm_rf_at_once() {
     let (a, b) = (c.node(0), c.node(1));
     for round in 0..4 {
         let top = a.path(&format!("r{round}"));
-        for d in 0..10 {
-            fs::create_dir_all(top.join(format!("tree/d{d}"))).unwrap();
-        }
-        for i in 0..600 {
-            let (name, data) = small(i);
-            fs::write(top.join(format!("tree/d{}/{name}", i % 10)), &data[..data.len().min(4096)]).unwrap();
-        }
+        write_small_tree(&top.join("tree"), 600);
         if let Err(e) = fs::remove_dir_all(&top) {
             let left: Vec<String> = walk(&top).into_iter().map(|p| p.display().to_string()).collect();
             panic!("round {round}: rm -rf failed ({e}); left now: {left:?}");
@@ -117,13 +123,7 @@ fn an_untarred_tree_is_removed_by_rm_rf_at_once() {
 fn an_unmount_while_etcd_is_gone_ends_the_daemon() {
     let Some(mut c) = Cluster::start(2, &["--nowsync"]) else { return };
     let top = c.node(0).path("removed");
-    for d in 0..10 {
-        fs::create_dir_all(top.join(format!("d{d}"))).unwrap();
-    }
-    for i in 0..600 {
-        let (name, data) = small(i);
-        fs::write(top.join(format!("d{}/{name}", i % 10)), &data[..data.len().min(4096)]).unwrap();
-    }
+    write_small_tree(&top, 600);
     fs::remove_dir_all(&top).unwrap();
     let pid = c.nodes[0].daemon_pid();
     c.kill_etcd();

@@ -170,8 +170,7 @@ pub fn free_port() -> u16 {
 }
 
 impl EtcdCluster {
-    /// Kill every member (an outage); dropping it then does nothing more.
-    #[allow(dead_code)] // Used by the kernel-mount tests, not by these.
+    /// Kill every member (an outage, or the end of the test).
     pub fn kill(&mut self) {
         for c in &mut self.children {
             let _ = c.kill();
@@ -182,10 +181,7 @@ impl EtcdCluster {
 
 impl Drop for EtcdCluster {
     fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.kill();
     }
 }
 
