@@ -630,7 +630,10 @@ fn power_cut_of_a_writer_in_a_cluster_keeps_what_close_published() {
 /// page cache held, its daemon what it had not flushed) leaves every file
 /// of that directory gone or whole, on both nodes, never a name without
 /// the bytes its close acknowledged; the files fsynced, and those of a
-/// directory fsynced, whole.
+/// directory fsynced, whole. And n1's own copies survive: with n2 dead
+/// after it read them, n1 alone reads the same files whole (a seal that
+/// recorded n1's copy as on stable storage without syncing it leaves a
+/// torn copy only n2 could make up for: EIO).
 #[test]
 fn power_cut_under_nowsync_leaves_each_unsynced_file_gone_or_whole() {
     assert!(Path::new("/dev/loop-control").exists(), "this test needs loop devices (/dev/loop-control)");
@@ -657,28 +660,39 @@ fn power_cut_under_nowsync_leaves_each_unsynced_file_gone_or_whole() {
     n1.cut();
     let mut ext4_after = Ext4::mount(&n1.cut, &n1.disk_after);
     let mut n1_after = n1.mount_after();
-    let mut gone = 0;
-    for (node, at) in [("n1", mnt.clone()), ("n2", c.node(1).mnt.clone())] {
+    // n2 reads first, from its own copies, and then dies: n1 reads alone,
+    // from what the cut left on its disk and what its restart made of it.
+    // Reading with n2 alive would let n1 fetch and keep n2's copy of a
+    // torn one, hiding a seal that recorded n1's copy as on stable storage
+    // without syncing it.
+    let read_set = |node: &str, at: &Path| {
         assert_eq!(read_all(&at.join("set/fsynced.bin")).as_deref(), Ok(&fsynced[..]), "{node}: the fsynced file");
+        let mut whole = Vec::new();
         for i in 0..n {
             let (name, bytes) = file(i);
             match read_all(&at.join(&name)) {
-                Ok(got) => assert!(
-                    got == bytes,
-                    "{node}: {name} reads {} bytes, not the {} its close acknowledged",
-                    got.len(),
-                    bytes.len()
-                ),
-                Err(e) if i < 50 => panic!("{node}: {name}, closed before the directory's fsync: {e}"),
-                Err(e) => {
-                    assert!(e.contains("No such file"), "{node}: {name}: {e}");
-                    gone += (node == "n1") as usize;
+                Ok(got) => {
+                    assert!(
+                        got == bytes,
+                        "{node}: {name} reads {} bytes, not the {} its close acknowledged",
+                        got.len(),
+                        bytes.len()
+                    );
+                    whole.push(i);
                 }
+                Err(e) if i < 50 => panic!("{node}: {name}, closed before the directory's fsync: {e}"),
+                Err(e) => assert!(e.contains("No such file"), "{node}: {name}: {e}"),
             }
         }
-    }
+        whole
+    };
+    let on_n2 = read_set("n2", &c.node(1).mnt);
+    let gone = n - on_n2.len();
     eprintln!("{gone} of {} files closed after the last fsync were lost with the power", n - 50);
     assert!(gone > 0, "the cut came after every change had committed: nothing was acknowledged ahead");
+    c.nodes[1].crash();
+    let on_n1 = read_set("n1 (n2 dead)", &mnt);
+    assert_eq!(on_n1, on_n2, "the files n1 reads alone are those n2 read");
     n1_after.umount();
     ext4_after.umount();
 }
