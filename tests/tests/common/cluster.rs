@@ -11,7 +11,7 @@ use super::*;
 
 /// Nodes n1..nN of one volume on loopback, with a real 3-member etcd.
 pub struct Cluster {
-    _etcd: EtcdCluster,
+    etcd: EtcdCluster,
     _certs: tempfile::TempDir,
     pub nodes: Vec<Mount>,
     pub meta: String,
@@ -26,7 +26,7 @@ impl Cluster {
         let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let uri = format!("etcd://{}/vol", etcd.endpoints.join(","));
-        let mut c = Cluster { _etcd: etcd, _certs: certs, nodes: Vec::new(), meta: uri };
+        let mut c = Cluster { etcd, _certs: certs, nodes: Vec::new(), meta: uri };
         for _ in 1..=n {
             c.add_node(extra);
         }
@@ -41,9 +41,8 @@ impl Cluster {
     }
 
     /// Kill every etcd member: the cluster's metadata store is gone.
-    #[allow(dead_code)] // Not every test binary that includes this module calls it.
     pub fn kill_etcd(&mut self) {
-        self._etcd.kill();
+        self.etcd.kill();
     }
 
     /// [`Cluster::add_node`], the node reaching the volume at `meta` (an
@@ -74,7 +73,7 @@ impl Cluster {
 
     /// The etcd members' client endpoints (`host:port`).
     pub fn etcd_endpoints(&self) -> &[String] {
-        &self._etcd.endpoints
+        &self.etcd.endpoints
     }
 
     /// The directory of node `id`'s certificate (its --tls-dir).
