@@ -9,8 +9,8 @@
 #
 # Each run, per binary: a fresh single-node mount, NFILES creates then
 # unlinks from one process (bench/scripts/meta_ops.py); a fresh
-# `dev-cluster --nodes 2`, NFILES/2.5 from one process on n1 and NFILES*0.8
-# from each of 16 processes in directories of their own. The page cache is
+# `dev-cluster --nodes 2`, NFILES*2/5 from one process on n1 and NFILES*4/5
+# shared by 16 processes in directories of their own. The page cache is
 # dropped before each phase. Prints each run's rates, then for each figure
 # the median of each binary and the new one's median over the old one's.
 #
