@@ -313,14 +313,47 @@ fn transient(e: impl std::fmt::Display) -> KvError {
 /// An etcd error, retryable unless etcd refused the request itself (too
 /// many operations in a transaction, a request too large, no permission):
 /// sending it again cannot help. (An expired token is retryable: the client
-/// logs in again.)
+/// logs in again.) A full database is [`KvError::NoSpace`]: the caller
+/// gets `ENOSPC` at once, not after a minute of retries and then `EIO`.
 fn from_etcd(e: etcd_client::Error) -> KvError {
+    if is_quota_full(&e) {
+        say_quota_full();
+        return KvError::NoSpace;
+    }
     let refused = matches!(
         &e,
         etcd_client::Error::GRpcStatus(s)
             if matches!(s.code(), tonic_code::InvalidArgument | tonic_code::PermissionDenied)
     );
     KvError::Backend { msg: format!("etcd: {e}"), retryable: !refused }
+}
+
+/// etcd's answer to a write while its NOSPACE alarm is raised: its
+/// database reached `--quota-backend-bytes`. Until an operator compacts,
+/// defragments and disarms the alarm, etcd serves reads and refuses every
+/// transaction that writes, a removal's included (it updates the parent).
+fn is_quota_full(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic_code::ResourceExhausted && s.message().contains("database space exceeded"))
+}
+
+/// Say, at most once a minute, that etcd's database is full and what an
+/// operator does about it: every change on every node fails until then.
+fn say_quota_full() {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let last = LAST.load(std::sync::atomic::Ordering::Relaxed);
+    if now >= last + 60
+        && LAST
+            .compare_exchange(last, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed)
+            .is_ok()
+    {
+        tracing::error!(
+            "etcd's database is full (its --quota-backend-bytes; the NOSPACE alarm is raised): every namespace \
+             change fails with ENOSPC until it is compacted, defragmented and the alarm disarmed \
+             (etcdctl compact, etcdctl defrag, etcdctl alarm disarm)"
+        );
+    }
 }
 
 impl EtcdKv {

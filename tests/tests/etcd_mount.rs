@@ -86,3 +86,64 @@ fn nodes_register_heartbeat_and_are_seen_dead() {
     let out = converged().args(["status", "--meta", "etcd://127.0.0.1:1/none"]).output().unwrap();
     assert!(!out.status.success(), "an unreachable etcd is an error");
 }
+
+/// etcd with its database full (its `--quota-backend-bytes` reached, the
+/// NOSPACE alarm raised), as a long untar under a long history retention
+/// can leave it: a change on the mount fails with ENOSPC (not EIO after a
+/// minute of retries), what is there still reads back, and the data disk
+/// keeps the reserve it holds for the embedded store, since etcd's quota is
+/// not that disk's.
+#[test]
+fn a_full_etcd_answers_enospc_and_keeps_what_is_there() {
+    use converged_metadata::{Durability, EtcdKv, KvEngine, KvError};
+    use std::time::Duration;
+    let port = common::etcd_cluster::free_port();
+    let _etcd = common::etcd_cluster::EtcdMember::start(
+        port,
+        "http",
+        &["--quota-backend-bytes".into(), (32u64 << 20).to_string()],
+    );
+    let endpoint = format!("127.0.0.1:{port}");
+    let uri = format!("etcd://{endpoint}/full");
+    let m = Mount::with_args(&["--meta", &uri, "--meta-wait", "1m"]);
+    fs::create_dir(m.path("d")).unwrap();
+    fs::write(m.path("d/before"), pattern(100_000, 3)).unwrap();
+    let reserve = m.data.join("converged.reserve");
+    assert!(reserve.exists(), "a mount keeps a reserve on its data disk");
+
+    // Another volume of the same etcd fills it until etcd refuses.
+    let kv = EtcdKv::connect(std::slice::from_ref(&endpoint), "filler", Duration::from_secs(10)).unwrap();
+    let big = vec![7u8; 1 << 20];
+    let refused = (0..200u32).find(|i| {
+        let mut txn = kv.write_txn().unwrap();
+        txn.put(format!("k{i}").as_bytes(), &big);
+        match txn.commit(Durability::Durable) {
+            Ok(()) => false,
+            Err(e) => {
+                let full = matches!(e, KvError::NoSpace) || e.to_string().contains("database space exceeded");
+                assert!(full, "filling etcd, put {i}: {e}");
+                true
+            }
+        }
+    });
+    let puts = refused.expect("etcd never refused a write at its 32 MiB quota");
+    eprintln!("etcd refused the {puts}th MiB");
+    let mut txn = kv.write_txn().unwrap();
+    txn.put(b"one-more", b"x");
+    let e = txn.commit(Durability::Durable).unwrap_err();
+    assert!(matches!(e, KvError::NoSpace), "the engine's word for a full etcd: {e}");
+
+    let e = fs::File::create(m.path("d/after")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "a create on a full etcd: {e}");
+    let e = fs::create_dir(m.path("d/sub")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "a mkdir on a full etcd: {e}");
+    assert!(!m.path("d/after").exists() && !m.path("d/sub").exists());
+    drop_caches();
+    assert_eq!(fs::read(m.path("d/before")).unwrap(), pattern(100_000, 3));
+    assert!(reserve.exists(), "etcd's full database cost the data disk its reserve");
+    assert!(
+        m.log().contains("etcd's database is full"),
+        "the daemon's log does not say what is full and what to do:\n{}",
+        m.log()
+    );
+}

@@ -302,8 +302,12 @@ impl Core {
     /// bytes were not known durable, drop backing files whose inode is gone.
     pub fn start(ns: Namespace, cfg: CoreConfig) -> FsResult<Self> {
         let store = Arc::new(ChunkStore::open(&cfg.data_dir)?);
-        let s = store.clone();
-        ns.set_no_space_handler(move || s.release_reserve());
+        // The reserve keeps room on this disk for the embedded store; a
+        // full etcd (its quota) is not this disk's and gets nothing from it.
+        if !ns.is_clustered() {
+            let s = store.clone();
+            ns.set_no_space_handler(move || s.release_reserve());
+        }
         let fh_base = cfg.fh_base;
         let core = Core {
             ns,
