@@ -314,7 +314,7 @@ fn transient(e: impl std::fmt::Display) -> KvError {
 /// many operations in a transaction, a request too large, no permission):
 /// sending it again cannot help. (An expired token is retryable: the client
 /// logs in again.) A full database is [`KvError::NoSpace`]: the caller
-/// gets `ENOSPC` at once, not after a minute of retries and then `EIO`.
+/// gets `ENOSPC` at once, not `EIO` after seconds of retries that cannot help.
 fn from_etcd(e: etcd_client::Error) -> KvError {
     if is_quota_full(&e) {
         say_quota_full();
@@ -330,8 +330,9 @@ fn from_etcd(e: etcd_client::Error) -> KvError {
 
 /// etcd's answer to a write while its NOSPACE alarm is raised: its
 /// database reached `--quota-backend-bytes`. Until an operator compacts,
-/// defragments and disarms the alarm, etcd serves reads and refuses every
-/// transaction that writes, a removal's included (it updates the parent).
+/// defragments and disarms the alarm, etcd serves reads and deletes and
+/// refuses every transaction that puts a key: every namespace change does,
+/// a removal's included (it updates the parent).
 fn is_quota_full(e: &etcd_client::Error) -> bool {
     matches!(e, etcd_client::Error::GRpcStatus(s)
         if s.code() == tonic_code::ResourceExhausted && s.message().contains("database space exceeded"))

@@ -89,8 +89,8 @@ fn nodes_register_heartbeat_and_are_seen_dead() {
 
 /// etcd with its database full (its `--quota-backend-bytes` reached, the
 /// NOSPACE alarm raised), as a long untar under a long history retention
-/// can leave it: a change on the mount fails with ENOSPC (not EIO after a
-/// minute of retries), what is there still reads back, and the data disk
+/// can leave it: a change on the mount fails with ENOSPC (not EIO after
+/// seconds of retries), what is there still reads back, and the data disk
 /// keeps the reserve it holds for the embedded store, since etcd's quota is
 /// not that disk's.
 #[test]
