@@ -64,8 +64,12 @@ fn start_etcd(args: &DevClusterArgs) -> anyhow::Result<(Etcd, String)> {
             .args(["--name", "dev", "--data-dir"])
             .arg(args.dir.join("etcd"))
             // Every create and seal is a revision: without compaction etcd keeps
-            // them all, grows to its space quota and then refuses writes.
+            // them all, grows to its space quota and then refuses writes. An
+            // hour of history is about 1 KB a file made: 8 GiB (the most etcd
+            // advises, not allocated ahead) lets one host's untar loops run
+            // for hours where the 2 GiB default stops them.
             .args(["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h"])
+            .args(["--quota-backend-bytes", "8589934592"])
             .arg("--listen-client-urls")
             .arg(format!("http://127.0.0.1:{client}"))
             .arg("--advertise-client-urls")
