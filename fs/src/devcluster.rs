@@ -69,7 +69,8 @@ fn start_etcd(args: &DevClusterArgs) -> anyhow::Result<(Etcd, String)> {
             // advises, not allocated ahead) lets one host's untar loops run
             // for hours where the 2 GiB default stops them.
             .args(["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h"])
-            .args(["--quota-backend-bytes", "8589934592"])
+            .arg("--quota-backend-bytes")
+            .arg((8u64 << 30).to_string())
             .arg("--listen-client-urls")
             .arg(format!("http://127.0.0.1:{client}"))
             .arg("--advertise-client-urls")

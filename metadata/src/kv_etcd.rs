@@ -341,14 +341,12 @@ fn is_quota_full(e: &etcd_client::Error) -> bool {
 /// Say, at most once a minute, that etcd's database is full and what an
 /// operator does about it: every change on every node fails until then.
 fn say_quota_full() {
-    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static LAST: AtomicU64 = AtomicU64::new(0);
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let last = LAST.load(std::sync::atomic::Ordering::Relaxed);
-    if now >= last + 60
-        && LAST
-            .compare_exchange(last, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed)
-            .is_ok()
-    {
+    let last = LAST.load(Relaxed);
+    // One caller a minute wins the exchange and says it.
+    if now >= last + 60 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
         tracing::error!(
             "etcd's database is full (its --quota-backend-bytes; the NOSPACE alarm is raised): every namespace \
              change fails with ENOSPC until it is compacted, defragmented and the alarm disarmed \
