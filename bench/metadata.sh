@@ -12,6 +12,8 @@
 #   sudo NFILES=2000 TREE=5000 bench/metadata.sh       # quick check
 #   sudo SAVE=1 bench/metadata.sh                      # also save bench/results/metadata-<date>.txt
 #   sudo TARGETS="raw floor one" bench/metadata.sh     # ext4, FUSE itself and the single node only
+#   sudo FS=ext4 SAVE=1 bench/metadata.sh              # all of it on a fresh ext4 with a journal
+#                                                      # (bench/results/metadata-on-ext4-<date>.txt)
 #
 # bench/single-node.sh runs it with TARGETS="raw floor one" and bench/cluster.sh
 # with TARGETS="raw cluster nowsync", with APPEND_TO naming their table.
@@ -61,6 +63,16 @@
 #               single-node mount, and one with --attr-timeout 0), cluster
 #               (2 nodes on etcd), nowsync (the same with --nowsync)
 #               [raw floor one cluster nowsync]
+#   FS          ext4 or xfs: run every target (ext4 included: "raw" is then
+#               this filesystem) on a filesystem of that kind made fresh for
+#               the run, in a sparse image under BENCH_DIR on the disk under
+#               test, through a loop device with direct I/O (no second page
+#               cache), removed at the end. mkfs's defaults: ext4 with a
+#               journal. A data dir on the disk's own filesystem is what runs
+#               without FS; this host's root ext4 has no journal, and ext4
+#               without one walks past every inode it freed in the last
+#               minutes when it allocates one, so creates after mass
+#               deletions (another target's) follow what was deleted [unset]
 #   APPEND_TO   a file to append the table to as well, under a line naming
 #               TARGETS, NFILES and TREE (another bench's table) []
 set -euo pipefail
@@ -83,6 +95,20 @@ PEERS_DIR=$REPO/../shared/peers
 
 die() { echo "metadata-bench: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
+describe_fs() { # DIR: its device and filesystem, and whether an ext4 journals
+    local dev type journal desc
+    dev=$(df -P "$1" | awk 'NR == 2 { print $1 }')
+    type=$(df -PT "$1" | awk 'NR == 2 { print $2 }')
+    desc="$dev ($type"
+    if [[ $type == ext4 ]]; then
+        journal=$(cat "/sys/fs/ext4/${dev##*/}/journal_task" 2>/dev/null || true)
+        if [[ $journal == "<none>" ]]; then desc+=", no journal"; elif [[ -n $journal ]]; then desc+=", journal"; fi
+    fi
+    if [[ -n $LOOP ]]; then
+        desc+=", made for this run: a loop device with direct I/O over an image on $(LOOP='' describe_fs "$(dirname "$IMAGE")")"
+    fi
+    echo "$desc) at $1"
+}
 
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and drop_caches need it): sudo $0"
 command -v python3 >/dev/null || die "python3 not found"
@@ -101,6 +127,18 @@ for v in NFILES TREE PAUSE_US; do
 done
 case $BENCH_DIR in /*) ;; *) die "BENCH_DIR must be an absolute path" ;; esac
 [[ $BENCH_DIR != *[[:space:]]* ]] || die "BENCH_DIR must not contain white space"
+FS=${FS:-}
+case $FS in
+    "") ;;
+    ext4 | xfs)
+        pkg=xfsprogs
+        [[ $FS == ext4 ]] && pkg=e2fsprogs
+        command -v "mkfs.$FS" >/dev/null || die "FS=$FS: mkfs.$FS not found (apt-get install $pkg)"
+        # MooseFS and GlusterFS keep their data where ../shared/peers puts it.
+        [[ $PEERS != 1 ]] || die "FS=$FS with PEERS=1: the peers' data would not be on the image; run them without FS"
+        ;;
+    *) die "FS=$FS: expected ext4 or xfs (unset: the disk's own filesystem)" ;;
+esac
 
 if [[ ! -x $CONVERGED ]]; then
     [[ $CONVERGED == "$DEFAULT_CONVERGED" ]] || die "CONVERGED=$CONVERGED is not an executable"
@@ -121,13 +159,20 @@ fi
 mkdir -p "$BENCH_DIR"
 BENCH_DIR=$(cd "$BENCH_DIR" && pwd -P)
 [[ $BENCH_DIR != / ]] || die "BENCH_DIR must not be /"
-RAW=$BENCH_DIR/raw
-ONE=$BENCH_DIR/one
-ZERO=$BENCH_DIR/zero
-FLOOR_MNT=$BENCH_DIR/floor
-DEV=$BENCH_DIR/dev
-NW=$BENCH_DIR/nowsync
 OUT=$BENCH_DIR/out
+# Where the targets work: BENCH_DIR, or with FS the filesystem made for the run.
+WORK=$BENCH_DIR
+IMAGE= LOOP=
+if [[ -n $FS ]]; then
+    WORK=$BENCH_DIR/on-$FS
+    IMAGE=$BENCH_DIR/$FS.img
+fi
+RAW=$WORK/raw
+ONE=$WORK/one
+ZERO=$WORK/zero
+FLOOR_MNT=$WORK/floor
+DEV=$WORK/dev
+NW=$WORK/nowsync
 N1=$DEV/n1/mnt
 N2=$DEV/n2/mnt
 
@@ -154,11 +199,29 @@ cleanup() {
     done
     for p in "${PEERS_UP[@]}"; do "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1; done
     rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$FLOOR_MNT"
+    if [[ -n $LOOP ]]; then
+        grep -q " $WORK " /proc/mounts && umount "$WORK"
+        losetup -d "$LOOP"
+        rm -f "$IMAGE"
+        rmdir "$WORK" 2>/dev/null
+    fi
     exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+
+if [[ -n $FS ]]; then
+    if grep -q " $WORK " /proc/mounts; then umount "$WORK" || die "$WORK is mounted and does not unmount"; fi
+    rm -f "$IMAGE"
+    truncate -s 64G "$IMAGE"
+    LOOP=$(losetup --find --show --direct-io=on "$IMAGE") || die "losetup of $IMAGE failed"
+    if [[ $FS == ext4 ]]; then mkfs.ext4 -q -F "$LOOP"; else mkfs.xfs -q -f "$LOOP"; fi ||
+        die "mkfs.$FS on $LOOP failed"
+    mkdir -p "$WORK"
+    mount "$LOOP" "$WORK" || die "mount $LOOP on $WORK failed"
+    log "FS=$FS: a fresh $FS on $LOOP (direct I/O over $IMAGE), mounted on $WORK"
+fi
 
 rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$FLOOR_MNT" "$OUT"
 mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$FLOOR_MNT" "$OUT"
@@ -337,7 +400,7 @@ REPORT=$OUT/table.txt
     echo "host $(hostname), kernel $(uname -r), $(nproc) CPUs$etcd_version"
     rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
     git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
-    echo "converged ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR; NFILES=$NFILES TREE=$TREE"
+    echo "converged ($rev); disk: $(describe_fs "$WORK"); NFILES=$NFILES TREE=$TREE"
     echo
     TREE=$TREE PAUSE_US=$PAUSE_US python3 - "$OUT" "${TARGETS[*]}" <<'PY'
 import json, os, re, sys
@@ -523,7 +586,7 @@ echo
 cat "$REPORT"
 if [[ $SAVE == 1 ]]; then
     mkdir -p "$SCRIPT_DIR/results"
-    dest=$SCRIPT_DIR/results/metadata-$(date +%Y-%m-%d-%H%M%S).txt
+    dest=$SCRIPT_DIR/results/metadata${FS:+-on-$FS}-$(date +%Y-%m-%d-%H%M%S).txt
     cp "$REPORT" "$dest"
     echo "saved to $dest"
 fi
