@@ -71,6 +71,8 @@ PEERS_UP=()
 
 die() { echo "cluster-bench: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
+# shellcheck source=scripts/disk.sh
+. "$SCRIPT_DIR/scripts/disk.sh"
 
 [[ $(id -u) -eq 0 ]] || die "run as root (drop_caches and FUSE mounts need it): sudo $0"
 command -v fio >/dev/null || die "fio not found (apt-get install fio)"
@@ -297,7 +299,7 @@ REPORT=$JSON/table.txt
     echo "host $(hostname), kernel $(uname -r), $(nproc) CPUs, $(free -g | awk '/^Mem:/ { print $2 }') GiB RAM, $(fio --version), $(/usr/bin/etcd --version | head -n 1)"
     rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
     git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
-    echo "converged $("$CONVERGED" --version | awk '{ print $2 }') ($rev); disk: $(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }') at $BENCH_DIR"
+    echo "converged $("$CONVERGED" --version | awk '{ print $2 }') ($rev); disk: $(describe_fs "$BENCH_DIR")"
     echo "SIZE=$SIZE NFILES=$NFILES STAT_LOOPS=$STAT_LOOPS JOBS=$JOBS"
     echo
     python3 - "$JSON" "$SIZE" "$NFILES" "$JOBS" "$SIZE_BYTES" <<'PY'

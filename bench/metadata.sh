@@ -95,20 +95,8 @@ PEERS_DIR=$REPO/../shared/peers
 
 die() { echo "metadata-bench: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
-describe_fs() { # DIR: its device and filesystem, and whether an ext4 journals
-    local dev type journal desc
-    dev=$(df -P "$1" | awk 'NR == 2 { print $1 }')
-    type=$(df -PT "$1" | awk 'NR == 2 { print $2 }')
-    desc="$dev ($type"
-    if [[ $type == ext4 ]]; then
-        journal=$(cat "/sys/fs/ext4/${dev##*/}/journal_task" 2>/dev/null || true)
-        if [[ $journal == "<none>" ]]; then desc+=", no journal"; elif [[ -n $journal ]]; then desc+=", journal"; fi
-    fi
-    if [[ -n $LOOP ]]; then
-        desc+=", made for this run: a loop device with direct I/O over an image on $(LOOP='' describe_fs "$(dirname "$IMAGE")")"
-    fi
-    echo "$desc) at $1"
-}
+# shellcheck source=scripts/disk.sh
+. "$SCRIPT_DIR/scripts/disk.sh"
 
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and drop_caches need it): sudo $0"
 command -v python3 >/dev/null || die "python3 not found"

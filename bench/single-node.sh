@@ -39,6 +39,8 @@ TREE=${TREE:-20000}
 
 die() { echo "single-node: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
+# shellcheck source=scripts/disk.sh
+. "$SCRIPT_DIR/scripts/disk.sh"
 
 [[ $(id -u) -eq 0 ]] || die "run as root (drop_caches and FUSE mounts need it): sudo $0"
 command -v fio >/dev/null || die "fio not found (apt-get install fio)"
@@ -117,7 +119,6 @@ mkdir -p "$RAW" "$DATA" "$MNT" "$JSON"
 # The block device under BENCH_DIR, for its read counters in /proc/diskstats
 # (best effort: empty when it cannot be found, e.g. on tmpfs or overlay).
 DISK_SRC=$(df -P "$BENCH_DIR" | awk 'NR == 2 { print $1 }')
-DISK_FSTYPE=$(df -PT "$BENCH_DIR" | awk 'NR == 2 { print $2 }')
 DISK=
 if [[ $DISK_SRC == /dev/* ]]; then
     DISK=$(basename "$(readlink -f "$DISK_SRC")")
@@ -230,7 +231,7 @@ REPORT=$JSON/table.txt
     refused=
     [[ ${REFUSED:-0} == 0 ]] || refused=" (refused for $REFUSED opens)"
     echo "converged $("$CONVERGED" --version 2>/dev/null | awk '{ print $2 }') ($rev), passthrough: ${PASSTHROUGH:-unknown}$refused"
-    echo "disk: $DISK_SRC ($DISK_FSTYPE) at $BENCH_DIR"
+    echo "disk: $(describe_fs "$BENCH_DIR")"
     echo "SIZE=$SIZE NFILES=$NFILES RAND_PCT=$RAND_PCT STAT_LOOPS=$STAT_LOOPS"
     echo
     python3 - "$JSON" "$SIZE" "$NFILES" "$RAND_PCT" "${DISK:-}" <<'PY'
