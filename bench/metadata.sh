@@ -150,7 +150,7 @@ BENCH_DIR=$(cd "$BENCH_DIR" && pwd -P)
 OUT=$BENCH_DIR/out
 # Where the targets work: BENCH_DIR, or with FS the filesystem made for the run.
 WORK=$BENCH_DIR
-IMAGE= LOOP=
+IMAGE='' LOOP=''
 if [[ -n $FS ]]; then
     WORK=$BENCH_DIR/on-$FS
     IMAGE=$BENCH_DIR/$FS.img

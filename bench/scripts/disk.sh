@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # What the disk under test is, for a table's `disk:` line (sourced by
 # metadata.sh, single-node.sh and cluster.sh).
 #   describe_fs DIR   prints "DEVICE (FSTYPE[, journal | , no journal]) at DIR":
