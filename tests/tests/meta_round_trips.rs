@@ -579,6 +579,43 @@ fn dropping_the_copies_of_deleted_files_costs_the_holder_no_read_per_file() {
     assert!(c.holds(1, warm), "n2 dropped the copy of a file nobody deleted");
 }
 
+/// A node that starts again over the copies it holds asks etcd about them
+/// in batches: its recovery looks for an inode behind every backing and
+/// version file in its data dir (one with none, left by a crash, becomes a
+/// spare or goes), and asked with a read per file, so a node holding a
+/// million files made a million requests at each start (5,000 files on each
+/// of 2 nodes: 11,422 reads and 3.9 s to start on this host; now 58–75 and
+/// 1.4 s). Counted from the restarted daemon's own metrics, from its start:
+/// fewer reads than files held (everything else it reads at its start,
+/// 68 requests here, and a read per file made it 268); a
+/// stray backing file planted while it was
+/// down is gone after, and every copy it held is still held and reads back.
+#[test]
+fn a_node_started_again_asks_etcd_about_the_files_it_holds_in_batches() {
+    let Some((mut c, ports, dir)) = metered_pair("restarted") else { return };
+    let inos = write_copied(&c, &dir);
+    c.nodes[1].umount();
+    // A backing file of an inode that does not exist (far past any number
+    // handed out), as a crash between a purge and its file's removal leaves.
+    let stray = c.backing(1, 1 << 40);
+    fs::write(&stray, b"").unwrap();
+    c.nodes[1].mount();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let reads = etcd_requests(&ports[1]).get("read").copied().unwrap_or(0);
+    eprintln!("n2 read etcd {reads} times in its first seconds, holding copies of {} files", COPIED + 1);
+    assert!(
+        reads < COPIED,
+        "n2 read etcd {reads} times starting over copies of {} files: a read per file held is back",
+        COPIED + 1
+    );
+    assert!(!stray.exists(), "the stray backing file is still there under its number after the start");
+    assert!(inos.iter().all(|ino| c.holds(1, *ino)), "n2 dropped copies it held across its restart");
+    for (i, _) in inos.iter().enumerate().step_by(40) {
+        let got = fs::read(c.node(1).mnt.join("restarted").join(format!("f{i}"))).unwrap();
+        assert_eq!(got, pattern(2048, i as u64 + 1), "f{i} read on n2 after its restart");
+    }
+}
+
 /// Unlinks from many threads at once share commits (group commit), also
 /// when each purges a written file and needs the chunk records its commit
 /// removed to tell the holders: every commit in a shared transaction gets
