@@ -112,10 +112,22 @@ fn a_write_far_past_the_end_records_only_the_chunks_written() {
     f.write_all_at(b"far away", far).unwrap();
     f.sync_all().unwrap();
     drop(f);
-    let out = converged().arg("status").arg(m.path("far")).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let records = text.lines().skip_while(|l| !l.starts_with("chunks")).skip(1).take_while(|l| l.starts_with("  "));
-    assert_eq!(records.count(), 1, "one chunk record: {text}");
+    // The close's release, which publishes the file's chunk records on one
+    // node, reaches the daemon after close(2) returned: wait for a record.
+    let status = || {
+        let out = converged().arg("status").arg(m.path("far")).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let records =
+            text.lines().skip_while(|l| !l.starts_with("chunks")).skip(1).take_while(|l| l.starts_with("  ")).count();
+        (records, text)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let (mut records, mut text) = status();
+    while records == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        (records, text) = status();
+    }
+    assert_eq!(records, 1, "one chunk record: {text}");
     m.umount();
     m.mount();
     let f = File::open(m.path("far")).unwrap();
