@@ -586,10 +586,10 @@ fn dropping_the_copies_of_deleted_files_costs_the_holder_no_read_per_file() {
 /// million files made a million requests at each start (5,000 files on each
 /// of 2 nodes: 11,422 reads and 3.9 s to start on this host; now 58–75 and
 /// 1.4 s). Counted from the restarted daemon's own metrics, from its start:
-/// fewer reads than files held (everything else it reads at its start,
-/// 68 requests here, and a read per file made it 268); a
-/// stray backing file planted while it was
-/// down is gone after, and every copy it held is still held and reads back.
+/// fewer reads than files held (everything it reads at its start is 68
+/// requests here; a read per file made it 268). A stray backing file planted
+/// while it was down is gone after, and every copy it held is still held
+/// and reads back.
 #[test]
 fn a_node_started_again_asks_etcd_about_the_files_it_holds_in_batches() {
     let Some((mut c, ports, dir)) = metered_pair("restarted") else { return };

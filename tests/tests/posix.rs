@@ -121,12 +121,8 @@ fn a_write_far_past_the_end_records_only_the_chunks_written() {
             text.lines().skip_while(|l| !l.starts_with("chunks")).skip(1).take_while(|l| l.starts_with("  ")).count();
         (records, text)
     };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let (mut records, mut text) = status();
-    while records == 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        (records, text) = status();
-    }
+    eventually(10, "the far file's chunk record is published", || status().0 > 0);
+    let (records, text) = status();
     assert_eq!(records, 1, "one chunk record: {text}");
     m.umount();
     m.mount();
