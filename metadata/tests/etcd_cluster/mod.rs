@@ -177,6 +177,26 @@ impl EtcdCluster {
             let _ = c.wait();
         }
     }
+
+    /// Stop every member (SIGSTOP) without closing a connection: etcd is
+    /// there and answers nothing, as when its hosts hang or a partition
+    /// drops its packets. Killed as usual at the end.
+    #[allow(dead_code)] // used by some of the test crates that include this module
+    pub fn freeze(&self) {
+        for c in &self.children {
+            // SAFETY: kill(2) on a child this cluster started and has not reaped.
+            unsafe { libc::kill(c.id() as i32, libc::SIGSTOP) };
+        }
+    }
+
+    /// Let frozen members go on (SIGCONT).
+    #[allow(dead_code)]
+    pub fn thaw(&self) {
+        for c in &self.children {
+            // SAFETY: as in `freeze`.
+            unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
+        }
+    }
 }
 
 impl Drop for EtcdCluster {

@@ -45,6 +45,16 @@ impl Cluster {
         self.etcd.kill();
     }
 
+    /// Stop every etcd member: connections stay up, nothing answers.
+    pub fn freeze_etcd(&self) {
+        self.etcd.freeze();
+    }
+
+    /// Let the frozen etcd members answer again.
+    pub fn thaw_etcd(&self) {
+        self.etcd.thaw();
+    }
+
     /// [`Cluster::add_node`], the node reaching the volume at `meta` (an
     /// etcd:// URI naming a proxy in front of one member, say).
     pub fn add_node_via(&mut self, meta: &str, extra: &[&str]) {
@@ -193,6 +203,15 @@ impl Drop for Cluster {
                 }
             }
         }
+        // The nodes unmount first, all at once, while etcd still answers:
+        // an unmount commits what the node acknowledged and gives up its
+        // leases, and one whose etcd is gone spends its retries first.
+        let nodes = std::mem::take(&mut self.nodes);
+        std::thread::scope(|s| {
+            for n in nodes {
+                s.spawn(move || drop(n));
+            }
+        });
     }
 }
 
