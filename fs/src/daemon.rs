@@ -388,13 +388,18 @@ pub fn run(args: &MountArgs, c: Checked) -> anyhow::Result<()> {
     if !args.read_only {
         start_local_workers(args, &core, &workers)?;
     }
+    let stopped = Arc::downgrade(&core);
     mount_and_serve(args, &c, core, &engine, kernel)?;
     notify_systemd("STOPPING=1");
     if let Some(left) = &left {
         left.store(true, Ordering::Release);
     }
     if let Some(m) = engine.membership() {
-        if let Err(e) = m.leave() {
+        if stopped.upgrade().is_some_and(|core| !core.store_answered_at_stop()) {
+            tracing::warn!(
+                "not leaving the cluster: etcd did not answer the unmount; the membership lease will expire"
+            );
+        } else if let Err(e) = m.leave() {
             tracing::warn!(error = %e, "could not leave the cluster cleanly; the lease will expire");
         }
     }

@@ -115,6 +115,11 @@ impl MetaError {
         }
     }
 
+    /// The metadata store did not answer (see [`KvError::is_unanswered`]).
+    pub fn is_unanswered(&self) -> bool {
+        matches!(self, MetaError::Kv(e) if e.is_unanswered())
+    }
+
     /// Whether this is an expected answer (ENOENT on lookup) rather than a fault
     /// worth logging loudly.
     pub fn is_fault(&self) -> bool {
@@ -158,6 +163,12 @@ impl KvError {
             KvError::NoSpace => false,
             KvError::Backend { retryable, .. } => *retryable,
         }
+    }
+
+    /// The engine did not answer (unreachable, or no answer by its
+    /// deadline), as opposed to answering with a conflict or a refusal.
+    pub fn is_unanswered(&self) -> bool {
+        matches!(self, KvError::Backend { retryable: true, .. })
     }
 }
 

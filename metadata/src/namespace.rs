@@ -64,6 +64,9 @@ pub struct Namespace {
     /// (`ops/holders.rs`). A leaf lock: taken alone, never across a
     /// transaction.
     pub(crate) unindexed: Mutex<Vec<Vec<u8>>>,
+    /// Set at unmount ([`Namespace::stop_waiting`]): a transaction the
+    /// engine does not answer fails at once instead of being tried again.
+    stopping: AtomicBool,
 }
 
 /// Has node `holder` commit what it acknowledged in directory `dir` and
@@ -305,6 +308,7 @@ impl Namespace {
             node: String::new(),
             clustered,
             unindexed: Mutex::new(Vec::new()),
+            stopping: AtomicBool::new(false),
             tiered: false,
             volume_id: String::new(),
             created: false,
@@ -623,7 +627,7 @@ impl Namespace {
                     freed = true;
                     continue;
                 }
-                Err(e) if e.is_retryable() && unbegun < MAX_ATTEMPTS => {
+                Err(e) if self.retries(&e) && unbegun < MAX_ATTEMPTS => {
                     unbegun += 1;
                     std::thread::sleep(Duration::from_micros(100 << unbegun.min(10)));
                     continue;
@@ -662,13 +666,32 @@ impl Namespace {
                 Err(MetaError::Delegated { dir, holder }) if attempt < MAX_ATTEMPTS => {
                     self.recall_dir(dir, &holder)?;
                 }
-                Err(MetaError::Kv(e)) if e.is_retryable() && attempt < MAX_ATTEMPTS => {
+                Err(MetaError::Kv(e)) if self.retries(&e) && attempt < MAX_ATTEMPTS => {
                     tracing::debug!(attempt, "metadata transaction conflict, retrying");
                     std::thread::sleep(Duration::from_micros(100 << attempt.min(10)));
                 }
                 other => return other,
             }
         }
+    }
+
+    /// Whether a transaction that failed with `e` is run again: a conflict
+    /// always (the engine answered), an engine that did not answer only
+    /// until the unmount (see [`Namespace::stop_waiting`]).
+    fn retries(&self, e: &KvError) -> bool {
+        match e {
+            KvError::Conflict => true,
+            e => e.is_retryable() && !self.stopping.load(Ordering::Acquire),
+        }
+    }
+
+    /// The node is stopping: from now on a transaction the engine does not
+    /// answer fails at once instead of being tried again, 64 times, each
+    /// waiting out the engine's deadline (minutes on an unreachable etcd).
+    /// What an unmount still has to record is asked for once; what the
+    /// store cannot take is recovered at the next mount.
+    pub fn stop_waiting(&self) {
+        self.stopping.store(true, Ordering::Release);
     }
 
     /// Install what to do when the engine's disk is full (once).

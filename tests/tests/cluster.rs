@@ -568,6 +568,55 @@ fn a_reset_connection_to_etcd_costs_a_node_nothing_and_a_long_cut_ends() {
     assert_eq!(fs::read(a.path("after")).unwrap(), b"back");
 }
 
+/// An unmount while etcd answers nothing (its hosts hang, or a partition
+/// drops its packets): the daemon asks the store once, leaves what only
+/// the store can record for later (the write leases of files closed just
+/// before, to its next mount or to the membership lease's end; its
+/// membership, to the lease), and ends; and nothing is lost by it. Before,
+/// every transaction of the unmount was tried 64 times, each waiting out
+/// the 5 s deadline, and the daemon could outlive `converged umount`'s
+/// 30 s wait by minutes, holding its data dir.
+#[test]
+fn an_unmount_while_etcd_answers_nothing_ends_and_loses_nothing() {
+    let Some(mut c) = Cluster::start(2, &[]) else { return };
+    // Closed just before etcd stops answering: each leaves its write
+    // session's end to the next flush (once a second), the unmount's.
+    let files: Vec<(String, Vec<u8>)> = (0..60u64)
+        .map(|i| (format!("f{i}"), if i % 3 == 0 { Vec::new() } else { pattern(3000 + i as usize, i) }))
+        .collect();
+    for (name, data) in &files {
+        fs::write(c.node(0).path(name), data).unwrap();
+    }
+    let pid = c.nodes[0].daemon_pid();
+    c.freeze_etcd();
+    // Succeeds only once the daemon released its data dir.
+    c.nodes[0].umount();
+    wait_gone(pid);
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "n1's daemon outlived its unmount");
+
+    // etcd back: the other node reads every file and writes each anew
+    // (n1's leases end with its membership), and n1 mounts again.
+    c.thaw_etcd();
+    let b = c.node(1);
+    for (name, data) in &files {
+        same(&fs::read(b.path(name)).unwrap(), data, &format!("{name} read on n2"));
+    }
+    for (name, data) in &files {
+        let mut f = fs::OpenOptions::new().append(true).open(b.path(name)).unwrap();
+        f.write_all(b"+n2").unwrap();
+        drop(f);
+        let mut want = data.clone();
+        want.extend_from_slice(b"+n2");
+        same(&fs::read(b.path(name)).unwrap(), &want, &format!("{name} appended on n2"));
+    }
+    c.nodes[0].mount();
+    for (name, data) in &files {
+        let mut want = data.clone();
+        want.extend_from_slice(b"+n2");
+        same(&fs::read(c.node(0).path(name)).unwrap(), &want, &format!("{name} on n1 mounted again"));
+    }
+}
+
 /// etcd's revision now.
 fn etcd_revision(endpoint: &str) -> i64 {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

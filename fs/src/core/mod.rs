@@ -283,6 +283,8 @@ pub struct Core {
     /// (leaf lock): their last release does, or a recall, an fsyncdir or
     /// an unmount before it (see `write.rs`, `Core::close`).
     owed: Mutex<std::collections::BTreeSet<Ino>>,
+    /// Set by [`Core::shutdown`]: whether the metadata store answered it.
+    stopped: OnceLock<bool>,
 }
 
 fn chunk_range(offset: u64, len: u64, chunk_size: u32) -> std::ops::RangeInclusive<u32> {
@@ -330,6 +332,7 @@ impl Core {
             seals: attr::SealCounters::default(),
             workers: OnceLock::new(),
             owed: Mutex::default(),
+            stopped: OnceLock::new(),
             stats: CoreStats::default(),
             life: OnceLock::new(),
         };
@@ -918,11 +921,34 @@ impl Core {
         crate::blocks::statvfs(&self.cfg.data_dir).map_err(|e| FsError::io("statvfs data dir", e))
     }
 
-    /// Flush the namespace to stable storage (unmount).
-    pub fn shutdown(&self) {
+    /// Flush the namespace to stable storage (unmount). Returns whether the
+    /// metadata store answered: when it did not (an etcd that is down or
+    /// cut off), it is asked once, and what only it can record is left
+    /// for later: session ends and purged files' data for this node's next
+    /// mount, its membership for its lease to run out.
+    pub fn shutdown(&self) -> bool {
+        let answered = self.stop();
+        let _ = self.stopped.set(answered);
+        answered
+    }
+
+    /// Whether the metadata store answered the unmount's [`Core::shutdown`]
+    /// (true before it ran): when it did not, the daemon does not wait on
+    /// it again to leave the cluster.
+    pub fn store_answered_at_stop(&self) -> bool {
+        self.stopped.get().copied().unwrap_or(true)
+    }
+
+    fn stop(&self) -> bool {
+        // Each transaction from here is tried once if the store does not
+        // answer: 64 tries of each, every one waiting out the deadline, kept
+        // an unmount during an etcd outage going for minutes.
+        self.ns.stop_waiting();
+        let mut answered = true;
         // What was acknowledged before it committed (--nowsync) commits now,
         // and the directories delegated here become plain ones.
         if let Err(e) = self.ns.release_delegations() {
+            answered &= !e.is_unanswered();
             tracing::error!(error = %e, "could not commit acknowledged namespace changes at unmount");
         }
         // Spares not used by a regular file would be strays at the next mount.
@@ -931,18 +957,37 @@ impl Core {
         let next = self.ns.upcoming_inos(1).start;
         for (ino, _) in spares {
             let unused = ino >= next
-                || match self.ns.getattr(ino) {
-                    Err(MetaError::NotFound) => true,
-                    Ok(inode) => inode.kind != FileKind::Regular,
-                    Err(_) => false,
-                };
+                || (answered
+                    && match self.ns.getattr(ino) {
+                        Err(MetaError::NotFound) => true,
+                        Ok(inode) => inode.kind != FileKind::Regular,
+                        Err(e) => {
+                            answered &= !e.is_unanswered();
+                            false
+                        }
+                    });
             if unused {
                 let _ = self.store.remove(ino);
             }
         }
-        if let Err(e) = self.flush() {
-            tracing::error!(error = %e, "final metadata sync failed");
+        if answered {
+            match self.flush() {
+                Ok(()) => return true,
+                Err(e) => {
+                    answered = !matches!(&e, FsError::Meta(m) if m.is_unanswered());
+                    tracing::error!(error = %e, "final metadata sync failed");
+                }
+            }
         }
+        if !answered {
+            // The bytes closed here are on this disk at least: a mark the
+            // store keeps for them is checked at the next mount.
+            if let Err(e) = self.store.sync_filesystem() {
+                tracing::error!(error = %e, "could not sync the data disk at unmount");
+            }
+            tracing::warn!("the metadata store did not answer at unmount; what it has not recorded (ended write sessions, files to delete) is taken up again at the next mount");
+        }
+        answered
     }
 }
 
