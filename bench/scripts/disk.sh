@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # What the disk under test is, for a table's `disk:` line (sourced by
-# metadata.sh, single-node.sh and cluster.sh).
+# metadata.sh, single-node.sh, cluster.sh and etcd-outage.sh).
 #   describe_fs DIR   prints "DEVICE (FSTYPE[, journal | , no journal]) at DIR":
 #                     whether an ext4 journals matters to how fast it makes
 #                     files after deletions (see metadata.sh's FS)
