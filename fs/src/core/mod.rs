@@ -940,15 +940,21 @@ impl Core {
     }
 
     fn stop(&self) -> bool {
-        // Each transaction from here is tried once if the store does not
-        // answer: 64 tries of each, every one waiting out the deadline, kept
-        // an unmount during an etcd outage going for minutes.
-        self.ns.stop_waiting();
+        // A store shared over the network (etcd): each transaction from
+        // here is tried once if it does not answer: 64 tries of each, every
+        // one waiting out the deadline, kept an unmount during an etcd
+        // outage going for minutes. (The embedded engine's rare retryable
+        // error, a database reopened after a full disk, is retried as ever.)
+        let shared = self.ns.is_clustered();
+        if shared {
+            self.ns.stop_waiting();
+        }
+        let unanswered = |e: &MetaError| shared && e.is_unanswered();
         let mut answered = true;
         // What was acknowledged before it committed (--nowsync) commits now,
         // and the directories delegated here become plain ones.
         if let Err(e) = self.ns.release_delegations() {
-            answered &= !e.is_unanswered();
+            answered &= !unanswered(&e);
             tracing::error!(error = %e, "could not commit acknowledged namespace changes at unmount");
         }
         // Spares not used by a regular file would be strays at the next mount.
@@ -962,7 +968,7 @@ impl Core {
                         Err(MetaError::NotFound) => true,
                         Ok(inode) => inode.kind != FileKind::Regular,
                         Err(e) => {
-                            answered &= !e.is_unanswered();
+                            answered &= !unanswered(&e);
                             false
                         }
                     });
@@ -974,7 +980,7 @@ impl Core {
             match self.flush() {
                 Ok(()) => return true,
                 Err(e) => {
-                    answered = !matches!(&e, FsError::Meta(m) if m.is_unanswered());
+                    answered = !matches!(&e, FsError::Meta(m) if unanswered(m));
                     tracing::error!(error = %e, "final metadata sync failed");
                 }
             }
