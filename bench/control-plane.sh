@@ -46,8 +46,7 @@ OUT=$WORK/out.txt
     done
 } | tee "$OUT"
 if [[ $SAVE == 1 ]]; then
-    mkdir -p "$SCRIPT_DIR/results"
-    dest="$SCRIPT_DIR/results/control-plane-$(date +%Y-%m-%d-%H%M%S).txt"
-    cp "$OUT" "$dest"
-    echo "saved to $dest"
+    # shellcheck source=scripts/results.sh
+    source "$SCRIPT_DIR/scripts/results.sh"
+    save_result control-plane "$OUT"
 fi

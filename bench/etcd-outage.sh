@@ -102,9 +102,8 @@ TABLE=$(mktemp)
     echo "umount of n1: $(awk "BEGIN { printf \"%.1f\", $e - $s }") s ($r; daemon left: $left)"
 } | tee "$TABLE"
 if [[ $SAVE == 1 ]]; then
-    mkdir -p "$SCRIPT_DIR/results"
-    dest="$SCRIPT_DIR/results/etcd-outage-$(date +%Y-%m-%d-%H%M%S).txt"
-    cp "$TABLE" "$dest"
-    echo "saved to $dest"
+    # shellcheck source=scripts/results.sh
+    source "$SCRIPT_DIR/scripts/results.sh"
+    save_result etcd-outage "$TABLE"
 fi
 rm -f "$TABLE"

@@ -38,8 +38,7 @@ OUT=$WORK/out.txt
     done
 } | tee "$OUT"
 if [[ $SAVE == 1 ]]; then
-    mkdir -p "$SCRIPT_DIR/results"
-    dest="$SCRIPT_DIR/results/etcd-size-$(date +%Y-%m-%d-%H%M%S).txt"
-    cp "$OUT" "$dest"
-    echo "saved to $dest"
+    # shellcheck source=scripts/results.sh
+    source "$SCRIPT_DIR/scripts/results.sh"
+    save_result etcd-size "$OUT"
 fi

@@ -128,8 +128,7 @@ EOF
     echo "(lease keepalives and the watch streams are left out; 'other' is every other request)"
 } | tee "$OUT/table.txt"
 if [[ $SAVE == 1 ]]; then
-    mkdir -p "$SCRIPT_DIR/results"
-    dest="$SCRIPT_DIR/results/restart-idle-$(date +%Y-%m-%d-%H%M%S).txt"
-    cp "$OUT/table.txt" "$dest"
-    echo "saved to $dest"
+    # shellcheck source=scripts/results.sh
+    source "$SCRIPT_DIR/scripts/results.sh"
+    save_result restart-idle "$OUT/table.txt"
 fi
