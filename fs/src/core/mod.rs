@@ -921,15 +921,14 @@ impl Core {
         crate::blocks::statvfs(&self.cfg.data_dir).map_err(|e| FsError::io("statvfs data dir", e))
     }
 
-    /// Flush the namespace to stable storage (unmount). Returns whether the
-    /// metadata store answered: when it did not (an etcd that is down or
-    /// cut off), it is asked once, and what only it can record is left
-    /// for later: session ends and purged files' data for this node's next
-    /// mount, its membership for its lease to run out.
-    pub fn shutdown(&self) -> bool {
+    /// Flush the namespace to stable storage (unmount). When the metadata
+    /// store does not answer (an etcd that is down or cut off), it is asked
+    /// once, and what only it can record is left for later: session ends
+    /// and purged files' data for this node's next mount, its membership
+    /// for its lease to run out (see [`Core::store_answered_at_stop`]).
+    pub fn shutdown(&self) {
         let answered = self.stop();
         let _ = self.stopped.set(answered);
-        answered
     }
 
     /// Whether the metadata store answered the unmount's [`Core::shutdown`]
