@@ -54,7 +54,8 @@
 #   NFILES      files per create/stat/unlink test [10000]
 #   TREE        files in the untar test [20000]
 #   PAUSE_US    microseconds etcd's one-client probe also pauses between
-#               commits, as a mount's creates from one process do [500]
+#               commits, as a mount's creates from one process do, and the
+#               disk's sync probe (scripts/sync_latency.py) before a sync [500]
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   PEERS       1: also run on MooseFS and GlusterFS (../shared/peers) [0]
 #   SAVE        1: also save the table under bench/results/ [0]
@@ -291,6 +292,10 @@ if [[ -n $ENDPOINT ]]; then
     # commit after a pause more slowly than one sent back to back.
     "$RATE" "$ENDPOINT" 1 2000 --mode alone --shape put,create --watchers 2 --think-us "$PAUSE_US" \
         > "$OUT/etcd-1-paused.txt"
+    # What one small write + fdatasync takes on the disk etcd and the nodes
+    # write to, back to back and after the same pause: etcd's log ends each
+    # commit in one.
+    python3 "$SCRIPT_DIR/scripts/sync_latency.py" "$WORK" "$PAUSE_US" > "$OUT/sync.json"
 fi
 
 # Before each create phase and each untar, every target starts from the
@@ -317,7 +322,7 @@ ops() { # TARGET TAG [--spread] PROCS DIR
     shift 2
     settle
     log "$target: meta_ops $*"
-    python3 "$SCRIPT_DIR/scripts/meta_ops.py" "$@" ${STATS[$target]} > "$OUT/$target-$tag.json"
+    python3 "$SCRIPT_DIR/scripts/meta_ops.py" "$@" ${STATS[$target]:+"${STATS[$target]}"} > "$OUT/$target-$tag.json"
 }
 
 for t in "${TARGETS[@]}"; do
@@ -437,6 +442,11 @@ if e1 and e16:
     if (0, 1) in paused and (3, 4) in paused:
         print("1 client pausing %s us between commits, 2 watching: %d (one put, %d us a commit), %d (a create's shape, "
               "%d us a commit)" % (os.environ["PAUSE_US"], *paused[(0, 1)], *paused[(3, 4)]))
+    if os.path.exists(f"{out}/sync.json"):
+        with open(f"{out}/sync.json") as f:
+            sync = json.load(f)
+        print("the disk: a 4 KiB write + fdatasync %d us back to back, %d us after a %d us pause (etcd's log syncs "
+              "each commit)" % (sync["back_to_back_us"], sync["paused_us"], sync["pause_us"]))
     print()
 cols = "".join(f"{names[t]:>15}" for t in targets)
 print(f"{'ops/s (etcd round trips per op)':<34}{cols}")
