@@ -14,6 +14,9 @@ pub enum Fault {
     /// The engine does not answer (a node cut off from etcd, or killed
     /// between its last write and its commit): not retryable.
     Unavailable,
+    /// The engine cannot be reached (etcd stopped: its address refuses the
+    /// connection at once): a retryable error, and nothing lands.
+    Refused,
     /// The commit lands but its answer is lost (the connection to etcd
     /// reset after the request went out): a retryable error, though the
     /// change is made, and nothing the answer carries (the records a range
@@ -261,6 +264,9 @@ impl KvWrite for FaultyWrite<'_> {
             Some(Fault::NoSpace) => Err(KvError::NoSpace),
             Some(Fault::Unavailable) => {
                 Err(KvError::Backend { msg: "injected: metadata engine unavailable".into(), retryable: false })
+            }
+            Some(Fault::Refused) => {
+                Err(KvError::Backend { msg: "injected: connection refused".into(), retryable: true })
             }
             Some(Fault::Unanswered) => {
                 inner.commit_at(durability)?;

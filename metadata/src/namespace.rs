@@ -4,9 +4,9 @@
 //! [`Namespace::write`], which retries on conflict. This layer knows nothing
 //! of FUSE or of file data: callers pass plain values and get [`Inode`]s back.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
@@ -22,6 +22,13 @@ use crate::types::*;
 /// Numbers lost in a crash are never reused, which u64 can afford.
 const INO_BATCH: u64 = 1 << 16;
 pub(crate) const MAX_ATTEMPTS: u32 = 64;
+/// How long an operation on a shared store waits for it when it does not
+/// answer, unless the mount says otherwise (`--meta-wait`).
+pub const DEFAULT_UNANSWERED_WAIT: Duration = Duration::from_secs(300);
+/// The longest pause between two tries of a store that did not answer (a
+/// try that found it unreachable fails at once; one that waited out the
+/// engine's deadline needs no pause).
+const UNANSWERED_PAUSE_MAX: Duration = Duration::from_secs(1);
 pub const LINK_MAX: u32 = 65_000;
 
 pub struct Namespace {
@@ -67,6 +74,25 @@ pub struct Namespace {
     /// Set at unmount ([`Namespace::stop_waiting`]): a transaction the
     /// engine does not answer fails at once instead of being tried again.
     stopping: AtomicBool,
+    /// Milliseconds an operation on a shared store tries it again while it
+    /// does not answer ([`Namespace::set_unanswered_wait`]).
+    unanswered_wait_ms: AtomicU64,
+}
+
+/// What one operation has met so far: conflicts (the engine answered that
+/// another writer got there first) are counted against [`MAX_ATTEMPTS`];
+/// a shared store that does not answer is tried again until the
+/// namespace's wait has passed since the operation began.
+struct Tries {
+    began: Instant,
+    conflicts: u32,
+    unanswered: u32,
+}
+
+impl Tries {
+    fn new() -> Self {
+        Tries { began: Instant::now(), conflicts: 0, unanswered: 0 }
+    }
 }
 
 /// Has node `holder` commit what it acknowledged in directory `dir` and
@@ -309,6 +335,7 @@ impl Namespace {
             clustered,
             unindexed: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
+            unanswered_wait_ms: AtomicU64::new(DEFAULT_UNANSWERED_WAIT.as_millis() as u64),
             tiered: false,
             volume_id: String::new(),
             created: false,
@@ -598,7 +625,7 @@ impl Namespace {
         mut f: impl FnMut(&mut dyn KvWrite) -> MetaResult<T>,
     ) -> MetaResult<T> {
         crate::held_locks::assert_none_held("a KV transaction");
-        let (mut attempt, mut unbegun) = (0, 0);
+        let (mut recalls, mut tries) = (0, Tries::new());
         let mut freed = false;
         // A durable change makes durable what was acknowledged before it
         // began (--nowsync), not what is acknowledged while it retries.
@@ -627,14 +654,9 @@ impl Namespace {
                     freed = true;
                     continue;
                 }
-                Err(e) if self.retries(&e) && unbegun < MAX_ATTEMPTS => {
-                    unbegun += 1;
-                    std::thread::sleep(Duration::from_micros(100 << unbegun.min(10)));
-                    continue;
-                }
+                Err(e) if self.try_again(&e, &mut tries) => continue,
                 Err(e) => return Err(e.into()),
             };
-            attempt += 1;
             let result = match f(txn.as_mut()) {
                 Ok(v) => {
                     if durability == Durability::Buffered {
@@ -663,26 +685,66 @@ impl Namespace {
                 Err(MetaError::Kv(KvError::NoSpace)) if !freed && self.free_space() => {
                     freed = true;
                 }
-                Err(MetaError::Delegated { dir, holder }) if attempt < MAX_ATTEMPTS => {
+                Err(MetaError::Delegated { dir, holder }) if recalls < MAX_ATTEMPTS => {
+                    recalls += 1;
                     self.recall_dir(dir, &holder)?;
                 }
-                Err(MetaError::Kv(e)) if self.retries(&e) && attempt < MAX_ATTEMPTS => {
-                    tracing::debug!(attempt, "metadata transaction conflict, retrying");
-                    std::thread::sleep(Duration::from_micros(100 << attempt.min(10)));
-                }
+                Err(MetaError::Kv(e)) if self.try_again(&e, &mut tries) => {}
                 other => return other,
             }
         }
     }
 
-    /// Whether a transaction that failed with `e` is run again: a conflict
-    /// always (the engine answered), an engine that did not answer only
-    /// until the unmount (see [`Namespace::stop_waiting`]).
-    fn retries(&self, e: &KvError) -> bool {
-        match e {
-            KvError::Conflict => true,
-            e => e.is_retryable() && !self.stopping.load(Ordering::Acquire),
+    /// Whether an operation whose try failed with `e` tries again, after
+    /// the pause this waits out. A conflict (the engine answered: another
+    /// writer got there first): up to [`MAX_ATTEMPTS`] times. A shared
+    /// store that did not answer: until the mount's wait
+    /// ([`Namespace::set_unanswered_wait`]) has passed since the operation
+    /// began, each try waiting out the engine's deadline or, refused at
+    /// once, after a pause that grows from a millisecond to a second; never
+    /// once the unmount began ([`Namespace::stop_waiting`]).
+    /// The embedded engine's rare retryable error (a database reopened
+    /// after a full disk) is tried again like a conflict.
+    fn try_again(&self, e: &KvError, tries: &mut Tries) -> bool {
+        let conflict = matches!(e, KvError::Conflict) || !self.clustered;
+        if !e.is_retryable() || (!conflict && self.stopping.load(Ordering::Acquire)) {
+            return false;
         }
+        if conflict {
+            if tries.conflicts >= MAX_ATTEMPTS {
+                return false;
+            }
+            tries.conflicts += 1;
+            tracing::debug!(attempt = tries.conflicts, "metadata transaction conflict, retrying");
+            std::thread::sleep(Duration::from_micros(100 << tries.conflicts.min(10)));
+            return true;
+        }
+        let wait = Duration::from_millis(self.unanswered_wait_ms.load(Ordering::Relaxed));
+        let waited = tries.began.elapsed();
+        if waited >= wait {
+            tracing::warn!(
+                waited_s = waited.as_secs_f64(),
+                tries = tries.unanswered + 1,
+                error = %e,
+                "the metadata service did not answer for the whole --meta-op-wait; the operation fails (EIO)"
+            );
+            return false;
+        }
+        if tries.unanswered == 0 {
+            tracing::debug!(error = %e, wait_s = wait.as_secs_f64(), "the metadata service did not answer; trying again");
+        }
+        let pause =
+            Duration::from_millis(1 << (2 * tries.unanswered.min(5))).min(UNANSWERED_PAUSE_MAX).min(wait - waited);
+        tries.unanswered += 1;
+        std::thread::sleep(pause);
+        true
+    }
+
+    /// How long an operation tries a shared store again while it does not
+    /// answer before it fails (`--meta-op-wait`; [`DEFAULT_UNANSWERED_WAIT`]).
+    /// Zero: one try.
+    pub fn set_unanswered_wait(&self, wait: Duration) {
+        self.unanswered_wait_ms.store(wait.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
     /// The node is stopping: from now on a transaction the engine does not
@@ -703,8 +765,22 @@ impl Namespace {
         self.on_no_space.get().is_some_and(|f| f())
     }
 
-    /// Run `f` against a consistent read view.
-    pub(crate) fn read<T>(&self, f: impl FnOnce(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
+    /// Run `f` against a consistent read view; on a shared store that does
+    /// not answer, again on a fresh one while the mount's wait lasts (see
+    /// [`Namespace::try_again`]).
+    pub(crate) fn read<T>(&self, mut f: impl FnMut(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
+        let mut tries = Tries::new();
+        loop {
+            match self.read_once(&mut f) {
+                Err(MetaError::Kv(e)) if self.clustered && e.is_unanswered() && self.try_again(&e, &mut tries) => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// [`Namespace::read`], tried once: an engine that does not answer is
+    /// an error at its deadline.
+    pub(crate) fn read_once<T>(&self, f: impl FnOnce(&mut dyn KvRead) -> MetaResult<T>) -> MetaResult<T> {
         crate::held_locks::assert_none_held("a KV read");
         crate::timed("read", || {
             // See `write_untimed`: a read view can need the disk too.

@@ -368,6 +368,8 @@ fn a_node_whose_feed_fell_silent_answers_nothing_it_made_from_memory() {
     let Some(cluster) = etcd_cluster::EtcdCluster::start() else { return };
     let relay = etcd_cluster::Relay::to(&cluster.endpoints[0]);
     let a = etcd_node(std::slice::from_ref(&relay.addr), "silent", "a", true);
+    // One try of a read etcd does not answer (a mount waits --meta-op-wait).
+    a.ns.set_unanswered_wait(Duration::ZERO);
     let b = etcd_node(&cluster.endpoints, "silent", "b", false);
     let d = a.ns.mknod(ROOT_INO, b"d", &dir()).unwrap();
     let f = a.ns.mknod(d.ino, b"f", &NewNode { unsealed: true, ..file() }).unwrap();

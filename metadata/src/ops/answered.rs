@@ -68,9 +68,11 @@ impl Namespace {
     }
 
     /// Whether the change `request` asked for committed, and the inode it
-    /// made or named.
+    /// made or named. Asked once: after a change that etcd stopped
+    /// answering, it does not add a second wait to the one that change
+    /// waited out (`--meta-op-wait`); unanswered, the change's error stands.
     pub fn answered(&self, request: RequestMark) -> MetaResult<Option<Ino>> {
-        self.read(|txn| self.record_in(txn, request))
+        self.read_once(|txn| self.record_in(txn, request))
     }
 
     /// The request's record, in its slot of the ring, or of the ring as a
