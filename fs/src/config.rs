@@ -186,6 +186,14 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=600), value_name = "SECONDS")]
     pub lease_ttl: u64,
 
+    /// How long a file operation keeps asking etcd while etcd does not answer, before it
+    /// fails with EIO (`30s`, `1h`; `0`: one try). Each try waits out the 5 s deadline; reads
+    /// and commits alike. A process waiting cannot be interrupted, only killed (as on a
+    /// `hard` NFS mount); past the membership lease (`--lease-ttl`) open writers are fenced
+    /// anyway. An unmount asks once.
+    #[arg(long, default_value = "5m", value_name = "DURATION", value_parser = parse_duration)]
+    pub meta_op_wait: Duration,
+
     /// How long a dead node's copies are waited for before its chunks are copied elsewhere
     /// (`30s`, `5m`): a node that comes back within it is not rebuilt around.
     #[arg(long, default_value = "5m", value_name = "DURATION", value_parser = parse_duration)]

@@ -501,6 +501,7 @@ fn namespace(
     let exists = converged_metadata::volume_exists(&**engine).context("read the volume record")?;
     crate::identity::before_open(&c.data_dir, &found, exists, &ask)?;
     let mut ns = Namespace::open(engine.clone(), uid, gid).context("open namespace")?.with_node(&node);
+    ns.set_unanswered_wait(args.meta_op_wait);
     crate::identity::settle(&c.data_dir, found, &ns, &ask)?;
     if tiered {
         ns = ns.with_tier();

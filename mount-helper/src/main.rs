@@ -34,7 +34,7 @@ const USAGE: &str = "usage: mount.converged SOURCE MOUNTPOINT [-sfnv] [-o data_d
                                                  [,listen=ADDR,tls_dir=DIR][,labels=K=V+K=V][,replicas=N][,durability=replicated|local][,nowsync][,repair_delay=5m]
                                                  [,etcd_ca=F,etcd_cert=F,etcd_key=F][,etcd_user=U,etcd_password_file=F]
                                                  [,object_store=URI,s3_endpoint=URL,backfill_delay=5s,evict_high=90,evict_low=80]
-                                                 [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S]]
+                                                 [,failure_domain=LABEL][,peer_timeout=S][,lease_ttl=S][,meta_op_wait=5m]]
 SOURCE is `local` or `converged:NAME` (embedded metadata in the data dir; NAME is shown as the source) or a metadata URI such as redb:///nvme/converged/meta.redb
 or etcd://m1:2379,m2:2379,m3:2379/vol1 (etcds:// for TLS; a cluster volume; options as for `converged mount`).
 A data dir is mounted only once it has an identity: give new_node at its first mount (not in a line kept for boot).
@@ -122,7 +122,7 @@ fn translate<'a>(args: &'a [String]) -> Result<Vec<OsString>, String> {
             "node_id" | "listen" | "tls_dir" | "lease_ttl" | "replicas" | "durability" | "failure_domain"
             | "peer_timeout" | "object_store" | "s3_endpoint" | "backfill_delay" | "backfill_workers"
             | "evict_high" | "evict_low" | "metrics" | "object_copy_limit" | "repair_delay" | "repair_bandwidth"
-            | "sweep_grace" | "scrub_period" => {
+            | "sweep_grace" | "scrub_period" | "meta_op_wait" => {
                 out.extend([format!("--{}", key.replace('_', "-")).into(), need(value)?.into()])
             }
             "keep_deleted_objects" => out.push("--keep-deleted-objects".into()),

@@ -616,6 +616,61 @@ fn an_unmount_while_etcd_answers_nothing_ends_and_loses_nothing() {
     }
 }
 
+/// While etcd answers nothing, a file operation waits for it as long as
+/// `--meta-op-wait` says, reads and commits alike, then fails with `EIO`.
+/// A lookup etcd must answer (a name no node has, in the root) gets its
+/// answer once etcd is back 8 s later, past the client's 5 s deadline
+/// (before, an unanswered read failed after that one deadline); a create
+/// whose commit etcd does not answer for longer than the wait fails with
+/// `EIO` (before, the commit was tried 64 times, each waiting out the
+/// deadline: 336 s). Nothing else is lost by either, and the node goes on.
+#[test]
+fn a_file_operation_waits_for_etcd_as_long_as_meta_op_wait_says_then_fails_with_eio() {
+    // The membership lease (3 s here) ends in both freezes: the nodes fence
+    // their writers and register anew once etcd is back.
+    let Some(c) = Cluster::start(2, &["--meta-op-wait", "20s"]) else { return };
+    let (a, b) = (c.node(0), c.node(1));
+    fs::write(a.path("kept"), b"kept before").unwrap();
+    // A directory this node made: its node cache holds all of it, so a
+    // create there reads nothing from etcd and only its commit waits.
+    fs::create_dir(a.path("made")).unwrap();
+    fs::write(a.path("made/sibling"), b"sibling").unwrap();
+
+    c.freeze_etcd();
+    let asked = a.path("asked-while-frozen");
+    let looking = std::thread::spawn(move || fs::metadata(asked).map(|_| ()).map_err(|e| e.raw_os_error()));
+    std::thread::sleep(Duration::from_secs(8));
+    c.thaw_etcd();
+    assert_eq!(looking.join().unwrap(), Err(Some(libc::ENOENT)), "a lookup across an 8 s outage, within the wait");
+
+    c.freeze_etcd();
+    let during = a.path("made/during");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(fs::File::create_new(during).map(|_| ()).map_err(|e| e.raw_os_error()));
+    });
+    // The wait (20 s) and the try it ends in (up to one 5 s deadline), with
+    // room: a create that has not returned by then waits on past the wait.
+    let created = rx.recv_timeout(Duration::from_secs(90));
+    c.thaw_etcd();
+    assert_eq!(created.expect("a create still waiting 90 s into the outage"), Err(Some(libc::EIO)));
+
+    // etcd back: what was there is there on both nodes, the failed create
+    // is whole or absent (its commit, sent before the deadline, may land
+    // once etcd reads it), and both nodes make files again.
+    for n in [a, b] {
+        same(&fs::read(n.path("kept")).unwrap(), b"kept before", "kept");
+        same(&fs::read(n.path("made/sibling")).unwrap(), b"sibling", "made/sibling");
+    }
+    let on = |n: &Mount| fs::metadata(n.path("made/during")).map(|m| m.len()).map_err(|e| e.raw_os_error());
+    eventually(10, "the failed create looks the same from both nodes", || {
+        let (x, y) = (on(a), on(b));
+        x == y && matches!(x, Ok(0) | Err(Some(libc::ENOENT)))
+    });
+    fs::write(a.path("made/after"), b"after").unwrap();
+    same(&fs::read(b.path("made/after")).unwrap(), b"after", "made/after on n2");
+}
+
 /// etcd's revision now.
 fn etcd_revision(endpoint: &str) -> i64 {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
