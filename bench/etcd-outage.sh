@@ -4,22 +4,24 @@
 # dev-cluster`, FILES small files written and closed on n1, then etcd
 # stopped with SIGSTOP (its connections stay up) and, in wall seconds:
 #   - with CREATE=1, two creates on n1 during the outage (off by default:
-#     minutes): one in a directory n1 made just before, whose reads n1's
-#     cache answers, so its commit is what goes unanswered (tried again up
-#     to 64 times, each waiting out the 5 s deadline, then EIO), and one in
-#     the root, which must read from etcd first (EIO after that read);
+#     each waits the mount's --meta-op-wait, 5 minutes unless WAIT says,
+#     then fails with EIO): one in a directory n1 made just before, whose
+#     reads n1's cache answers, so its commit is what goes unanswered, and
+#     one in the root, which must read from etcd first;
 #   - `converged umount` of n1: it asks etcd once, leaves what only etcd
 #     can record to the next mount and the membership lease, and ends.
 # etcd is let go (SIGCONT) before the cluster stops.
 #
 #   sudo bench/etcd-outage.sh
 #   sudo CREATE=1 bench/etcd-outage.sh       # also time a create (minutes)
+#   sudo CREATE=1 WAIT=30s bench/etcd-outage.sh
 #   sudo SAVE=1 bench/etcd-outage.sh         # also save bench/results/etcd-outage-<date>.txt
 #
 # Environment (defaults in brackets):
 #   BENCH_DIR  work directory [/var/tmp/converged-outage-bench]
 #   FILES      small files closed on n1 just before the outage [100]
 #   CREATE     1: also time a create during the outage [0]
+#   WAIT       the nodes' --meta-op-wait (`30s`, `2m`) [the mount's default]
 #   CONVERGED  converged binary [<repo>/target/release/converged; built if missing]
 #   SAVE       1: also save the lines under bench/results/ [0]
 set -euo pipefail
@@ -30,6 +32,7 @@ FILES=${FILES:-100}
 CREATE=${CREATE:-0}
 CONVERGED=${CONVERGED:-$REPO/target/release/converged}
 SAVE=${SAVE:-0}
+WAIT=${WAIT:-}
 die() {
     echo "etcd-outage: $*" >&2
     exit 1
@@ -37,6 +40,7 @@ die() {
 [[ $FILES =~ ^[1-9][0-9]*$ ]] || die "FILES must be a positive whole number, not '$FILES'"
 [[ $CREATE == 0 || $CREATE == 1 ]] || die "CREATE must be 0 or 1, not '$CREATE'"
 [[ $SAVE == 0 || $SAVE == 1 ]] || die "SAVE must be 0 or 1, not '$SAVE'"
+[[ -z $WAIT || $WAIT =~ ^[0-9]+(\.[0-9]+)?(ms|s|m|h)?$ ]] || die "WAIT must be a duration such as 30s or 2m, not '$WAIT'"
 [[ $(id -u) == 0 ]] || die "run as root (it mounts FUSE)"
 if [[ ! -x $CONVERGED ]]; then
     (cd "$REPO" && cargo build --release -q -p converged-fs)
@@ -56,7 +60,9 @@ stop() {
 }
 trap stop EXIT
 
-"$CONVERGED" dev-cluster --nodes 2 --dir "$BENCH_DIR/cluster" > "$LOG" 2>&1 &
+opts=()
+[[ -z $WAIT ]] || opts=(--mount-opt="--meta-op-wait=$WAIT")
+"$CONVERGED" dev-cluster --nodes 2 --dir "$BENCH_DIR/cluster" "${opts[@]}" > "$LOG" 2>&1 &
 PID=$!
 for _ in $(seq 1 120); do
     grep -q "dev-cluster ready" "$LOG" && break
@@ -83,7 +89,7 @@ source "$SCRIPT_DIR/scripts/disk.sh"
 TABLE=$(mktemp)
 {
     echo "disk: $(describe_fs "$BENCH_DIR")"
-    echo "$FILES files closed on n1; etcd stopped (SIGSTOP)"
+    echo "$FILES files closed on n1; etcd stopped (SIGSTOP); --meta-op-wait ${WAIT:-default}"
     kill -STOP "$ETCD"
     if [[ $CREATE == 1 ]]; then
         for what in "fresh/b:in a directory n1 made just before" "in-the-root:in the root"; do
