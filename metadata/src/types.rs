@@ -139,6 +139,16 @@ pub struct ChunkRecord {
     pub block_crcs: Vec<u32>,
 }
 
+/// Copies of one chunk version that nodes now hold, to add to its record
+/// ([`Namespace::add_replicas_many`](crate::Namespace::add_replicas_many)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewCopies {
+    pub ino: Ino,
+    pub index: u32,
+    pub version: u64,
+    pub nodes: Vec<String>,
+}
+
 /// Where a file stands against the object store: the backfill state machine.
 ///
 /// ```text

@@ -1362,6 +1362,18 @@ fn large_layouts_seal_in_batches(name: &str, kv: Arc<dyn KvEngine>) {
     assert!(ns.add_replicas(f.ino, 7, 1, &["n3".into()]).unwrap(), "{name}");
     assert!(!ns.add_replicas(f.ino, 7, 2, &["n4".into()]).unwrap(), "{name}: a stale version is refused");
     assert_eq!(ns.chunks(f.ino).unwrap()[7].1.replicas, vec!["n1", "n2", "n3"], "{name}");
+    // Copies of several chunks at once, as the replicator records what it
+    // copied: each applied as it would be alone, in one transaction.
+    let copies = |index: u32, version: u64| NewCopies { ino: f.ino, index, version, nodes: vec!["n3".into()] };
+    let mut batch: Vec<NewCopies> = (10..22).map(|i| copies(i, if i == 11 { 2 } else { 1 })).collect();
+    batch.push(copies(7, 1));
+    assert_eq!(ns.add_replicas_many(&batch).unwrap(), 11, "{name}: 11 added, a stale version and a named node left");
+    let records = ns.chunks(f.ino).unwrap();
+    for (i, record) in &records[10..22] {
+        let want: &[&str] = if *i == 11 { &["n1", "n2"] } else { &["n1", "n2", "n3"] };
+        assert_eq!(record.replicas, want, "{name}: chunk {i}");
+    }
+    assert_eq!(records[7].1.replicas, ["n1", "n2", "n3"], "{name}: named once");
     ns.unlink(ROOT, b"big").unwrap();
     assert!(ns.chunks(f.ino).unwrap().is_empty() || ns.purge(f.ino).unwrap(), "{name}");
     assert!(ns.chunks(f.ino).unwrap().is_empty(), "{name}: purge drops the whole layout");

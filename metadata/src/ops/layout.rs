@@ -22,7 +22,7 @@ use crate::namespace::{
     decode, encode, for_each_page_by_ino, for_each_page_in_inos, get_inode, put_inode, scan_all, scan_paged, Namespace,
 };
 use crate::schema;
-use crate::types::{ChunkRecord, Ino, Inode, SetAttr, Timespec};
+use crate::types::{ChunkRecord, Ino, Inode, NewCopies, SetAttr, Timespec};
 
 /// What the sweep judges a node's copy of a file by, read together: its
 /// inode and chunk records, the holder of its write lease, its tier record.
@@ -555,20 +555,33 @@ impl Namespace {
     /// still at `version` (a newer seal makes the copies stale). Returns
     /// whether the record changed.
     pub fn add_replicas(&self, ino: Ino, index: u32, version: u64, nodes: &[String]) -> MetaResult<bool> {
+        Ok(self.add_replicas_many(&[NewCopies { ino, index, version, nodes: nodes.to_vec() }])? == 1)
+    }
+
+    /// [`Namespace::add_replicas`] for several chunks in one transaction
+    /// (the replicator records what it copied in batches), each applied as
+    /// it would be alone: a chunk no longer at its version, or that names
+    /// every node already, is left as it is. Returns how many records
+    /// changed.
+    pub fn add_replicas_many(&self, copies: &[NewCopies]) -> MetaResult<usize> {
         self.write(Durability::Buffered, |txn| {
-            let Some(mut record) = chunk_at_version(txn, ino, index, version)? else { return Ok(false) };
-            let before = record.replicas.len();
-            for n in nodes {
-                if !record.replicas.contains(n) {
-                    record.replicas.push(n.clone());
+            let mut changed = 0;
+            for c in copies {
+                let Some(mut record) = chunk_at_version(txn, c.ino, c.index, c.version)? else { continue };
+                let before = record.replicas.len();
+                for n in &c.nodes {
+                    if !record.replicas.contains(n) {
+                        record.replicas.push(n.clone());
+                    }
                 }
+                if record.replicas.len() == before {
+                    continue;
+                }
+                txn.put(&schema::chunk(c.ino, c.index), &encode(&record));
+                self.index_holders(txn, c.ino, c.index, &record);
+                changed += 1;
             }
-            if record.replicas.len() == before {
-                return Ok(false);
-            }
-            txn.put(&schema::chunk(ino, index), &encode(&record));
-            self.index_holders(txn, ino, index, &record);
-            Ok(true)
+            Ok(changed)
         })
     }
 
