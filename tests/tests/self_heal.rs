@@ -62,6 +62,27 @@ fn read_all(c: &Cluster, i: usize, files: &[(String, Vec<u8>)]) {
     }
 }
 
+/// With `--durability local`, `close` returns once the local copy is
+/// durable and the writer's replicator copies each file to a peer in the
+/// background, recording the copies a dozen chunks to a transaction: 40
+/// small files and a 6 MiB one written on n1 soon have two copies each, and
+/// with n1 killed then, n2 reads every byte from its own copies.
+#[test]
+fn copies_made_in_the_background_are_recorded_and_outlive_the_writer() {
+    let Some(mut c) = Cluster::start(2, &["--durability", "local", "--repair-delay", "10m"]) else { return };
+    fs::create_dir(c.node(0).path("d")).unwrap();
+    let mut files: Vec<(String, Vec<u8>)> =
+        (0..40u64).map(|i| (format!("d/small-{i}"), pattern(1000 + 37 * i as usize, 500 + i))).collect();
+    files.push(("d/large".to_string(), pattern(6 * MIB, 600)));
+    for (name, data) in &files {
+        fs::write(c.node(0).path(name), data).unwrap();
+    }
+    eventually(60, "two copies of every chunk, made in the background", || health(&c) == (0, 0));
+    c.nodes[0].crash();
+    eventually(30, "n1 is seen dead", || status(&c).contains("1 live, 1 dead"));
+    read_all(&c, 1, &files);
+}
+
 /// 600 MiB at two copies; n1 dies: within the repair delay plus a bound
 /// every chunk has two live copies again; then n2 dies: every byte reads
 /// back on n3 and n4.

@@ -15,6 +15,13 @@ use crate::chunkstore::read_exact_at;
 use crate::error::{FsError, FsResult};
 use crate::remote;
 
+/// Copies the replicator made and records together, at most this many
+/// chunks a transaction: a chunk record and a holder entry per copy (up to
+/// nine keys with 8 replicas) keep it under etcd's 128 operations. One
+/// commit a copy made the replicator's commits, beside a writer's create and
+/// publish, the third of every small file written with `--durability local`.
+const RECORD_BATCH: usize = 12;
+
 /// Files whose chunks have fewer copies than their policy asks, for the
 /// replicator. Its lock is a leaf: taken to add or take files, and by the
 /// replicator to wait for some, never across a copy.
@@ -79,21 +86,34 @@ impl Core {
         // are gone (a seal with nothing new to seal does not queue them
         // again, so they are kept, not dropped).
         let mut deferred = Vec::new();
+        // Copies made and not recorded yet, and the files they are of (a
+        // few more, whose copies were recorded in the meantime).
+        let (mut copied, mut copied_files) = (Vec::new(), Vec::new());
         let mut batch = batch.into_iter();
         while let Some(ino) = batch.next() {
             if self.is_being_written(ino) {
                 deferred.push(ino);
                 continue;
             }
-            let ok = self.replicate_file_to(ino, None).unwrap_or_else(|e| {
+            let ok = self.replicate_file_to(ino, None, &mut copied).unwrap_or_else(|e| {
                 tracing::warn!(ino, error = %e, "background replication failed; retrying later");
                 false
             });
+            // (Recorded already when `copied` is empty again.)
+            match copied.is_empty() {
+                true => copied_files.clear(),
+                false => copied_files.push(ino),
+            }
             if !ok {
+                self.record_copies(&mut copied, &mut copied_files);
                 self.under_replicated.add(std::iter::once(ino).chain(batch).chain(deferred), false);
                 return Replicated::Short(ino);
             }
             done += 1;
+        }
+        if !self.record_copies(&mut copied, &mut copied_files) {
+            self.under_replicated.add(deferred, false);
+            return Replicated::Idle;
         }
         if !deferred.is_empty() {
             self.under_replicated.add(deferred, false);
@@ -106,11 +126,39 @@ impl Core {
         Replicated::Done(done)
     }
 
+    /// Record the copies in `copied` (one transaction) and empty it; a
+    /// failure puts their files (`files`) back in the queue, to be copied
+    /// again (what the peers hold meanwhile, named by no record, goes with
+    /// their sweep). Returns whether they were recorded.
+    fn record_copies(&self, copied: &mut Vec<NewCopies>, files: &mut Vec<Ino>) -> bool {
+        if copied.is_empty() {
+            files.clear();
+            return true;
+        }
+        let recorded = self.ns.add_replicas_many(copied);
+        if let Err(e) = &recorded {
+            tracing::warn!(chunks = copied.len(), error = %e, "recording background copies failed; copying again later");
+            self.under_replicated.add(files.iter().copied(), false);
+        } else {
+            tracing::debug!(chunks = copied.len(), "background copies recorded");
+        }
+        copied.clear();
+        files.clear();
+        recorded.is_ok()
+    }
+
     /// Copy the chunks of `ino` this node is primary of (or, with `copies`,
     /// every chunk it holds: staging with `--replicas`) to more peers, until
-    /// each has as many copies as asked (the policy's, or `copies`).
-    /// Returns whether every chunk has them.
-    pub(crate) fn replicate_file_to(&self, ino: Ino, copies: Option<usize>) -> FsResult<bool> {
+    /// each has as many copies as asked (the policy's, or `copies`). What
+    /// was copied is added to `copied` and recorded [`RECORD_BATCH`] chunks
+    /// at a time; the caller records the rest. Returns whether every chunk
+    /// has its copies once recorded.
+    pub(crate) fn replicate_file_to(
+        &self,
+        ino: Ino,
+        copies: Option<usize>,
+        copied: &mut Vec<NewCopies>,
+    ) -> FsResult<bool> {
         let Some(cluster) = self.cluster.get() else { return Ok(true) };
         let inode = match self.ns.getattr(ino) {
             Ok(i) => i,
@@ -154,8 +202,12 @@ impl Core {
             let copies = cluster.block_on(cluster.clone().push(chunk, bytes::Bytes::from(data), missing, ranked));
             short |= rec.replicas.len() + copies.len() < want;
             if !copies.is_empty() {
-                self.ns.add_replicas(ino, index, rec.version, &copies)?;
                 tracing::debug!(ino, chunk = index, ?copies, "replicated in the background");
+                copied.push(NewCopies { ino, index, version: rec.version, nodes: copies });
+                if copied.len() >= RECORD_BATCH {
+                    self.ns.add_replicas_many(copied)?;
+                    copied.clear();
+                }
             }
         }
         Ok(!short)
