@@ -23,7 +23,7 @@ use crate::types::*;
 const INO_BATCH: u64 = 1 << 16;
 pub(crate) const MAX_ATTEMPTS: u32 = 64;
 /// How long an operation on a shared store waits for it when it does not
-/// answer, unless the mount says otherwise (`--meta-wait`).
+/// answer, unless the mount says otherwise (`--meta-op-wait`).
 pub const DEFAULT_UNANSWERED_WAIT: Duration = Duration::from_secs(300);
 /// The longest pause between two tries of a store that did not answer (a
 /// try that found it unreachable fails at once; one that waited out the
