@@ -71,11 +71,9 @@ pub struct Namespace {
     /// (`ops/holders.rs`). A leaf lock: taken alone, never across a
     /// transaction.
     pub(crate) unindexed: Mutex<Vec<Vec<u8>>>,
-    /// Set at unmount ([`Namespace::stop_waiting`]): a transaction the
-    /// engine does not answer fails at once instead of being tried again.
-    stopping: AtomicBool,
     /// Milliseconds an operation on a shared store tries it again while it
-    /// does not answer ([`Namespace::set_unanswered_wait`]).
+    /// does not answer ([`Namespace::set_unanswered_wait`]; zero from the
+    /// unmount on, [`Namespace::stop_waiting`]).
     unanswered_wait_ms: AtomicU64,
 }
 
@@ -334,7 +332,6 @@ impl Namespace {
             node: String::new(),
             clustered,
             unindexed: Mutex::new(Vec::new()),
-            stopping: AtomicBool::new(false),
             unanswered_wait_ms: AtomicU64::new(DEFAULT_UNANSWERED_WAIT.as_millis() as u64),
             tiered: false,
             volume_id: String::new(),
@@ -707,7 +704,7 @@ impl Namespace {
     /// after a full disk) is tried again like a conflict.
     fn try_again(&self, e: &KvError, tries: &mut Tries) -> bool {
         let conflict = matches!(e, KvError::Conflict) || !self.clustered;
-        if !e.is_retryable() || (!conflict && self.stopping.load(Ordering::Acquire)) {
+        if !e.is_retryable() {
             return false;
         }
         if conflict {
@@ -726,7 +723,7 @@ impl Namespace {
                 waited_s = waited.as_secs_f64(),
                 tries = tries.unanswered + 1,
                 error = %e,
-                "the metadata service did not answer for the whole --meta-op-wait; the operation fails (EIO)"
+                "the metadata service did not answer within the operation's wait (--meta-op-wait; none at unmount); it fails"
             );
             return false;
         }
@@ -747,13 +744,12 @@ impl Namespace {
         self.unanswered_wait_ms.store(wait.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
-    /// The node is stopping: from now on a transaction the engine does not
-    /// answer fails at once instead of being tried again, 64 times, each
-    /// waiting out the engine's deadline (minutes on an unreachable etcd).
-    /// What an unmount still has to record is asked for once; what the
-    /// store cannot take is recovered at the next mount.
+    /// The node is stopping: from now on an operation the shared store
+    /// does not answer fails at its first try (a wait of zero). What an
+    /// unmount still has to record is asked for once; what the store
+    /// cannot take is recovered at the next mount.
     pub fn stop_waiting(&self) {
-        self.stopping.store(true, Ordering::Release);
+        self.set_unanswered_wait(Duration::ZERO);
     }
 
     /// Install what to do when the engine's disk is full (once).
