@@ -86,32 +86,29 @@ impl Core {
         // are gone (a seal with nothing new to seal does not queue them
         // again, so they are kept, not dropped).
         let mut deferred = Vec::new();
-        // Copies made and not recorded yet, and the files they are of (a
-        // few more, whose copies were recorded in the meantime).
-        let (mut copied, mut copied_files) = (Vec::new(), Vec::new());
+        // Copies made and not recorded yet, and the files this step looked
+        // at (queued again when a record fails: one whose copies are all
+        // recorded costs the next step a look).
+        let (mut copied, mut tried) = (Vec::new(), Vec::new());
         let mut batch = batch.into_iter();
         while let Some(ino) = batch.next() {
             if self.is_being_written(ino) {
                 deferred.push(ino);
                 continue;
             }
+            tried.push(ino);
             let ok = self.replicate_file_to(ino, None, &mut copied).unwrap_or_else(|e| {
                 tracing::warn!(ino, error = %e, "background replication failed; retrying later");
                 false
             });
-            // (Recorded already when `copied` is empty again.)
-            match copied.is_empty() {
-                true => copied_files.clear(),
-                false => copied_files.push(ino),
-            }
             if !ok {
-                self.record_copies(&mut copied, &mut copied_files);
+                self.record_copies(&mut copied, &tried);
                 self.under_replicated.add(std::iter::once(ino).chain(batch).chain(deferred), false);
                 return Replicated::Short(ino);
             }
             done += 1;
         }
-        if !self.record_copies(&mut copied, &mut copied_files) {
+        if !self.record_copies(&mut copied, &tried) {
             self.under_replicated.add(deferred, false);
             return Replicated::Idle;
         }
@@ -127,12 +124,11 @@ impl Core {
     }
 
     /// Record the copies in `copied` (one transaction) and empty it; a
-    /// failure puts their files (`files`) back in the queue, to be copied
-    /// again (what the peers hold meanwhile, named by no record, goes with
-    /// their sweep). Returns whether they were recorded.
-    fn record_copies(&self, copied: &mut Vec<NewCopies>, files: &mut Vec<Ino>) -> bool {
+    /// failure puts `files` back in the queue, to be copied again (what the
+    /// peers hold meanwhile, named by no record, goes with their sweep).
+    /// Returns whether they were recorded.
+    fn record_copies(&self, copied: &mut Vec<NewCopies>, files: &[Ino]) -> bool {
         if copied.is_empty() {
-            files.clear();
             return true;
         }
         let recorded = self.ns.add_replicas_many(copied);
@@ -143,7 +139,6 @@ impl Core {
             tracing::debug!(chunks = copied.len(), "background copies recorded");
         }
         copied.clear();
-        files.clear();
         recorded.is_ok()
     }
 
