@@ -83,6 +83,28 @@ fn copies_made_in_the_background_are_recorded_and_outlive_the_writer() {
     read_all(&c, 1, &files);
 }
 
+/// The writer killed (`kill -9`) while its replicator is copying 200
+/// files written with `--durability local` (copies made on the peer and not
+/// recorded yet, a record half way): once it mounts again every file reads
+/// whole on both nodes, gets its two copies, and fsck finds nothing wrong.
+#[test]
+fn a_writer_killed_while_copying_in_the_background_loses_nothing() {
+    let Some(mut c) = Cluster::start(2, &["--durability", "local", "--sweep-grace", "3s"]) else { return };
+    fs::create_dir(c.node(0).path("d")).unwrap();
+    let files: Vec<(String, Vec<u8>)> =
+        (0..200u64).map(|i| (format!("d/f-{i}"), pattern(700 + 53 * i as usize, 800 + i))).collect();
+    for (name, data) in &files {
+        fs::write(c.node(0).path(name), data).unwrap();
+    }
+    c.nodes[0].crash();
+    c.nodes[0].mount();
+    read_all(&c, 0, &files);
+    eventually(90, "two copies of every chunk after the writer came back", || health(&c) == (0, 0));
+    read_all(&c, 1, &files);
+    let (clean, report) = fsck(&c);
+    assert!(clean, "fsck after the writer came back: {report}");
+}
+
 /// 600 MiB at two copies; n1 dies: within the repair delay plus a bound
 /// every chunk has two live copies again; then n2 dies: every byte reads
 /// back on n3 and n4.
