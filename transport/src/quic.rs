@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -59,10 +59,24 @@ const CONNECTIONS: usize = 2;
 pub struct QuicTransport {
     endpoint: quinn::Endpoint,
     /// Connections per peer: [`CONNECTIONS`] of them, used in turn, so the
-    /// packet work of parallel requests spreads over the runtime's threads.
-    conns: Mutex<HashMap<(Peer, usize), quinn::Connection>>,
+    /// packet work of parallel requests spreads over the runtime's threads
+    /// (a leaf lock: nothing is awaited or locked while it is held).
+    conns: Mutex<HashMap<(Peer, usize), Cached>>,
     next: std::sync::atomic::AtomicUsize,
     timeout: Duration,
+}
+
+/// A connection kept for reuse, and when it was made.
+struct Cached {
+    conn: quinn::Connection,
+    made: Instant,
+}
+
+/// Whether the peer answered a packet on `conn` with a valid stateless
+/// reset: it has lost the connection (it started again), and so every
+/// connection to it made before this one.
+fn lost_by_peer(conn: &quinn::Connection) -> bool {
+    matches!(conn.close_reason(), Some(quinn::ConnectionError::Reset))
 }
 
 fn stream_err(peer: &Peer, e: impl std::fmt::Display) -> TransportError {
@@ -83,7 +97,11 @@ impl QuicTransport {
         server.transport_config(transport.clone());
         let mut client = tls.client_config()?;
         client.transport_config(transport);
-        let mut config = quinn::EndpointConfig::default();
+        // Connection IDs and stateless resets this node's next run will
+        // still recognise and vouch for (see `NodeTls::restart_keys`).
+        let (reset_key, cid_key) = tls.restart_keys();
+        let mut config = quinn::EndpointConfig::new(Arc::new(reset_key));
+        config.cid_generator(move || Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key)));
         // Loopback and datacenter links carry jumbo datagrams; quinn's
         // default 1452-byte ceiling makes bulk chunk transfer CPU-bound.
         config.max_udp_payload_size(65527).map_err(|e| TransportError::Endpoint(std::io::Error::other(e)))?;
@@ -107,12 +125,14 @@ impl QuicTransport {
         self.endpoint.local_addr().expect("bound endpoint has an address")
     }
 
-    async fn connection(&self, peer: &Peer) -> Result<quinn::Connection, TransportError> {
-        let slot = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % CONNECTIONS;
+    /// The connection in `slot` to `peer`, made now if there is none
+    /// open: the connection, when it was made, and whether it was kept
+    /// from before.
+    async fn connection(&self, peer: &Peer, slot: usize) -> Result<(quinn::Connection, Instant, bool), TransportError> {
         let key = (peer.clone(), slot);
         if let Some(c) = self.conns.lock().get(&key) {
-            if c.close_reason().is_none() {
-                return Ok(c.clone());
+            if c.conn.close_reason().is_none() {
+                return Ok((c.conn.clone(), c.made, true));
             }
         }
         let connect_err =
@@ -123,8 +143,34 @@ impl QuicTransport {
             .map_err(|e| connect_err(&e))?
             .await
             .map_err(|e| connect_err(&e))?;
-        self.conns.lock().insert(key, conn.clone());
-        Ok(conn)
+        let made = Instant::now();
+        let moved: Vec<Cached> = {
+            let mut conns = self.conns.lock();
+            conns.insert(key, Cached { conn: conn.clone(), made });
+            // The node listens elsewhere now (it started again on another
+            // port): its connections to the old address go.
+            let gone: Vec<_> =
+                conns.keys().filter(|(p, _)| p.node == peer.node && p.addr != peer.addr).cloned().collect();
+            gone.iter().filter_map(|k| conns.remove(k)).collect()
+        };
+        for c in moved {
+            c.conn.close(0u32.into(), b"peer moved");
+        }
+        Ok((conn, made, false))
+    }
+
+    /// `peer` lost a connection of ours made at `made` (a restart): that
+    /// one and every one made before it go, closed here.
+    fn forget_before(&self, peer: &Peer, made: Instant) {
+        let lost: Vec<Cached> = {
+            let mut conns = self.conns.lock();
+            let keys: Vec<_> =
+                conns.iter().filter(|((p, _), c)| p == peer && c.made <= made).map(|(k, _)| k.clone()).collect();
+            keys.iter().filter_map(|k| conns.remove(k)).collect()
+        };
+        for c in lost {
+            c.conn.close(0u32.into(), b"peer restarted");
+        }
     }
 
     async fn call(&self, peer: &Peer, req: Request, payload: Bytes) -> Result<(Response, Vec<u8>), TransportError> {
@@ -138,41 +184,62 @@ impl QuicTransport {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<(Response, Vec<u8>), TransportError> {
+        let slot = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % CONNECTIONS;
         let work = async {
-            let conn = self.connection(peer).await?;
-            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(peer, e))?;
-            send.write_all(&req.encode()).await.map_err(|e| stream_err(peer, e))?;
-            // Handed to quinn as it is: no copy into its send buffer.
-            if !payload.is_empty() {
-                send.write_chunk(payload).await.map_err(|e| stream_err(peer, e))?;
+            let (conn, made, kept) = self.connection(peer, slot).await?;
+            match self.exchange(&conn, peer, &req, &payload).await {
+                // The peer started again since this connection was made,
+                // so nothing of the request was served: asked again on a
+                // new connection, within the same deadline.
+                Err(e) if kept && lost_by_peer(&conn) => {
+                    tracing::info!(peer = %peer.node, error = %e, "peer lost our connections (it started again); connecting anew");
+                    self.forget_before(peer, made);
+                    let (conn, _, _) = self.connection(peer, slot).await?;
+                    self.exchange(&conn, peer, &req, &payload).await
+                }
+                r => r,
             }
-            send.finish().map_err(|e| stream_err(peer, e))?;
-            let mut header = [0u8; HEADER_LEN];
-            recv.read_exact(&mut header).await.map_err(|e| stream_err(peer, e))?;
-            let protocol = |err| TransportError::Protocol { peer: peer.node.clone(), err };
-            let len = parse_header(&header).map_err(protocol)? as usize;
-            let mut frame = header.to_vec();
-            frame.resize(HEADER_LEN + len, 0);
-            recv.read_exact(&mut frame[HEADER_LEN..]).await.map_err(|e| stream_err(peer, e))?;
-            let resp = Response::decode(&frame).map_err(protocol)?;
-            let data = match resp {
-                Response::Data { len } => {
-                    read_payload(&mut recv, len as usize).await.map_err(|e| stream_err(peer, e))?
-                }
-                Response::Error { errno, ref msg } => {
-                    return Err(TransportError::Remote {
-                        peer: peer.node.clone(),
-                        err: ServiceError { errno, msg: msg.clone() },
-                    })
-                }
-                _ => Vec::new(),
-            };
-            Ok((resp, data))
         };
         match tokio::time::timeout(timeout, work).await {
             Ok(r) => r,
             Err(_) => Err(TransportError::Timeout { peer: peer.node.clone(), timeout }),
         }
+    }
+
+    /// One request and its answer on `conn`.
+    async fn exchange(
+        &self,
+        conn: &quinn::Connection,
+        peer: &Peer,
+        req: &Request,
+        payload: &Bytes,
+    ) -> Result<(Response, Vec<u8>), TransportError> {
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| stream_err(peer, e))?;
+        send.write_all(&req.encode()).await.map_err(|e| stream_err(peer, e))?;
+        // Handed to quinn as it is: no copy into its send buffer.
+        if !payload.is_empty() {
+            send.write_chunk(payload.clone()).await.map_err(|e| stream_err(peer, e))?;
+        }
+        send.finish().map_err(|e| stream_err(peer, e))?;
+        let mut header = [0u8; HEADER_LEN];
+        recv.read_exact(&mut header).await.map_err(|e| stream_err(peer, e))?;
+        let protocol = |err| TransportError::Protocol { peer: peer.node.clone(), err };
+        let len = parse_header(&header).map_err(protocol)? as usize;
+        let mut frame = header.to_vec();
+        frame.resize(HEADER_LEN + len, 0);
+        recv.read_exact(&mut frame[HEADER_LEN..]).await.map_err(|e| stream_err(peer, e))?;
+        let resp = Response::decode(&frame).map_err(protocol)?;
+        let data = match resp {
+            Response::Data { len } => read_payload(&mut recv, len as usize).await.map_err(|e| stream_err(peer, e))?,
+            Response::Error { errno, ref msg } => {
+                return Err(TransportError::Remote {
+                    peer: peer.node.clone(),
+                    err: ServiceError { errno, msg: msg.clone() },
+                })
+            }
+            _ => Vec::new(),
+        };
+        Ok((resp, data))
     }
 
     /// `len` bytes of version `chunk.version` of a chunk on `peer`, from `at` bytes into it.

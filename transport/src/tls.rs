@@ -128,6 +128,26 @@ impl NodeTls {
         })
     }
 
+    /// What lets this node, started again, end the connections its
+    /// peers still hold to its last run: the key of its QUIC stateless
+    /// reset tokens (RFC 9000 §10.3) and the key its connection IDs are
+    /// signed with, both derived from its private key and so the same
+    /// after a restart. A peer's packet on a connection this node lost in
+    /// a crash then carries a connection ID this node recognises as its
+    /// own, and is answered with a reset the peer believes: the peer drops
+    /// that connection and connects again at once, instead of calling into
+    /// it until its idle timeout (tens of seconds of calls that each wait
+    /// out their deadline). Only the node's own key makes a valid token, so
+    /// no one else can reset its peers' connections to it.
+    pub fn restart_keys(&self) -> (ring::hmac::Key, u64) {
+        use ring::hmac;
+        let node_key = hmac::Key::new(hmac::HMAC_SHA256, self.key_pem.as_bytes());
+        let reset = hmac::sign(&node_key, b"converged quic stateless reset key v1");
+        let cid = hmac::sign(&node_key, b"converged quic connection id key v1");
+        let cid = u64::from_le_bytes(cid.as_ref()[..8].try_into().expect("a SHA-256 tag has 32 bytes"));
+        (hmac::Key::new(hmac::HMAC_SHA256, reset.as_ref()), cid)
+    }
+
     fn parts(&self) -> Result<(rustls::RootCertStore, Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
         let mut roots = rustls::RootCertStore::empty();
         for ca in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {

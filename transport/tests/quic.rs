@@ -1,6 +1,7 @@
 //! Two nodes on loopback talking QUIC with certificates from one cluster CA;
 //! a node from another CA is refused; garbage on a stream is survived; a
-//! dead peer fails within the deadline.
+//! dead peer fails within the deadline; a peer started again on its address
+//! is reached at once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -222,4 +223,69 @@ async fn a_silent_peer_fails_within_the_deadline() {
     assert!(matches!(err, TransportError::Timeout { .. }), "{err}");
     assert!(err.is_retryable());
     assert!(started.elapsed() < Duration::from_secs(5), "deadline, not a hang");
+}
+
+/// A peer that dies holding our connections (it says nothing as it dies)
+/// and starts again on the same address with the same certificate answers
+/// every call, the first ones too: its stateless reset, which only its
+/// own key makes, ends each dead connection at the first packet, where
+/// without it a call on one would wait out its deadline and fail, and so
+/// would the calls after it until quinn's idle timeout (30 s).
+#[test]
+fn a_peer_started_again_on_its_address_is_answered_at_the_first_call() {
+    let ca = ClusterCa::generate("cluster").unwrap();
+    let n2_tls = ca.issue("n2").unwrap();
+    // Chunks on n2's disk: they outlive its process.
+    let disk = Arc::new(MemChunks::default());
+    for ino in 1..=8 {
+        disk.0.lock().insert(chunk(ino), pattern(1000 + ino as usize));
+    }
+    let runtime = || tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt1 = runtime();
+    let n1 = {
+        let _in = rt1.enter();
+        node(&ca.issue("n1").unwrap(), Arc::default())
+    };
+    // n2 in a runtime of its own: shutting it down stops every task of
+    // n2 at once, its endpoint's driver first among them, so no packet
+    // (no CONNECTION_CLOSE) leaves it, as with kill -9.
+    let rt2 = runtime();
+    let n2 = {
+        let _in = rt2.enter();
+        node(&n2_tls, disk.clone())
+    };
+    let addr = n2.local_addr();
+    let peer = Peer { addr, node: "n2".into() };
+    rt1.block_on(async {
+        // Each connection n1 keeps to n2 carries a call.
+        for ino in 1..=4 {
+            assert_eq!(n1.read(&peer, &chunk(ino), 0, 4096).await.unwrap(), pattern(1000 + ino as usize));
+        }
+    });
+    rt2.shutdown_background();
+    drop(n2);
+
+    let rt3 = runtime();
+    let _n2_again = {
+        let _in = rt3.enter();
+        let started = Instant::now();
+        loop {
+            match QuicTransport::bind(addr, &n2_tls, disk.clone(), Duration::from_secs(3)) {
+                Ok(t) => break t,
+                // The dead runtime's socket may take a moment to close.
+                Err(e) if started.elapsed() < Duration::from_secs(10) => {
+                    eprintln!("binding {addr} again: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => panic!("n2 cannot bind its address again: {e}"),
+            }
+        }
+    };
+    rt1.block_on(async {
+        for ino in 1..=8 {
+            let got = n1.read(&peer, &chunk(ino), 0, 4096).await;
+            let got = got.unwrap_or_else(|e| panic!("read {ino} from n2 started again: {e}"));
+            assert_eq!(got, pattern(1000 + ino as usize), "chunk {ino}");
+        }
+    });
 }
