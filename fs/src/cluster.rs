@@ -296,12 +296,23 @@ impl Cluster {
         self.suspects.lock().get(node).is_some_and(|t| t.elapsed() < SUSPECT_FOR)
     }
 
+    /// Note how a call to `node` went. A peer that failed one may have
+    /// started again at another address (a restart on a port of its own
+    /// choosing) before the change feed brought its new record here, or
+    /// with the feed lagging behind a loaded etcd: the member list is read
+    /// again, from etcd, at its next use. The two locks are taken one
+    /// after the other, never one inside the other.
     fn mark(&self, node: &str, ok: bool) {
-        let mut s = self.suspects.lock();
         if ok {
-            s.remove(node);
-        } else {
-            s.insert(node.to_string(), Instant::now());
+            self.suspects.lock().remove(node);
+            return;
+        }
+        self.suspects.lock().insert(node.to_string(), Instant::now());
+        let watched = self.control.get().is_some_and(|c| c.is_watched());
+        let mut m = self.members.lock();
+        match watched {
+            true => m.since = None,
+            false => m.read_at = None,
         }
     }
 
