@@ -529,3 +529,52 @@ fn a_file_unlinked_elsewhere_while_being_written_closes_without_error() {
         assert!(node.namespace().getattr(ino).is_err(), "no inode record left");
     }
 }
+
+/// A chunk left with one copy (the writer's peer refused its copy) whose
+/// repair fails in the pass over every record (neither node reaches the
+/// other) gets its second copy from the next passes once the nodes reach
+/// each other again: those read only the records of the nodes that no
+/// longer count, none here, and the failed chunk besides. Before, it waited
+/// for the next pass over every record, five minutes on.
+#[test]
+fn a_repair_copy_that_failed_is_made_by_the_next_pass() {
+    use converged_fs::workers::{Repairer, Worker};
+    let c = TestCluster::start(&["a", "b"], 2);
+    let (a, b) = (&c.node("a").core, &c.node("b").core);
+    c.node("a").faults.set("b", Some(PeerFault::RefuseWrites(libc::ENOSPC)));
+    let data = pattern(9, CHUNK / 3);
+    let ino = create(a, "short", &data).unwrap();
+    assert_eq!(holders(b, ino), vec![vec!["a".to_string()]], "the layout this test needs");
+
+    // Each node's repairer: one of them reads the slice of records the
+    // file is in. No copy can be made while the nodes cannot reach each other.
+    let config = converged_fs::core::RepairConfig { delay: Duration::from_secs(60), bandwidth: 0 };
+    let mut repairers = [Repairer::new(Arc::downgrade(a), config), Repairer::new(Arc::downgrade(b), config)];
+    c.node("a").faults.set("b", Some(PeerFault::Down));
+    c.node("b").faults.set("a", Some(PeerFault::Down));
+    for r in &mut repairers {
+        r.step();
+    }
+    assert_eq!(holders(b, ino), vec![vec!["a".to_string()]], "no copy while neither reaches the other");
+    let failed: u64 = [a, b].iter().filter_map(|n| n.repair_report()).map(|p| p.failed).sum();
+    assert_eq!(failed, 1, "the pass over every record tried the chunk and failed");
+
+    c.node("a").faults.set("b", None);
+    c.node("b").faults.set("a", None);
+    // A pass after a failed one waits 2 s (then 4, 8, ...); each step
+    // sleeps a second first. Eight rounds cover the first retries, far
+    // short of the next pass over every record.
+    for _ in 0..8 {
+        if holders(b, ino)[0].len() == 2 {
+            break;
+        }
+        for r in &mut repairers {
+            r.step();
+        }
+    }
+    let mut got = holders(b, ino);
+    got[0].sort();
+    assert_eq!(got, vec![vec!["a".to_string(), "b".to_string()]], "the next passes made the copy");
+    c.node("a").faults.set("b", Some(PeerFault::Down));
+    assert_same(&read_all(b, ino).unwrap(), &data, "b reads its own copy");
+}

@@ -55,6 +55,22 @@ impl MemTransport {
             service.ok_or_else(|| TransportError::Connect { peer: peer.node.clone(), msg: "no such node".into() })?;
         f(service.as_ref()).map_err(|err| TransportError::Remote { peer: peer.node.clone(), err })
     }
+
+    /// A call whose service blocks on work of its own (a stage reads
+    /// from other peers), off the async workers, as the QUIC server runs it.
+    async fn call_blocking<T: Send + 'static>(
+        &self,
+        peer: &Peer,
+        f: impl FnOnce(&dyn ChunkService) -> Result<T, ServiceError> + Send + 'static,
+    ) -> Result<T, TransportError> {
+        let service = self.net.nodes.lock().get(&peer.node).cloned();
+        let service =
+            service.ok_or_else(|| TransportError::Connect { peer: peer.node.clone(), msg: "no such node".into() })?;
+        let answer = tokio::task::spawn_blocking(move || f(service.as_ref()))
+            .await
+            .map_err(|e| TransportError::Stream { peer: peer.node.clone(), msg: e.to_string() })?;
+        answer.map_err(|err| TransportError::Remote { peer: peer.node.clone(), err })
+    }
 }
 
 impl PeerTransport for MemTransport {
@@ -104,7 +120,7 @@ impl PeerTransport for MemTransport {
         chunk: u32,
         _timeout: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move { self.call(peer, |s| s.stage(ino, chunk)) })
+        Box::pin(async move { self.call_blocking(peer, move |s| s.stage(ino, chunk)).await })
     }
     fn recall<'a>(
         &'a self,

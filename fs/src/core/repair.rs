@@ -10,8 +10,11 @@
 //! enough nodes, or a forgotten node's) and while a rebalance runs. The
 //! safety pass is shared out: each live node reads the slices of inode
 //! numbers rendezvous hashing gives it and acts on every chunk there, so
-//! the cluster reads each record once a pass, not once per node.
-//!
+//! the cluster reads each record once a pass, not once per node. The
+//! chunks whose copy failed in a pass (a peer that did not answer, one
+//! that was starting again) are read again by the next passes, whatever
+//! their scope, until their copies are made or no longer needed: a
+//! failure found by the safety pass is not left for the next one.
 //!
 //! | holder                                   | counts as a copy | read from | dropped from the record |
 //! |------------------------------------------|------------------|-----------|-------------------------|
@@ -111,6 +114,8 @@ pub struct RepairPass {
     pub misplaced: u64,
     /// Chunks this node should have repaired and could not.
     pub failed: u64,
+    /// Those chunks, for the next pass to look at again.
+    pub retry: Vec<(Ino, u32)>,
     /// When the first briefly dead holder crosses the repair delay (a
     /// pass is due then).
     pub next_due: Option<Duration>,
@@ -230,11 +235,13 @@ impl Core {
         Ok(Some(View { standing, next_due }))
     }
 
-    /// One repair pass over every chunk record of the volume (see the
-    /// module's head). `stop` ends it early (the daemon stops).
+    /// One repair pass over the chunk records `scope` names, and the
+    /// chunks in `again` (the last pass's failures; see the module's
+    /// head). `stop` ends it early (the daemon stops).
     pub(crate) fn repair_pass(
         &self,
         scope: RepairScope,
+        again: &[(Ino, u32)],
         cfg: &RepairConfig,
         pacer: &mut Pacer,
         stop: &dyn Fn() -> bool,
@@ -264,7 +271,9 @@ impl Core {
         pass.every = scope == RepairScope::Every || balance.is_some();
         let every = pass.every;
         let mut index_entries = 0;
-        let mut visit = |ino: Ino, index: u32, rec: &ChunkRecord| {
+        // `ours`: the chunk is this node's to repair whoever rendezvous
+        // hashing names (its slice of the safety pass, or a retry).
+        let mut visit = |ino: Ino, index: u32, rec: &ChunkRecord, ours: bool| {
             pass.chunks += 1;
             let want = policies.want(ino);
             let count = |kind: Holder| rec.replicas.iter().filter(|r| view.of(r) == kind).count();
@@ -284,7 +293,7 @@ impl Core {
             let work = add > 0 || (!drop.is_empty() && good >= want);
             // A slice of the safety pass is this node's whole; over the
             // index, only this node's share was read.
-            let share = every || cluster.is_first(ino, index, &repairers);
+            let share = ours || cluster.is_first(ino, index, &repairers);
             if work && share {
                 let len = rec.len as u64;
                 jobs.push(Job { ino, index, version: rec.version, len, add, drop, want, targets: None });
@@ -318,7 +327,9 @@ impl Core {
                 let first = slice * SAFETY_SLICE;
                 if cluster.is_first(first, u32::MAX, &repairers) {
                     pass.slices += 1;
-                    self.ns.for_each_chunk_in(first..first + SAFETY_SLICE, &mut visit)?;
+                    self.ns.for_each_chunk_in(first..first + SAFETY_SLICE, &mut |ino, index, rec: &ChunkRecord| {
+                        visit(ino, index, rec, true)
+                    })?;
                 }
             }
         } else {
@@ -330,10 +341,18 @@ impl Core {
                     let mine = |ino, index| cluster.is_first(ino, index, &repairers);
                     let walk = self.ns.for_each_chunk_held_by_where(node, mine, |ino, index, rec| {
                         if seen.insert((ino, index)) {
-                            visit(ino, index, rec)
+                            visit(ino, index, rec, false)
                         }
                     })?;
                     index_entries += walk.entries;
+                }
+            }
+            // The safety pass read these with the rest.
+            for &(ino, index) in again {
+                if seen.insert((ino, index)) {
+                    if let Some(rec) = self.ns.chunk(ino, index)? {
+                        visit(ino, index, &rec, true);
+                    }
                 }
             }
         }
@@ -349,11 +368,13 @@ impl Core {
                     pass.dropped += dropped;
                     if copied < job.add as u64 {
                         pass.failed += 1;
+                        pass.retry.push((job.ino, job.index));
                     }
                 }
                 Err(e) => {
                     tracing::warn!(ino = job.ino, chunk = job.index, error = %e, "repair of a chunk failed; the next pass tries again");
                     pass.failed += 1;
+                    pass.retry.push((job.ino, job.index));
                 }
             }
         }

@@ -199,7 +199,8 @@ impl Worker for Settler {
 /// chunks off draining nodes (see `core/repair.rs`). A pass runs when the
 /// dead nodes or admin states change, when a dead node crosses the repair
 /// delay, soon again after a pass that moved something, after a growing
-/// pause while copies fail (no source, no room), and every few minutes
+/// pause while copies fail (no source, no room; the failed chunks are
+/// looked at again then, whatever the pass reads), and every few minutes
 /// regardless. Those every few minutes (jittered), the first after start
 /// and those while a rebalance runs read every chunk record; the others
 /// only the holder-index entries of the nodes that no longer count. What
@@ -215,6 +216,9 @@ pub struct Repairer {
     since: Since,
     /// When the next pass over every record is due (`None`: at once).
     every_due: Option<Instant>,
+    /// The chunks the last pass failed to copy: the next one looks at
+    /// them again, whatever its scope.
+    again: Vec<(converged_metadata::types::Ino, u32)>,
 }
 
 /// What a repair pass's trigger follows.
@@ -247,6 +251,7 @@ impl Repairer {
             trigger: None,
             since: Since::new(TRIGGER_RECORDS),
             every_due: None,
+            again: Vec::new(),
         }
     }
 }
@@ -275,7 +280,7 @@ impl Worker for Repairer {
             Some(at) if Instant::now() < at => RepairScope::Leaving,
             _ => RepairScope::Every,
         };
-        let r = core.repair_pass(scope, &self.cfg, &mut self.pacer, &stop);
+        let r = core.repair_pass(scope, &self.again, &self.cfg, &mut self.pacer, &stop);
         if matches!(&r, Ok(p) if p.every) {
             self.every_due = Some(Instant::now() + crate::control::jittered(REPAIR_EVERY));
         }
@@ -298,6 +303,7 @@ impl Worker for Repairer {
         self.last = Some(Last { trigger, next: Instant::now() + wait, backoff });
         match r {
             Ok(pass) => {
+                self.again.clone_from(&pass.retry);
                 core.set_repair_report(&pass);
                 if pass.copied + pass.dropped + pass.failed > 0 {
                     Step::Worked(pass.summary())
