@@ -178,11 +178,15 @@ impl Core {
     /// durable flush. Deleting many small files shares one flush a second;
     /// a lot of space waiting to be freed wakes the flusher at once.
     /// `holders`: the nodes whose copies go too (read before the purge).
-    pub(super) fn doom(&self, ino: Ino, holders: Vec<String>) {
+    /// `size`: the file's size as its last record had it, when the caller
+    /// read that record (an unlink's transaction did); else the backing
+    /// file is asked (a stat by path in the chunk directory, which an
+    /// unlink of a closed file does not need).
+    pub(super) fn doom(&self, ino: Ino, holders: Vec<String>, size: Option<u64>) {
         // Its object, if it had one, waits for this node's backfill to
         // delete it: the change feed does not report this node's own purge.
         self.control().moved(converged_metadata::schema::Control::Garbage);
-        let bytes = std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len());
+        let bytes = size.unwrap_or_else(|| std::fs::metadata(self.store.path(ino)).map_or(0, |m| m.len()));
         let files = {
             let mut doomed = self.pending.doomed.lock();
             doomed.push((ino, holders));

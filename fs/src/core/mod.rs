@@ -646,7 +646,7 @@ impl Core {
         if gone.purged {
             let mut holders = std::mem::take(&mut gone.holders);
             holders.retain(|h| h != self.node_id());
-            self.doom(gone.ino, holders);
+            self.doom(gone.ino, holders, Some(gone.last.size));
             return Ok(());
         }
         drop(held);
@@ -762,7 +762,7 @@ impl Core {
     fn purge(&self, ino: Ino) -> FsResult<()> {
         if let Some(mut holders) = self.ns.purge_orphan(ino)? {
             holders.retain(|h| h != self.node_id());
-            self.doom(ino, holders);
+            self.doom(ino, holders, None);
         }
         Ok(())
     }
