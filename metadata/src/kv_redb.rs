@@ -790,7 +790,7 @@ mod tests {
     fn a_prefix_scan_of_one_inode_asks_the_filter_and_a_wider_one_does_not() {
         let (start, end) = crate::schema::prefix_range(&crate::schema::chunks_of(7));
         assert_eq!(KeyFilter::range_prefix(&start, &end), Some(&start[..]));
-        let (start, end) = crate::schema::prefix_range(&[b'C']);
+        let (start, end) = crate::schema::prefix_range(b"C");
         assert_eq!(KeyFilter::range_prefix(&start, &end), None);
         let mut f = KeyFilter::default();
         f.add(&crate::schema::chunk(7, 3));
