@@ -792,6 +792,9 @@ mod tests {
         assert_eq!(KeyFilter::range_prefix(&start, &end), Some(&start[..]));
         let (start, end) = crate::schema::prefix_range(b"C");
         assert_eq!(KeyFilter::range_prefix(&start, &end), None);
+        // From one inode's records into the next inodes': no one prefix.
+        let (start, end) = (crate::schema::chunks_of(7), crate::schema::chunks_of(9));
+        assert_eq!(KeyFilter::range_prefix(&start, &end), None);
         let mut f = KeyFilter::default();
         f.add(&crate::schema::chunk(7, 3));
         assert!(f.may_hold(&crate::schema::chunks_of(7)));
