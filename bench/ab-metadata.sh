@@ -10,12 +10,14 @@
 # Each run, per binary: a fresh single-node mount, NFILES creates then
 # unlinks from one process (bench/scripts/meta_ops.py); a fresh
 # `dev-cluster --nodes 2`, NFILES*2/5 from one process on n1 and NFILES*4/5
-# shared by 16 processes in directories of their own. The page cache is
-# dropped before each phase. Prints each run's rates, then for each figure
-# the median of each binary and the new one's median over the old one's.
+# shared by 16 processes in directories of their own; then an untar of
+# TREE small files (1-4 KiB, in 100 directories) on n1, as files a second,
+# checked whole on n2 (`tar --compare`). The page cache is dropped before
+# each phase. Prints each run's rates, then for each figure the median of
+# each binary and the new one's median over the old one's.
 #
-# Environment: BENCH_DIR [/var/tmp/converged-ab], NFILES [5000], PAIRS (or
-# the third argument) [3].
+# Environment: BENCH_DIR [/var/tmp/converged-ab], NFILES [5000], TREE
+# [NFILES/2; 0: no untar], PAIRS (or the third argument) [3].
 set -euo pipefail
 
 die() { echo "ab-metadata: $*" >&2; exit 1; }
@@ -26,8 +28,11 @@ for b in "$OLD" "$NEW"; do [[ -x $b ]] || die "$b is not an executable"; done
 ((EUID == 0)) || die "run as root (FUSE mounts, drop_caches)"
 NFILES=${NFILES:-5000}
 [[ $NFILES =~ ^[1-9][0-9]*$ ]] || die "NFILES must be a positive number, not '$NFILES'"
+TREE=${TREE:-$((NFILES / 2))}
+[[ $TREE =~ ^[0-9]+$ ]] || die "TREE must be a number, not '$TREE'"
 BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-ab}
 META_OPS=$(cd "$(dirname "$0")" && pwd)/scripts/meta_ops.py
+MAKE_TREE=$(cd "$(dirname "$0")" && pwd)/scripts/make_tree.py
 OUT=$(mktemp -d)
 cleanup() {
     pkill -INT -f "dev-cluster --nodes 2 --dir $BENCH_DIR/" || true
@@ -38,6 +43,7 @@ cleanup() {
 }
 trap cleanup EXIT
 touch "$OUT/old" "$OUT/new"
+((TREE > 0)) && python3 "$MAKE_TREE" "$OUT/tree.tar" "$TREE" 100
 
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 rates() { # TAG ARGS...: "TAG-create RATE" and "TAG-unlink RATE" lines
@@ -67,6 +73,18 @@ run() { # WHICH BINARY: one run, its rates appended to $OUT/WHICH
     grep -q "dev-cluster ready" "$d/dc.log" || die "dev-cluster did not start: $(tail -3 "$d/dc.log")"
     rates "2-node,1-proc" "$d/dc/n1/mnt/p1" $((NFILES * 2 / 5)) 1 >> "$OUT/$which"
     rates "2-node,16-proc" --spread "$d/dc/n1/mnt/s" $((NFILES * 4 / 5)) 16 >> "$OUT/$which"
+    if ((TREE > 0)); then
+        mkdir "$d/dc/n1/mnt/untar"
+        drop
+        cat "$OUT/tree.tar" > /dev/null # tar reads its archive from memory
+        local s e
+        s=$(date +%s.%N)
+        tar -xf "$OUT/tree.tar" -C "$d/dc/n1/mnt/untar"
+        e=$(date +%s.%N)
+        tar --compare -f "$OUT/tree.tar" -C "$d/dc/n2/mnt/untar" > "$OUT/compare" 2>&1 ||
+            die "the untar on n1 does not read back the same on n2: $(head -3 "$OUT/compare")"
+        echo "2-node,untar $(awk "BEGIN { printf \"%.0f\", $TREE / ($e - $s) }")" >> "$OUT/$which"
+    fi
     pkill -INT -f "dev-cluster --nodes 2 --dir $d/dc" || true
     for _ in $(seq 100); do
         grep -q " $d/dc/" /proc/mounts || break
