@@ -12,10 +12,22 @@
 //! it (a reflink where the filesystem shares blocks). The core removes
 //! version files the layout left behind.
 //!
+//! A small version that must be on stable storage when its write returns
+//! (a replica of a small file's close) goes into a *slot* instead: an
+//! empty file `slot.<n>` made ahead, whose name is already on stable
+//! storage, filled, labelled with the version it holds (the extended
+//! attribute `user.converged.version`, the version file's name) and synced
+//! with one `fsync`. A new name costs its directory a second sync (the
+//! create, then the directory's `fsync`); a slot's was paid ahead, a batch
+//! of names at a time. A slot keeps its name: the index says which version
+//! each holds, read back from the labels when the store opens (an
+//! unlabelled slot was never filled, and goes).
+//!
 //! It owns bytes on the local SSD only; which chunks exist and their
-//! checksums are recorded in the namespace by the filesystem core. Its one
-//! lock (the version index) is a leaf: nothing is taken while it is held,
-//! and no I/O happens under it.
+//! checksums are recorded in the namespace by the filesystem core. Its two
+//! locks (the version index, the ready slots) are leaves, never held
+//! together: nothing is taken while one is held, and no I/O happens under
+//! either.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CString;
@@ -37,8 +49,31 @@ use crate::error::{FsError, FsResult};
 pub struct ChunkStore {
     dir: PathBuf,
     index: converged_metadata::held_locks::Mutex<Index>,
+    /// Slots made ahead, their names on stable storage (see the module's head).
+    slots: converged_metadata::held_locks::Mutex<Slots>,
+    /// Fewer than half of [`SLOTS`] are ready: the slot maker wakes.
+    slots_low: parking_lot::Condvar,
     /// Bytes this store wrote, by why (see [`Written`]).
     pub written: Written,
+}
+
+/// Slots kept ready for durable writes of small versions.
+const SLOTS: usize = 64;
+/// Versions up to this size go into a slot when written durably; a larger
+/// one's own create and directory sync are small beside its bytes, and it
+/// is written with `O_DIRECT` where it can be.
+pub const SLOT_MAX: u64 = 1 << 20;
+/// The label naming the version a slot holds.
+const SLOT_LABEL: &str = "user.converged.version";
+
+/// Empty files made ahead for durable writes of small versions.
+#[derive(Default)]
+struct Slots {
+    ready: Vec<(u64, File)>,
+    /// The number of the next slot made.
+    next: u64,
+    /// The data dir's filesystem refused the label: no slots.
+    off: bool,
 }
 
 /// The version files on disk, and which inodes' ones the settler still has
@@ -56,6 +91,9 @@ struct Index {
     /// only ones a later sync request may vouch for (a file left by a crash
     /// may hold anything).
     unsynced: BTreeSet<VersionKey>,
+    /// Versions held in a slot (its number) rather than in a file of
+    /// their own name.
+    slotted: std::collections::HashMap<VersionKey, u64>,
 }
 
 /// Bytes the chunk store wrote to the data disk (besides a writer's own
@@ -92,21 +130,173 @@ impl ChunkStore {
     pub fn open(data_dir: &Path) -> FsResult<Self> {
         let dir = data_dir.join("chunks");
         std::fs::create_dir_all(&dir).map_err(|e| FsError::io(format!("create {}", dir.display()), e))?;
-        let store = Self { dir, index: Default::default(), written: Default::default() };
+        let store = Self {
+            dir,
+            index: Default::default(),
+            slots: Default::default(),
+            slots_low: Default::default(),
+            written: Default::default(),
+        };
         let rd = std::fs::read_dir(&store.dir).map_err(|e| FsError::io(format!("list {}", store.dir.display()), e))?;
-        let mut index = store.index.lock();
+        let mut found = Vec::new();
+        let mut slots = Vec::new();
         for entry in rd.flatten() {
-            if let Some((ino, chunk, version)) = entry.file_name().to_str().and_then(parse_version_name) {
-                index.versions.entry(ino).or_default().insert((chunk, version));
-                index.unsettled.insert(ino);
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Some(key) = parse_version_name(name) {
+                found.push((key, None));
+            } else if let Some(n) = parse_slot_name(name) {
+                slots.push(n);
+            }
+        }
+        // Slots: a labelled one holds the version its label names (a
+        // second copy of a version already found goes: a version's bytes
+        // are the same wherever they were written); an unlabelled one was
+        // never filled.
+        let mut next = 0;
+        for n in slots {
+            next = next.max(n + 1);
+            let path = store.slot_path(n);
+            match read_label(&path) {
+                Some(key) if !found.iter().any(|(k, _)| *k == key) => found.push((key, Some(n))),
+                _ => {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        store.slots.lock().next = next;
+        let mut index = store.index.lock();
+        for ((ino, chunk, version), slot) in found {
+            index.versions.entry(ino).or_default().insert((chunk, version));
+            index.unsettled.insert(ino);
+            if let Some(n) = slot {
+                index.slotted.insert((ino, chunk, version), n);
             }
         }
         drop(index);
         Ok(store)
     }
 
+    /// Where a version's file is: its slot, or a file of its own name.
     fn version_path(&self, ino: Ino, index: u32, version: u64) -> PathBuf {
-        self.dir.join(format!("{ino:016x}.{index:08x}.{version:016x}"))
+        match self.index.lock().slotted.get(&(ino, index, version)) {
+            Some(n) => self.slot_path(*n),
+            None => self.own_path(ino, index, version),
+        }
+    }
+
+    fn own_path(&self, ino: Ino, index: u32, version: u64) -> PathBuf {
+        self.dir.join(version_name(ino, index, version))
+    }
+
+    fn slot_path(&self, n: u64) -> PathBuf {
+        self.dir.join(format!("slot.{n:016x}"))
+    }
+
+    /// Make slots until [`SLOTS`] are ready, their names on stable storage
+    /// (one directory sync for the batch), once fewer than half are ready
+    /// or `period` passed. Returns how many it made (none when the data
+    /// dir's filesystem takes no labels: then after waiting `period`).
+    pub fn make_slots(&self, period: std::time::Duration) -> io::Result<usize> {
+        let (from, want) = {
+            let mut slots = self.slots.lock();
+            if slots.ready.len() >= SLOTS / 2 || slots.off {
+                slots.wait_for(&self.slots_low, period);
+            }
+            if slots.off || slots.ready.len() >= SLOTS {
+                return Ok(0);
+            }
+            let want = SLOTS - slots.ready.len();
+            slots.next += want as u64;
+            (slots.next - want as u64, want)
+        };
+        let mut made = Vec::with_capacity(want);
+        let mut failed = None;
+        for n in from..from + want as u64 {
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(self.slot_path(n));
+            match f {
+                Ok(f) => made.push((n, f)),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Err(e) = File::open(&self.dir).and_then(|d| d.sync_all()) {
+            for (n, _) in made {
+                let _ = std::fs::remove_file(self.slot_path(n));
+            }
+            return Err(e);
+        }
+        let n = made.len();
+        self.slots.lock().ready.extend(made);
+        match failed {
+            Some(e) if n == 0 => Err(e),
+            _ => Ok(n),
+        }
+    }
+
+    /// A ready slot, if any; the maker is woken when they run low.
+    fn take_slot(&self) -> Option<(u64, File)> {
+        let mut slots = self.slots.lock();
+        let slot = slots.ready.pop();
+        if slots.ready.len() < SLOTS / 2 {
+            self.slots_low.notify_one();
+        }
+        slot
+    }
+
+    /// Fill slot `n` (`f`) with version `c`'s `len` bytes from `next`,
+    /// label it and sync it: the version is then on stable storage, under
+    /// the slot's name (on stable storage since the slot was made). A
+    /// failure leaves no slot (and, where the filesystem refuses the
+    /// label, no more slots are made).
+    fn fill_slot<B: AsRef<[u8]>>(
+        &self,
+        (n, f): (u64, File),
+        c: &ChunkRef,
+        len: u64,
+        next: &mut dyn FnMut() -> Option<B>,
+    ) -> io::Result<()> {
+        let filled = (|| {
+            let mut got = 0u64;
+            while got < len {
+                let Some(piece) = next() else {
+                    let e = converged_transport::ServiceError::short_write(got, len);
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, e.msg));
+                };
+                let piece = piece.as_ref();
+                f.write_all_at(piece, got)?;
+                got += piece.len() as u64;
+            }
+            set_label(&f, &version_name(c.ino, c.index, c.version)).inspect_err(|e| {
+                if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP)) {
+                    tracing::info!(
+                        "the data dir's filesystem takes no user xattrs: small chunk versions get files of their own"
+                    );
+                    self.slots.lock().off = true;
+                }
+            })?;
+            f.sync_all()
+        })();
+        if filled.is_err() {
+            let _ = std::fs::remove_file(self.slot_path(n));
+            return filled;
+        }
+        // An earlier file of this version (a send made again) goes: the
+        // slot holds it now.
+        let earlier = self.version_path(c.ino, c.index, c.version);
+        self.index.lock().slotted.insert((c.ino, c.index, c.version), n);
+        if earlier != self.slot_path(n) {
+            let _ = std::fs::remove_file(earlier);
+        }
+        Ok(())
     }
 
     /// Index a version file just written; `synced`: on stable storage.
@@ -140,6 +330,13 @@ impl ChunkStore {
         durable: bool,
         next: &mut dyn FnMut() -> Option<B>,
     ) -> io::Result<()> {
+        if durable && len <= SLOT_MAX {
+            if let Some(slot) = self.take_slot() {
+                self.fill_slot(slot, c, len, next)?;
+                self.note_written(c, len, why, true);
+                return Ok(());
+            }
+        }
         let path = self.version_path(c.ino, c.index, c.version);
         let written = (|| {
             let mut w = OnceWriter::create(&path, len)?;
@@ -166,13 +363,18 @@ impl ChunkStore {
             f.sync_data()?;
             File::open(&self.dir)?.sync_all()?;
         }
+        self.note_written(c, len, why, durable);
+        Ok(())
+    }
+
+    /// Index a version just written and count its bytes.
+    fn note_written(&self, c: &ChunkRef, len: u64, why: Arrival, durable: bool) {
         self.add_version(c.ino, c.index, c.version, durable);
         let counter = match why {
             Arrival::Received => &self.written.received,
             Arrival::Kept => &self.written.kept,
         };
         counter.fetch_add(len, Ordering::Relaxed);
-        Ok(())
     }
 
     /// Put versions of `ino` written without a sync on stable storage (their
@@ -316,6 +518,7 @@ impl ChunkStore {
         let r = std::fs::remove_file(self.version_path(ino, index, version));
         let mut idx = self.index.lock();
         idx.unsynced.remove(&(ino, index, version));
+        idx.slotted.remove(&(ino, index, version));
         if let Some(v) = idx.versions.get_mut(&ino) {
             v.remove(&(index, version));
             if v.is_empty() {
@@ -487,6 +690,40 @@ impl ChunkStore {
         out.extend(self.inodes_with_versions());
         Ok(out.into_iter().collect())
     }
+}
+
+/// A version file's name: `<ino>.<index>.<version>`, in hex.
+fn version_name(ino: Ino, index: u32, version: u64) -> String {
+    format!("{ino:016x}.{index:08x}.{version:016x}")
+}
+
+fn parse_slot_name(name: &str) -> Option<u64> {
+    let hex = name.strip_prefix("slot.")?;
+    (hex.len() == 16).then(|| u64::from_str_radix(hex, 16).ok()).flatten()
+}
+
+/// Label a slot with the version it holds.
+fn set_label(f: &File, name: &str) -> io::Result<()> {
+    let label = CString::new(SLOT_LABEL).expect("no NUL in the label's name");
+    // SAFETY: fsetxattr on our own fd, with a NUL-terminated name and a
+    // value buffer of the length given.
+    let r = unsafe { libc::fsetxattr(f.as_raw_fd(), label.as_ptr(), name.as_ptr().cast(), name.len(), 0) };
+    match r {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// The version a slot's label names, if it has one.
+fn read_label(path: &Path) -> Option<VersionKey> {
+    let c_path = CString::new(path.as_os_str().as_bytes()).ok()?;
+    let label = CString::new(SLOT_LABEL).expect("no NUL in the label's name");
+    let mut buf = [0u8; 64];
+    // SAFETY: getxattr into a buffer of the length given, with
+    // NUL-terminated path and name.
+    let n = unsafe { libc::getxattr(c_path.as_ptr(), label.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = usize::try_from(n).ok()?;
+    std::str::from_utf8(&buf[..n]).ok().and_then(parse_version_name)
 }
 
 /// (inode, chunk index, version) of a version file's name.
@@ -708,6 +945,50 @@ mod tests {
         assert!(reopened.has_version(7, 0, 3));
         let e = reopened.sync_versions(7, &[(0, 3)]).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+    }
+
+    /// A durable write of a small version fills a slot made ahead: no file
+    /// of the version's own name, the bytes under the slot's name, found
+    /// again from its label when the store opens; an earlier file of that
+    /// version goes, a slot never filled goes at the next open, and a
+    /// removed version takes its slot with it.
+    #[test]
+    fn a_small_durable_version_fills_a_slot_found_again_from_its_label() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(dir.path()).unwrap();
+        store.write_version(&chunk(1), b"before the slots", Arrival::Received, true).unwrap();
+        assert!(store.own_path(7, 0, 1).exists(), "no slot ready: a file of its own");
+        assert_eq!(store.make_slots(std::time::Duration::ZERO).unwrap(), SLOTS);
+        assert!(!store.slots.lock().off, "this test needs a data dir that takes user xattrs");
+        store.write_version(&chunk(1), b"sent again", Arrival::Received, true).unwrap();
+        store.write_version(&chunk(2), b"a small file's copy", Arrival::Received, true).unwrap();
+        for (v, bytes) in [(1, &b"sent again"[..]), (2, b"a small file's copy")] {
+            assert!(!store.own_path(7, 0, v).exists(), "v{v}: in a slot, not under its own name");
+            let path = store.version_path(7, 0, v);
+            assert!(path.file_name().unwrap().to_str().unwrap().starts_with("slot."), "{path:?}");
+            assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        }
+        let big = vec![7u8; SLOT_MAX as usize + 1];
+        store.write_version(&chunk(3), &big, Arrival::Received, true).unwrap();
+        assert!(store.own_path(7, 0, 3).exists(), "a version over SLOT_MAX has a file of its own");
+        assert_eq!(store.slots.lock().ready.len(), SLOTS - 2);
+        drop(store);
+
+        let reopened = ChunkStore::open(dir.path()).unwrap();
+        assert_eq!(reopened.versions_of(7), vec![(0, 1), (0, 2), (0, 3)]);
+        assert!(reopened.open_version(7, 0, 2).is_some(), "served from its slot");
+        assert_eq!(std::fs::read(reopened.version_path(7, 0, 2)).unwrap(), b"a small file's copy");
+        let slots = || {
+            std::fs::read_dir(dir.path().join("chunks"))
+                .unwrap()
+                .filter(|e| e.as_ref().unwrap().file_name().to_str().unwrap().starts_with("slot."))
+                .count()
+        };
+        assert_eq!(slots(), 2, "the slots never filled went");
+        reopened.remove_version(7, 0, 2).unwrap();
+        assert_eq!(slots(), 1, "a removed version's slot goes with it");
+        assert!(!reopened.has_version(7, 0, 2));
+        assert_eq!(std::fs::read(reopened.version_path(7, 0, 1)).unwrap(), b"sent again");
     }
 
     /// A file counts as changed since a moment only when every copy of it

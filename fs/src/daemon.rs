@@ -576,6 +576,8 @@ fn serve_peers(
     if !args.read_only {
         let repair = crate::core::RepairConfig { delay: args.repair_delay, bandwidth: args.repair_bandwidth };
         workers.start(crate::workers::Repairer::new(Arc::downgrade(core), repair))?;
+        // Peers' durable copies of small chunk versions fill slots made ahead.
+        workers.start(crate::workers::Slots { core: Arc::downgrade(core) })?;
         // The sweep hears which files other nodes changed, and the
         // workers which control-plane records did.
         engine.watch(core.sweep_hints().feed(core.node_id().to_string()))?;

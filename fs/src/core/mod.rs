@@ -50,7 +50,8 @@
 //! 3. Leaf locks, taken alone: `handles` shards and those of `open_dirs`
 //!    (its slots, handles and listings), `OpenInode::readahead`, `doomed`,
 //!    `session_ends`, `owed`, `spares` (`Spares::files`), `under_replicated`
-//!    (`ReplicationQueue::files`), `flush_now`,
+//!    (`ReplicationQueue::files`), `flush_now`, the chunk store's ready
+//!    slots (never with its version index),
 //!    `last_repair`, `removed`, the tier's tables, the cluster's member list
 //!    (read from etcd with no lock held), and three that the change feed
 //!    also takes, under the node cache's subscriber list, which takes

@@ -74,6 +74,12 @@ impl Core {
         !self.spares.stopped.load(Ordering::SeqCst)
     }
 
+    /// Keep the chunk store's slots ready (see `chunkstore.rs`): wait at
+    /// most `period` for them to run low, then make a batch.
+    pub(crate) fn make_slots(&self, period: std::time::Duration) -> std::io::Result<usize> {
+        self.store.make_slots(period)
+    }
+
     /// Make backing files for the next inode numbers. Spares for numbers
     /// already handed out are closed; one is deleted only when its inode
     /// turned out not to be a regular file, since a regular file may be

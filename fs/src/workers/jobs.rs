@@ -57,6 +57,27 @@ impl Worker for Spares {
     }
 }
 
+/// Keeps slots ready in the chunk store: the files, their names already on
+/// stable storage, that durable writes of small chunk versions fill.
+pub struct Slots {
+    pub core: Weak<Core>,
+}
+
+impl Worker for Slots {
+    fn name(&self) -> String {
+        "slots".into()
+    }
+
+    fn step(&mut self) -> Step {
+        let Some(core) = self.core.upgrade() else { return Step::Stop };
+        match core.make_slots(Duration::from_millis(100)) {
+            Ok(0) => Step::Idle,
+            Ok(n) => Step::Worked(format!("made {n} slots for small chunk versions")),
+            Err(e) => Step::Failed(format!("making slots: {e}"), Duration::from_secs(5)),
+        }
+    }
+}
+
 /// Gives under-replicated files the copies their policy asks for.
 pub struct Replicator {
     pub core: Weak<Core>,

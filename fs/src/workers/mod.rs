@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use converged_metadata::held_locks::Mutex;
 
-pub use jobs::{Backfiller, Evictor, Flusher, Repairer, Replicator, Scrubber, Settler, Spares, Streamer, Sweeper};
+pub use jobs::{
+    Backfiller, Evictor, Flusher, Repairer, Replicator, Scrubber, Settler, Slots, Spares, Streamer, Sweeper,
+};
 
 /// What one step did.
 pub enum Step {
