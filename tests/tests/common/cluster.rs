@@ -3,7 +3,7 @@
 //! each mounted with its own data dir and serving its chunks over QUIC.
 
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::etcd_cluster::EtcdCluster;
@@ -117,27 +117,21 @@ impl Cluster {
     /// chunk version beside it (`<ino>.<index>.<version>`, not installed yet).
     pub fn holds(&self, i: usize, ino: u64) -> bool {
         let prefix = format!("{ino:016x}");
-        fs::read_dir(self.nodes[i].data.join("chunks"))
-            .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
-            .unwrap_or(false)
+        chunk_files(&self.nodes[i].data).iter().any(|(name, _)| name.starts_with(&prefix))
     }
 
     /// The files node `i` keeps `ino` in: its backing file and its chunk
     /// versions (`<ino>.<index>.<version>`), with each version's chunk index.
     pub fn stored_files(&self, i: usize, ino: u64) -> (PathBuf, Vec<(u32, PathBuf)>) {
         let prefix = format!("{ino:016x}.");
-        let mut versions: Vec<(u32, u64, PathBuf)> = fs::read_dir(self.nodes[i].data.join("chunks"))
-            .map(|d| {
-                d.flatten()
-                    .filter_map(|e| {
-                        let name = e.file_name().to_string_lossy().into_owned();
-                        let rest = name.strip_prefix(&prefix)?;
-                        let (index, version) = rest.split_once('.')?;
-                        Some((u32::from_str_radix(index, 16).ok()?, u64::from_str_radix(version, 16).ok()?, e.path()))
-                    })
-                    .collect()
+        let mut versions: Vec<(u32, u64, PathBuf)> = chunk_files(&self.nodes[i].data)
+            .into_iter()
+            .filter_map(|(name, path)| {
+                let rest = name.strip_prefix(&prefix)?;
+                let (index, version) = rest.split_once('.')?;
+                Some((u32::from_str_radix(index, 16).ok()?, u64::from_str_radix(version, 16).ok()?, path))
             })
-            .unwrap_or_default();
+            .collect();
         versions.sort();
         (self.backing(i, ino), versions.into_iter().map(|(index, _, p)| (index, p)).collect())
     }
@@ -242,4 +236,34 @@ pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
 pub fn xattr_value(p: &std::path::Path, name: &str) -> String {
     let out = std::process::Command::new("getfattr").args(["--only-values", "-n", name]).arg(p).output().unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The files of a data dir's chunk store, each by the name of what it
+/// holds: a backing file or version file by its own name, a filled slot
+/// (`slot.<n>`, a small chunk version a peer sent durably) by the version
+/// its label names. Slots not filled yet are left out.
+pub fn chunk_files(data: &Path) -> Vec<(String, PathBuf)> {
+    let Ok(dir) = fs::read_dir(data.join("chunks")) else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            match name.starts_with("slot.") {
+                true => slot_label(&e.path()).map(|label| (label, e.path())),
+                false => Some((name, e.path())),
+            }
+        })
+        .collect()
+}
+
+/// The label of a filled slot: the name of the version it holds.
+fn slot_label(path: &Path) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut buf = [0u8; 64];
+    // SAFETY: getxattr into a buffer of the length given, NUL-terminated path and name.
+    let n = unsafe {
+        libc::getxattr(c_path.as_ptr(), c"user.converged.version".as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+    };
+    let n = usize::try_from(n).ok()?;
+    String::from_utf8(buf[..n].to_vec()).ok()
 }
