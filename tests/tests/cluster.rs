@@ -129,6 +129,42 @@ fn killed_node_loses_no_fsynced_byte_and_comes_back() {
     });
 }
 
+/// A peer keeps its copy of a small file in a slot (a file made ahead, its
+/// name synced already, labelled with the version it holds): killed and
+/// started again, it finds each copy from its label and serves it with the
+/// writer down.
+#[test]
+fn a_peers_small_copies_in_slots_are_found_again_after_it_restarts() {
+    let Some(mut c) = Cluster::start(2, &[]) else { return };
+    let slots = |c: &Cluster| {
+        fs::read_dir(c.node(1).data.join("chunks"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("slot."))
+            .count()
+    };
+    eventually(30, "n2 made its slots", || slots(&c) >= 32);
+    fs::create_dir(c.node(0).path("small")).unwrap();
+    let files: Vec<(String, Vec<u8>)> =
+        (0..30).map(|i| (format!("small/f{i}"), pattern(1000 + i * 331, i as u64))).collect();
+    for (name, data) in &files {
+        fs::write(c.node(0).path(name), data).unwrap();
+    }
+    let filled = chunk_files(&c.node(1).data)
+        .into_iter()
+        .filter(|(name, path)| {
+            !name.starts_with("slot.") && path.file_name().unwrap().to_string_lossy().starts_with("slot.")
+        })
+        .count();
+    assert_eq!(filled, files.len(), "n2 keeps each small file's copy in a slot");
+
+    c.nodes[1].crash();
+    c.nodes[1].mount();
+    c.nodes[0].crash();
+    for (name, data) in &files {
+        same(&fs::read(c.node(1).path(name)).unwrap(), data, &format!("{name} on n2, n1 down"));
+    }
+}
+
 #[test]
 fn a_corrupt_local_copy_is_read_from_a_replica_and_repaired() {
     // --verify-reads: every read goes through the daemon's checks.
