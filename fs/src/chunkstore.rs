@@ -265,16 +265,7 @@ impl ChunkStore {
         next: &mut dyn FnMut() -> Option<B>,
     ) -> io::Result<()> {
         let filled = (|| {
-            let mut got = 0u64;
-            while got < len {
-                let Some(piece) = next() else {
-                    let e = converged_transport::ServiceError::short_write(got, len);
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, e.msg));
-                };
-                let piece = piece.as_ref();
-                f.write_all_at(piece, got)?;
-                got += piece.len() as u64;
-            }
+            receive(len, next, |piece, at| f.write_all_at(piece, at))?;
             set_label(&f, &version_name(c.ino, c.index, c.version)).inspect_err(|e| {
                 if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP)) {
                     tracing::info!(
@@ -340,16 +331,7 @@ impl ChunkStore {
         let path = self.version_path(c.ino, c.index, c.version);
         let written = (|| {
             let mut w = OnceWriter::create(&path, len)?;
-            let mut got = 0u64;
-            while got < len {
-                let Some(piece) = next() else {
-                    let e = converged_transport::ServiceError::short_write(got, len);
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, e.msg));
-                };
-                let piece = piece.as_ref();
-                w.push(piece)?;
-                got += piece.len() as u64;
-            }
+            receive(len, next, |piece, _| w.push(piece))?;
             w.finish()
         })();
         let f = match written {
@@ -690,6 +672,26 @@ impl ChunkStore {
         out.extend(self.inodes_with_versions());
         Ok(out.into_iter().collect())
     }
+}
+
+/// Take `len` bytes from `next` as they come, each piece handed to `put`
+/// with its offset; a stream that ends early is `UnexpectedEof`.
+fn receive<B: AsRef<[u8]>>(
+    len: u64,
+    next: &mut dyn FnMut() -> Option<B>,
+    mut put: impl FnMut(&[u8], u64) -> io::Result<()>,
+) -> io::Result<()> {
+    let mut got = 0u64;
+    while got < len {
+        let Some(piece) = next() else {
+            let e = converged_transport::ServiceError::short_write(got, len);
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, e.msg));
+        };
+        let piece = piece.as_ref();
+        put(piece, got)?;
+        got += piece.len() as u64;
+    }
+    Ok(())
 }
 
 /// A version file's name: `<ino>.<index>.<version>`, in hex.
