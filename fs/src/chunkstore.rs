@@ -64,7 +64,7 @@ const SLOTS: usize = 64;
 /// is written with `O_DIRECT` where it can be.
 pub const SLOT_MAX: u64 = 1 << 20;
 /// The label naming the version a slot holds.
-const SLOT_LABEL: &str = "user.converged.version";
+const SLOT_LABEL: &std::ffi::CStr = c"user.converged.version";
 
 /// Empty files made ahead for durable writes of small versions.
 #[derive(Default)]
@@ -282,9 +282,13 @@ impl ChunkStore {
         }
         // An earlier file of this version (a send made again) goes: the
         // slot holds it now.
-        let earlier = self.version_path(c.ino, c.index, c.version);
-        self.index.lock().slotted.insert((c.ino, c.index, c.version), n);
-        if earlier != self.slot_path(n) {
+        let earlier = {
+            let mut idx = self.index.lock();
+            let held = idx.versions.get(&c.ino).is_some_and(|v| v.contains(&(c.index, c.version)));
+            let slot = idx.slotted.insert((c.ino, c.index, c.version), n);
+            held.then(|| slot.map_or_else(|| self.own_path(c.ino, c.index, c.version), |m| self.slot_path(m)))
+        };
+        if let Some(earlier) = earlier {
             let _ = std::fs::remove_file(earlier);
         }
         Ok(())
@@ -407,10 +411,14 @@ impl ChunkStore {
 
     /// The version file of a chunk version, if this node holds one.
     pub fn open_version(&self, ino: Ino, index: u32, version: u64) -> Option<File> {
-        if !self.has_version(ino, index, version) {
-            return None;
-        }
-        File::open(self.version_path(ino, index, version)).ok()
+        let path = {
+            let idx = self.index.lock();
+            if !idx.versions.get(&ino).is_some_and(|v| v.contains(&(index, version))) {
+                return None;
+            }
+            idx.slotted.get(&(ino, index, version)).map(|n| self.slot_path(*n))
+        };
+        File::open(path.unwrap_or_else(|| self.own_path(ino, index, version))).ok()
     }
 
     /// Whether this node holds a version file of this chunk version.
@@ -706,10 +714,9 @@ fn parse_slot_name(name: &str) -> Option<u64> {
 
 /// Label a slot with the version it holds.
 fn set_label(f: &File, name: &str) -> io::Result<()> {
-    let label = CString::new(SLOT_LABEL).expect("no NUL in the label's name");
     // SAFETY: fsetxattr on our own fd, with a NUL-terminated name and a
     // value buffer of the length given.
-    let r = unsafe { libc::fsetxattr(f.as_raw_fd(), label.as_ptr(), name.as_ptr().cast(), name.len(), 0) };
+    let r = unsafe { libc::fsetxattr(f.as_raw_fd(), SLOT_LABEL.as_ptr(), name.as_ptr().cast(), name.len(), 0) };
     match r {
         0 => Ok(()),
         _ => Err(io::Error::last_os_error()),
@@ -719,11 +726,10 @@ fn set_label(f: &File, name: &str) -> io::Result<()> {
 /// The version a slot's label names, if it has one.
 fn read_label(path: &Path) -> Option<VersionKey> {
     let c_path = CString::new(path.as_os_str().as_bytes()).ok()?;
-    let label = CString::new(SLOT_LABEL).expect("no NUL in the label's name");
     let mut buf = [0u8; 64];
     // SAFETY: getxattr into a buffer of the length given, with
     // NUL-terminated path and name.
-    let n = unsafe { libc::getxattr(c_path.as_ptr(), label.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = unsafe { libc::getxattr(c_path.as_ptr(), SLOT_LABEL.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     let n = usize::try_from(n).ok()?;
     std::str::from_utf8(&buf[..n]).ok().and_then(parse_version_name)
 }
