@@ -147,3 +147,42 @@ fn a_full_etcd_answers_enospc_and_keeps_what_is_there() {
         m.log()
     );
 }
+
+/// The kernel sends a file's RELEASE in the background once close(2) has
+/// returned, and an unmount drops those the daemon has not read yet (a FUSE
+/// mount that is not a block device's gets no DESTROY to wait for them).
+/// On one node a written file is sealed at its release: files closed just
+/// before the unmount must read back whole at the next mount.
+#[test]
+fn files_closed_just_before_an_unmount_keep_their_bytes() {
+    use std::io::Write;
+    let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
+    let uri = format!("etcd://{}/closing", cluster.endpoints.join(","));
+    let mut m = Mount::with_args(&["--meta", &uri]);
+    let files: Vec<fs::File> = (0..64)
+        .map(|i| {
+            let mut f = fs::File::create(m.path(&format!("f{i}"))).unwrap();
+            f.write_all(&pattern(4096 + i, i as u64)).unwrap();
+            f
+        })
+        .collect();
+    let daemon = m.daemon_pid();
+    // 64 releases queued, each a seal the daemon commits to etcd; the
+    // unmount follows the last close at once.
+    drop(files);
+    let mnt = cstr(&m.mnt);
+    // SAFETY: umount2 with a valid path; no file is open there.
+    assert_eq!(unsafe { libc::umount2(mnt.as_ptr(), 0) }, 0, "umount: errno {}", errno());
+    wait_gone(daemon);
+    m.mount();
+    for i in 0..64 {
+        let back = fs::read(m.path(&format!("f{i}"))).unwrap();
+        assert!(
+            back == pattern(4096 + i, i as u64),
+            "f{i}: {} bytes back of {}; log:\n{}",
+            back.len(),
+            4096 + i,
+            m.log()
+        );
+    }
+}

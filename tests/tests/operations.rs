@@ -532,7 +532,11 @@ fn etcd_over_tls_with_a_client_certificate_and_a_user() {
     stop_mount(&mnt);
     let out = mount(&full);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(fs::read(mnt.join("secured")).unwrap(), b"over TLS, as trainer");
+    let back = fs::read(mnt.join("secured")).unwrap();
+    if back != b"over TLS, as trainer" {
+        let log = fs::read_to_string(data.join("converged.log")).unwrap_or_default();
+        panic!("read back {:?} after a remount; the daemons' log:\n{log}", String::from_utf8_lossy(&back));
+    }
     // The admin commands take the same URI.
     let st = converged().args(["status", "--meta", &full]).output().unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));

@@ -346,6 +346,11 @@ impl OpenTable {
         }
     }
 
+    /// (handle, inode) of every handle open here now.
+    pub fn handles(&self) -> Vec<(u64, Ino)> {
+        self.handles.iter().map(|h| (*h.key(), h.ino)).collect()
+    }
+
     pub fn remove_handle(&self, fh: u64) -> Option<Handle> {
         self.handles.remove(&fh).map(|(_, h)| h)
     }
@@ -576,6 +581,11 @@ impl Core {
             let _ = self.release(k.fh);
         }
         adopted
+    }
+
+    /// (handle, inode) of every file handle open here now.
+    pub fn open_handles(&self) -> Vec<(u64, Ino)> {
+        self.open.handles()
     }
 
     /// release(2) of a handle: the last writer seals the file; the last
