@@ -564,22 +564,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn destroy(&mut self) {
-        // The connection is over. The kernel sends RELEASE in the background
-        // once close(2) has returned, and the connection's end drops those
-        // not read yet: an unmount gives a FUSE mount that is not a block
-        // device's no DESTROY to wait for them. The handles left are
-        // released as those requests would have been; on one node a
-        // writer's release is its file's only seal.
-        let left = self.core.open_handles();
-        if !left.is_empty() {
-            tracing::info!(handles = left.len(), "connection ended with handles open; releasing them");
-        }
-        for (fh, ino) in left {
-            if let Err(e) = self.forget_handle(ino, fh) {
-                tracing::error!(ino, fh, error = %e, "could not release a handle left at the connection's end");
-            }
-        }
-        self.core.shutdown();
+        self.core.shutdown_unmounted();
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {

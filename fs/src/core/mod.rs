@@ -932,6 +932,30 @@ impl Core {
         let _ = self.stopped.set(answered);
     }
 
+    /// [`Core::shutdown`] once the kernel's connection has ended (an
+    /// unmount, not a hand-over). The kernel sends RELEASE in the
+    /// background after close(2) returned, and the connection's end drops
+    /// those not read yet: an unmount gives a FUSE mount that is not a
+    /// block device's no DESTROY to wait for them. The handles left are
+    /// released first, as those requests would have been (on one node a
+    /// writer's release is its file's only seal); a shared store is asked
+    /// once, as for the rest of the unmount.
+    pub fn shutdown_unmounted(&self) {
+        if self.ns.is_clustered() {
+            self.ns.stop_waiting();
+        }
+        let left = self.open.handle_ids();
+        if !left.is_empty() {
+            tracing::info!(handles = left.len(), "connection ended with handles open; releasing them");
+        }
+        for fh in left {
+            if let Err(e) = self.release(fh) {
+                tracing::error!(fh, error = %e, "could not release a handle left at the connection's end");
+            }
+        }
+        self.shutdown();
+    }
+
     /// Whether the metadata store answered the unmount's [`Core::shutdown`]
     /// (true before it ran): when it did not, the daemon does not wait on
     /// it again to leave the cluster.

@@ -346,9 +346,9 @@ impl OpenTable {
         }
     }
 
-    /// (handle, inode) of every handle open here now.
-    pub fn handles(&self) -> Vec<(u64, Ino)> {
-        self.handles.iter().map(|h| (*h.key(), h.ino)).collect()
+    /// Every handle open here now.
+    pub fn handle_ids(&self) -> Vec<u64> {
+        self.handles.iter().map(|h| *h.key()).collect()
     }
 
     pub fn remove_handle(&self, fh: u64) -> Option<Handle> {
@@ -581,11 +581,6 @@ impl Core {
             let _ = self.release(k.fh);
         }
         adopted
-    }
-
-    /// (handle, inode) of every file handle open here now.
-    pub fn open_handles(&self) -> Vec<(u64, Ino)> {
-        self.open.handles()
     }
 
     /// release(2) of a handle: the last writer seals the file; the last
