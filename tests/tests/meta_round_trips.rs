@@ -702,7 +702,11 @@ fn written_files_cost_two_commits_each_and_give_up_their_leases_together() {
         commits <= 2 * WRITTEN + WRITTEN / 4,
         "{WRITTEN} files written and closed cost n1 {commits} etcd commits: more than a create and a publish each"
     );
-    assert!(reads <= WRITTEN / 4, "{WRITTEN} files written and closed cost n1 {reads} etcd reads: a read per file");
+    // 9-11 reads on an idle host: the sweep's and the flusher's batched
+    // looks at the files that changed, a batch per interval. A loaded host
+    // writes the files over more intervals, in smaller batches (26 seen in
+    // a full parallel run); a read per file would be 100 and more.
+    assert!(reads <= WRITTEN / 2, "{WRITTEN} files written and closed cost n1 {reads} etcd reads: a read per file");
     let n2 = c.node(1).mnt.join("written");
     for i in 0..WRITTEN {
         let mut f = fs::OpenOptions::new().append(true).open(n2.join(format!("f{i}"))).unwrap();
