@@ -530,6 +530,7 @@ fn start_core(args: &MountArgs, c: &Checked, ns: Namespace, kernel: &KernelSide)
             },
             kernel_open: kernel.adopted.iter().map(|r| r.handle).collect(),
             fh_base: args.fuse_generation << FH_GENERATION_SHIFT,
+            serves_peers: args.listen.is_some() && args.tls_dir.is_some(),
         },
     )?);
     if let Some(settled) = &kernel.settled {

@@ -73,8 +73,10 @@ impl Core {
         }
         // Files open for writing when the daemon stopped (with the epoch of
         // their lease), and files whose seal may describe bytes the disk
-        // never got: on one node sealed again from what the backing file
-        // holds now; in a cluster brought back to what was published.
+        // never got: on one node (or one on a shared store that serves no
+        // peers, whose closes publish nothing) sealed again from what the
+        // backing file holds now; in a cluster brought back to what was
+        // published.
         let mut reseal: std::collections::BTreeMap<Ino, Option<u64>> = Default::default();
         for (ino, _) in self.ns.sync_pending()? {
             reseal.insert(ino, None);
@@ -94,7 +96,7 @@ impl Core {
                 Err(e) => return Err(e.into()),
             };
             let file = self.store.open_backing(ino)?;
-            if self.ns.is_clustered() {
+            if self.ns.is_clustered() && self.cfg.serves_peers {
                 // In a cluster every close and fsync publishes: what a writer
                 // was told is safe is what the layout records, on peers'
                 // stable storage. This node's copy may be torn (a power cut

@@ -183,6 +183,12 @@ pub struct CoreConfig {
     /// The first file handle this daemon gives out (above every one an
     /// earlier daemon of the same connection gave).
     pub fh_base: u64,
+    /// Whether this node serves chunks to peers (`--listen`). Its closes
+    /// publish, so recovery brings a file left open for writing back to
+    /// what was published. A node on a shared store that serves none
+    /// seals at release as a single node does, and its recovery seals
+    /// such a file again from what its backing file holds.
+    pub serves_peers: bool,
 }
 
 /// When this daemon started, and how many served its kernel connection

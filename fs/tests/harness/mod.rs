@@ -123,6 +123,7 @@ pub fn core_config(data_dir: &Path, node: &str) -> CoreConfig {
         meta_file: None,
         kernel_open: Vec::new(),
         fh_base: 0,
+        serves_peers: true,
     }
 }
 
