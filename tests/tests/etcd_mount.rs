@@ -186,13 +186,12 @@ fn files_closed_just_before_an_unmount_keep_their_bytes() {
     let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
     let uri = format!("etcd://{}/closing", cluster.endpoints.join(","));
     let mut m = Mount::with_args(&["--meta", &uri]);
-    let daemon = m.daemon_pid();
     close_64_files(&m);
     // The unmount follows the last close at once.
     let mnt = cstr(&m.mnt);
     // SAFETY: umount2 with a valid path; no file is open there.
     assert_eq!(unsafe { libc::umount2(mnt.as_ptr(), 0) }, 0, "umount: errno {}", errno());
-    wait_gone(daemon);
+    wait_data_dir_free(&m.data);
     m.mount();
     all_64_read_back_whole(&m);
 }

@@ -79,6 +79,11 @@ impl OpenDirs {
         self.listings.insert(fh, listing);
     }
 
+    /// Every directory handle open here now.
+    pub fn handle_ids(&self) -> Vec<u64> {
+        self.handles.iter().map(|h| *h.key()).collect()
+    }
+
     /// Release handle `fh` and its listing. The last handle of an orphan
     /// hands back the directory held, for the caller to purge.
     pub fn close(&self, fh: u64) -> Option<HeldDir<'_>> {

@@ -944,20 +944,28 @@ impl Core {
     /// those not read yet: an unmount gives a FUSE mount that is not a
     /// block device's no DESTROY to wait for them. The handles left are
     /// released first, as those requests would have been (on one node a
-    /// writer's release is its file's only seal); a shared store is asked
-    /// once, as for the rest of the unmount.
+    /// writer's release is its file's only seal; a removed directory's last
+    /// release purges it); a shared store is asked once, as for the rest
+    /// of the unmount.
     pub fn shutdown_unmounted(&self) {
         if self.ns.is_clustered() {
             self.ns.stop_waiting();
         }
-        let left = self.open.handle_ids();
-        if !left.is_empty() {
-            tracing::info!(handles = left.len(), "connection ended with handles open; releasing them");
+        let (files, dirs) = (self.open.handle_ids(), self.open_dirs.handle_ids());
+        if !files.is_empty() || !dirs.is_empty() {
+            tracing::info!(
+                files = files.len(),
+                directories = dirs.len(),
+                "connection ended with handles open; releasing them"
+            );
         }
-        for fh in left {
+        for fh in files {
             if let Err(e) = self.release(fh) {
                 tracing::error!(fh, error = %e, "could not release a handle left at the connection's end");
             }
+        }
+        for fh in dirs {
+            self.releasedir(fh);
         }
         self.shutdown();
     }

@@ -188,6 +188,15 @@ pub fn kill_node(data: &Path) {
     }
 }
 
+/// Wait until no daemon holds `data` (what `converged umount` waits for
+/// after the kernel let the mount go): its last sync is done.
+pub fn wait_data_dir_free(data: &Path) {
+    use std::os::fd::AsRawFd;
+    let lock = std::fs::File::open(data.join("converged.lock")).expect("the data dir's lock file");
+    // SAFETY: flock(2) on a descriptor of ours; waits for the daemon's lock.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "flock: errno {}", errno());
+}
+
 pub fn lazy_umount(p: &Path) {
     let c = CString::new(p.as_os_str().as_bytes()).unwrap();
     // SAFETY: umount2 with a valid path.
