@@ -1259,8 +1259,20 @@ pub fn serve(
         session.notifier().resend().context("ask the kernel to resend the requests in flight")?;
         tracing::info!(handles = adopted.len(), "took over the live FUSE connection");
     }
-    session.run().context("FUSE session")?;
-    Ok(())
+    match session.run() {
+        // The kernel ended the connection while requests were under way
+        // (an unmount right after many closes, or an abort through
+        // /sys/fs/fuse/connections): reads then fail with ECONNABORTED,
+        // not ENODEV. The mount is over and `destroy` has run; ending with
+        // an error would have the supervisor start a daemon on a dead
+        // connection, which recovers the data dir while the unmount's
+        // caller takes it back.
+        Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {
+            tracing::info!("the kernel ended the connection with requests under way");
+            Ok(())
+        }
+        r => r.context("FUSE session"),
+    }
 }
 
 /// A planned upgrade (`converged upgrade`, through the supervisor): let no

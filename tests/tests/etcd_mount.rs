@@ -179,19 +179,23 @@ fn all_64_read_back_whole(m: &Mount) {
 /// returned, and an unmount drops those the daemon has not read yet (a FUSE
 /// mount that is not a block device's gets no DESTROY to wait for them).
 /// On a node that serves no peers a written file is sealed at its release:
-/// files closed just before the unmount must read back whole at the next
-/// mount (from file 11 on they read empty before).
+/// files closed just before the unmount are sealed by it, as another node
+/// of the volume sees at once (their sizes; before, from file 11 on they
+/// were still unsealed and empty until the writer's next mount), and read
+/// back whole at the next mount.
 #[test]
 fn files_closed_just_before_an_unmount_keep_their_bytes() {
     let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
     let uri = format!("etcd://{}/closing", cluster.endpoints.join(","));
     let mut m = Mount::with_args(&["--meta", &uri]);
     close_64_files(&m);
-    // The unmount follows the last close at once.
-    let mnt = cstr(&m.mnt);
-    // SAFETY: umount2 with a valid path; no file is open there.
-    assert_eq!(unsafe { libc::umount2(mnt.as_ptr(), 0) }, 0, "umount: errno {}", errno());
-    wait_data_dir_free(&m.data);
+    m.umount_at_once();
+    let reader = Mount::with_args(&["--meta", &uri, "--read-only", "--node-id", "reader"]);
+    for i in 0..64 {
+        let size = fs::metadata(reader.path(&format!("f{i}"))).unwrap().len();
+        assert_eq!(size, 4096 + i as u64, "f{i}'s size as another node sees it after the writer's unmount");
+    }
+    drop(reader);
     m.mount();
     all_64_read_back_whole(&m);
 }

@@ -124,6 +124,25 @@ impl Mount {
         self.mounted = false;
     }
 
+    /// umount(2) straight away, with no process started first as `converged
+    /// umount` is; then wait, as it does, until the daemon let go of the
+    /// data dir (its last sync done), and for its supervisor to end.
+    pub fn umount_at_once(&mut self) {
+        use std::os::fd::AsRawFd;
+        let supervisor = self.supervisor_pid();
+        let mnt = cstr(&self.mnt);
+        // SAFETY: umount2 with a valid path.
+        assert_eq!(unsafe { libc::umount2(mnt.as_ptr(), 0) }, 0, "umount: errno {}", errno());
+        self.mounted = false;
+        let lock = std::fs::File::open(self.data.join("converged.lock")).expect("the data dir's lock file");
+        // SAFETY: flock(2) on a descriptor of ours; waits for the daemon's lock.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "flock: errno {}", errno());
+        drop(lock);
+        if let Some(pid) = supervisor {
+            wait_gone(pid);
+        }
+    }
+
     pub fn path(&self, rel: &str) -> PathBuf {
         self.mnt.join(rel)
     }
@@ -186,15 +205,6 @@ pub fn kill_node(data: &Path) {
         unsafe { libc::kill(pid, libc::SIGKILL) };
         wait_gone(pid);
     }
-}
-
-/// Wait until no daemon holds `data` (what `converged umount` waits for
-/// after the kernel let the mount go): its last sync is done.
-pub fn wait_data_dir_free(data: &Path) {
-    use std::os::fd::AsRawFd;
-    let lock = std::fs::File::open(data.join("converged.lock")).expect("the data dir's lock file");
-    // SAFETY: flock(2) on a descriptor of ours; waits for the daemon's lock.
-    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "flock: errno {}", errno());
 }
 
 pub fn lazy_umount(p: &Path) {
