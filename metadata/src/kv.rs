@@ -155,6 +155,11 @@ pub trait KvWrite: KvRead {
     fn new_inode(&mut self, ino: u64) {
         let _ = ino;
     }
+    /// Leave what this transaction's commit writes unsettled in `scope`
+    /// when its answer is lost (see [`KvEngine::unsettled_scope`]).
+    fn settle_in(&mut self, scope: &std::sync::Arc<crate::kv_cache::UnsettledScope>) {
+        let _ = scope;
+    }
     /// `commit`, returning the engine revision the writes took, where the
     /// engine has revisions (what a cache in front of it records them at).
     fn commit_at(self: Box<Self>, durability: Durability) -> KvResult<Option<i64>> {
@@ -188,6 +193,17 @@ pub trait KvEngine: Send + Sync + 'static {
     /// Leases and membership, where the engine has them (etcd); an
     /// embedded engine serves a single node and has none.
     fn membership(&self) -> Option<&dyn crate::membership::Membership> {
+        None
+    }
+    /// A scope for the commits of one call (a namespace operation and the
+    /// attempts it makes again), given to each of its transactions
+    /// ([`KvWrite::settle_in`]). What a commit whose answer was lost writes
+    /// stays unsettled until the scope drops: the commit may land after a
+    /// read of those keys, so a node cache neither keeps what such a read
+    /// says nor answers them from memory until the call knows what became
+    /// of its change (found it made, made it again, or failed). `None`: the
+    /// engine keeps no node cache.
+    fn unsettled_scope(&self) -> Option<std::sync::Arc<crate::kv_cache::UnsettledScope>> {
         None
     }
     /// Whatever this node keeps of the records under each of `prefixes`

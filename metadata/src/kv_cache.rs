@@ -25,7 +25,12 @@
 //! an entry lives until the feed evicts it, for [`CACHE_TTL`] at most (a
 //! bound on memory, not on staleness).
 //!
-//! Locks: `Listings::dirs`, `dropped` and a shard of the record map (held
+//! A commit whose answer was lost may land after a read of what it wrote:
+//! those keys stay unsettled, and no read of them is kept, until the call
+//! that made the commit knows what became of it ([`UnsettledScope`]).
+//!
+//! Locks: `Listings::dirs`, `dropped`, `Unsettled::state`,
+//! `UnsettledScope::held` and a shard of the record map (held
 //! only inside [`RecordCache`]'s calls; `compute` reads and bumps its key's
 //! epoch under it, atomics) are leaves, each taken
 //! alone and never across a call to the engine; the change feed calls its
@@ -82,6 +87,7 @@ pub struct CachedKv {
     /// such entry has expired anyway; at most [`DROPPED_MAX`] of them.
     dropped: Mutex<std::collections::BTreeMap<Vec<u8>, DroppedRange>>,
     listings: Arc<Listings>,
+    unsettled: Arc<Unsettled>,
 }
 
 /// Eviction counters, one per stripe of keys.
@@ -123,6 +129,176 @@ impl Epochs {
             }
         } else {
             self.0[Self::index(key)].fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Longest a key stays unsettled when its commit was made outside any
+/// call's scope (the `--nowsync` flusher's batches): by then the commit
+/// has landed or never will, and a later landing reaches the cache through
+/// the change feed like another node's change.
+const UNSETTLED_MAX: Duration = Duration::from_secs(300);
+
+/// Keys and ranges written by commits whose answer was lost (the
+/// connection to etcd reset after the request went out): the commit may
+/// land after a read of them, and what that read found (the inode a create
+/// made, absent) must not stay cached past it, where nothing would say it
+/// is older: the call that made the commit answers once it finds the change
+/// made, and the node would then not see its own change. While a key is
+/// unsettled, no read of it is kept (a fill, or a listing of a range
+/// holding it), so each read of it goes to the engine. It settles when the
+/// scope of the call that made the commit drops ([`UnsettledScope`]), or
+/// after [`UNSETTLED_MAX`] for a commit made in none; settling evicts it,
+/// so a read of it still under way is not kept either.
+///
+/// Lock: `state` is a leaf, taken alone, never inside the record map's or
+/// the listings' locks.
+struct Unsettled {
+    state: Mutex<UnsettledState>,
+    /// Keys and ranges held: read on every fill without the lock.
+    held: AtomicU64,
+    cache: Cache,
+    epochs: Arc<Epochs>,
+    listings: Arc<Listings>,
+}
+
+#[derive(Default)]
+struct UnsettledState {
+    keys: std::collections::HashMap<Vec<u8>, Hold>,
+    ranges: Vec<(Vec<u8>, Vec<u8>, Hold)>,
+}
+
+/// Why a key is unsettled: the scopes holding it, and until when a commit
+/// made in no scope holds it.
+#[derive(Default, Clone, Copy)]
+struct Hold {
+    scopes: u32,
+    until: Option<std::time::Instant>,
+}
+
+impl Hold {
+    fn add(&mut self, scoped: bool, now: std::time::Instant) {
+        match scoped {
+            true => self.scopes += 1,
+            false => self.until = Some(now + UNSETTLED_MAX),
+        }
+    }
+
+    fn holds(&self, now: std::time::Instant) -> bool {
+        self.scopes > 0 || self.until.is_some_and(|u| u > now)
+    }
+}
+
+impl UnsettledState {
+    fn len(&self) -> u64 {
+        (self.keys.len() + self.ranges.len()) as u64
+    }
+}
+
+impl Unsettled {
+    /// A commit's `keys` and `ranges` are unsettled, for its scope or,
+    /// made in none, for [`UNSETTLED_MAX`].
+    fn add(&self, keys: &[Vec<u8>], ranges: &[(Vec<u8>, Vec<u8>)], scoped: bool) {
+        let now = std::time::Instant::now();
+        let mut st = self.state.lock();
+        for k in keys {
+            st.keys.entry(k.clone()).or_default().add(scoped, now);
+        }
+        for (start, end) in ranges {
+            let mut hold = Hold::default();
+            hold.add(scoped, now);
+            st.ranges.push((start.clone(), end.clone(), hold));
+        }
+        self.held.store(st.len(), Ordering::Release);
+    }
+
+    /// A scope that held `keys` and `ranges` ended: what no other scope
+    /// holds settles, and is evicted.
+    fn settle(&self, keys: &[Vec<u8>], ranges: &[(Vec<u8>, Vec<u8>)]) {
+        let now = std::time::Instant::now();
+        {
+            let mut st = self.state.lock();
+            for k in keys {
+                if let Some(h) = st.keys.get_mut(k) {
+                    h.scopes -= 1;
+                    if !h.holds(now) {
+                        st.keys.remove(k);
+                    }
+                }
+            }
+            for (start, end) in ranges {
+                let found = st.ranges.iter().position(|(s, e, h)| s == start && e == end && h.scopes > 0);
+                if let Some(i) = found {
+                    st.ranges[i].2.scopes -= 1;
+                }
+            }
+            st.ranges.retain(|(_, _, h)| h.holds(now));
+            self.held.store(st.len(), Ordering::Release);
+        }
+        for k in keys {
+            self.listings.evict(k, &self.epochs);
+            self.cache.invalidate(k);
+        }
+        if !ranges.is_empty() {
+            self.listings.evict(b"", &self.epochs);
+            self.cache.invalidate_all();
+        }
+    }
+
+    /// Whether `key` is unsettled.
+    fn holds(&self, key: &[u8]) -> bool {
+        self.any(|st, now| {
+            st.keys.get(key).is_some_and(|h| h.holds(now))
+                || st.ranges.iter().any(|(s, e, h)| s.as_slice() <= key && key < e.as_slice() && h.holds(now))
+        })
+    }
+
+    /// Whether anything in `[start, end)` is unsettled.
+    fn any_within(&self, start: &[u8], end: &[u8]) -> bool {
+        self.any(|st, now| {
+            st.keys.iter().any(|(k, h)| start <= k.as_slice() && k.as_slice() < end && h.holds(now))
+                || st.ranges.iter().any(|(s, e, h)| s.as_slice() < end && start < e.as_slice() && h.holds(now))
+        })
+    }
+
+    fn any(&self, found: impl Fn(&UnsettledState, std::time::Instant) -> bool) -> bool {
+        if self.held.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let now = std::time::Instant::now();
+        let mut st = self.state.lock();
+        // Holds of commits made in no scope run out here.
+        st.keys.retain(|_, h| h.holds(now));
+        st.ranges.retain(|(_, _, h)| h.holds(now));
+        self.held.store(st.len(), Ordering::Release);
+        found(&st, now)
+    }
+}
+
+/// The keys and ranges a call's lost commits left unsettled (see
+/// [`KvEngine::unsettled_scope`]): they settle when it drops.
+pub struct UnsettledScope {
+    unsettled: Arc<Unsettled>,
+    held: Mutex<Held>,
+}
+
+/// The keys and ranges a scope holds.
+type Held = (Vec<Vec<u8>>, Vec<(Vec<u8>, Vec<u8>)>);
+
+impl UnsettledScope {
+    fn hold(&self, keys: Vec<Vec<u8>>, ranges: Vec<(Vec<u8>, Vec<u8>)>) {
+        self.unsettled.add(&keys, &ranges, true);
+        let mut held = self.held.lock();
+        held.0.extend(keys);
+        held.1.extend(ranges);
+    }
+}
+
+impl Drop for UnsettledScope {
+    fn drop(&mut self) {
+        let (keys, ranges) = std::mem::take(&mut *self.held.lock());
+        if !keys.is_empty() || !ranges.is_empty() {
+            self.unsettled.settle(&keys, &ranges);
         }
     }
 }
@@ -411,12 +587,25 @@ impl CachedKv {
         if !inner.watch_revisions(feed)? {
             return Ok(inner);
         }
-        Ok(Arc::new(CachedKv { inner, cache, epochs, subscribers, dropped: Mutex::default(), listings }))
+        let unsettled = Arc::new(Unsettled {
+            state: Mutex::default(),
+            held: AtomicU64::new(0),
+            cache: cache.clone(),
+            epochs: epochs.clone(),
+            listings: listings.clone(),
+        });
+        Ok(Arc::new(CachedKv { inner, cache, epochs, subscribers, dropped: Mutex::default(), listings, unsettled }))
     }
 
     /// Keep what a read or a commit learned, unless an eviction happened
     /// since `epoch` was taken, or the cache already knows a later state.
     fn fill(&self, key: &[u8], value: Option<Vec<u8>>, version: i64, at: i64, epoch: u64) {
+        // Checked after the read: a key made unsettled before it was bumped
+        // (see `CachedWrite::commit_at`), so a fill that began before
+        // fails the epoch check below, and one that began after sees it here.
+        if self.unsettled.holds(key) {
+            return;
+        }
         let fresh = Entry { value: value.map(Arc::new), version, at };
         // The epoch is checked under the entry's lock: an eviction bumps it
         // before it removes the entry, so it either stops this fill or
@@ -490,9 +679,11 @@ impl CachedKv {
         self.cache.invalidate(key);
     }
 
-    /// Read `key` from the engine in `txn` and keep what it says.
-    fn read_through(&self, txn: &mut dyn KvRead, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
-        let epoch = self.epochs.of(key);
+    /// Read `key` from the engine in `txn` and keep what it says, unless
+    /// it was evicted since `epoch` (where its stripe stood before `txn`
+    /// read anything: an engine transaction reads at the revision of its
+    /// first read, so a change evicted after that is not in what it reads).
+    fn read_through(&self, txn: &mut dyn KvRead, key: &[u8], epoch: u64) -> KvResult<Option<Vec<u8>>> {
         let (v, versioned) = txn.get_versioned(key)?;
         if let Some(Versioned { value, version, at }) = versioned {
             self.fill(key, value, version, at, epoch);
@@ -545,6 +736,10 @@ impl CachedKv {
     /// Keep what a listing of `dir` found: whole when it is all the names,
     /// partial when there are more.
     fn keep_listing(&self, dir: &[u8], found: crate::kv::Pairs, whole: bool, since: u64) {
+        let (start, end) = crate::schema::prefix_range(dir);
+        if self.unsettled.any_within(&start, &end) {
+            return;
+        }
         match whole {
             true => self.listings.set(dir, found.into_iter().map(|(k, _)| k).collect(), since),
             false => self.listings.set_partial(dir),
@@ -574,6 +769,17 @@ struct CachedRead<'a> {
     inner: Box<dyn KvRead + 'a>,
     /// Read past the cache (and refill it): a close-to-open read.
     fresh: bool,
+    /// The eviction epochs before the first read from the engine, whose
+    /// revision the later ones read at: what a fill is checked against.
+    pinned: Option<Box<[u64; EPOCH_STRIPES]>>,
+}
+
+impl CachedRead<'_> {
+    /// Where `key`'s stripe of epochs stood before this transaction's
+    /// first read from the engine (taken now when that read is next).
+    fn epoch(&mut self, key: &[u8]) -> u64 {
+        Epochs::of_in(self.pinned.get_or_insert_with(|| Box::new(self.kv.epochs.all())), key)
+    }
 }
 
 impl KvRead for CachedRead<'_> {
@@ -589,7 +795,8 @@ impl KvRead for CachedRead<'_> {
                 return Ok(None);
             }
         }
-        self.kv.read_through(self.inner.as_mut(), key)
+        let epoch = self.epoch(key);
+        self.kv.read_through(self.inner.as_mut(), key, epoch)
     }
     /// [`KvRead::get`] with the version: a cached record's own, none for
     /// a record a listing says is absent, the engine's where it is read
@@ -604,7 +811,7 @@ impl KvRead for CachedRead<'_> {
                 return Ok((None, None));
             }
         }
-        let epoch = self.kv.epochs.of(key);
+        let epoch = self.epoch(key);
         let (v, versioned) = self.inner.get_versioned(key)?;
         if let (true, Some(Versioned { value, version, at })) = (cacheable(key), &versioned) {
             self.kv.fill(key, value.clone(), *version, *at, epoch);
@@ -631,7 +838,7 @@ impl KvRead for CachedRead<'_> {
                 None => missing.push(i),
             }
         }
-        let epochs: Vec<u64> = missing.iter().map(|i| self.kv.epochs.of(&keys[*i])).collect();
+        let epochs: Vec<u64> = missing.iter().map(|i| self.epoch(&keys[*i])).collect();
         let asked: Vec<Vec<u8>> = missing.iter().map(|i| keys[*i].clone()).collect();
         let found = self.inner.get_many_versioned(&asked)?;
         for ((i, (value, versioned)), epoch) in missing.into_iter().zip(found).zip(epochs) {
@@ -666,6 +873,8 @@ struct CachedWrite<'a> {
     ranges: Vec<(Vec<u8>, Vec<u8>)>,
     /// The eviction epochs when the transaction began.
     epochs: [u64; EPOCH_STRIPES],
+    /// Where a lost commit leaves what it wrote unsettled.
+    scope: Option<Arc<UnsettledScope>>,
 }
 
 impl KvRead for CachedWrite<'_> {
@@ -686,7 +895,7 @@ impl KvRead for CachedWrite<'_> {
             self.assumed.push(key.to_vec());
             return Ok(None);
         }
-        self.kv.read_through(self.inner.as_mut(), key)
+        self.kv.read_through(self.inner.as_mut(), key, Epochs::of_in(&self.epochs, key))
     }
     fn get_many_versioned(&mut self, keys: &[Vec<u8>]) -> KvResult<Vec<crate::kv::Found>> {
         // Records this cache never holds (sync marks, ...) go to the engine
@@ -712,6 +921,9 @@ impl CachedWrite<'_> {
 }
 
 impl KvWrite for CachedWrite<'_> {
+    fn settle_in(&mut self, scope: &Arc<UnsettledScope>) {
+        self.scope = Some(scope.clone());
+    }
     fn put(&mut self, key: &[u8], value: &[u8]) {
         if cacheable_in_writes(key) {
             self.written.push((key.to_vec(), Some(value.to_vec())));
@@ -755,6 +967,14 @@ impl KvWrite for CachedWrite<'_> {
         let (kv, written, assumed, absent, empty_dirs, ranges, epochs) =
             (this.kv, this.written, this.assumed, this.absent, this.empty_dirs, this.ranges, this.epochs);
         let r = this.inner.commit_at(durability);
+        if matches!(&r, Err(e) if !matches!(e, KvError::Conflict)) {
+            // It may land later: unsettled before the evictions below.
+            let keys: Vec<Vec<u8>> = written.iter().map(|(k, _)| k.clone()).collect();
+            match &this.scope {
+                Some(scope) => scope.hold(keys, ranges.clone()),
+                None => kv.unsettled.add(&keys, &ranges, false),
+            }
+        }
         let ranged = !ranges.is_empty();
         match (&r, ranged) {
             (Ok(Some(rev)), true) => {
@@ -820,13 +1040,13 @@ impl KvEngine for CachedKv {
         self.inner.name()
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
-        Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: false }))
+        Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: false, pinned: None }))
     }
     fn txn_limit(&self) -> Option<usize> {
         self.inner.txn_limit()
     }
     fn fresh_read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
-        Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: true }))
+        Ok(Box::new(CachedRead { kv: self, inner: self.inner.read_txn()?, fresh: true, pinned: None }))
     }
     fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
         let epochs = self.epochs.all();
@@ -839,6 +1059,7 @@ impl KvEngine for CachedKv {
             empty_dirs: Vec::new(),
             ranges: Vec::new(),
             epochs,
+            scope: None,
         }))
     }
     fn sync(&self) -> KvResult<()> {
@@ -850,6 +1071,9 @@ impl KvEngine for CachedKv {
     fn watch(&self, on_change: ChangeFeed) -> KvResult<bool> {
         self.subscribers.lock().push(on_change);
         Ok(true)
+    }
+    fn unsettled_scope(&self) -> Option<Arc<UnsettledScope>> {
+        Some(Arc::new(UnsettledScope { unsettled: self.unsettled.clone(), held: Mutex::default() }))
     }
     fn forget_below(&self, prefixes: &[Vec<u8>], rev: i64) {
         let mut ranges = Vec::with_capacity(prefixes.len());
@@ -892,9 +1116,31 @@ mod tests {
         hold: Mutex<Option<Hold>>,
         /// Reads asked of the engine (gets and scans).
         reads: std::sync::atomic::AtomicUsize,
+        /// The next commit's answer is lost: its writes wait in `limbo`
+        /// until [`RevKv::land`].
+        lose_answer: std::sync::atomic::AtomicBool,
+        limbo: Mutex<Option<PendingWrites>>,
     }
 
-    struct RevRead<'a>(&'a RevKv);
+    impl RevKv {
+        /// The commit whose answer was lost lands now; its revision.
+        fn land(&self) -> i64 {
+            let writes = self.limbo.lock().take().expect("a commit in limbo");
+            let mut data = self.data.lock();
+            let rev = self.rev.fetch_add(1, Ordering::SeqCst) + 1;
+            for (k, v) in writes {
+                match v {
+                    Some(v) => data.insert(k, (v, rev)),
+                    None => data.remove(&k),
+                };
+            }
+            rev
+        }
+    }
+
+    /// Reads at the revision of its first read, as etcd's transactions do:
+    /// the records and revision then, kept.
+    struct RevRead<'a>(&'a RevKv, Option<(Records, i64)>);
 
     impl KvRead for RevRead<'_> {
         fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
@@ -903,9 +1149,11 @@ mod tests {
         fn get_versioned(&mut self, key: &[u8]) -> KvResult<(Option<Vec<u8>>, Option<Versioned>)> {
             self.0.reads.fetch_add(1, Ordering::SeqCst);
             let (value, version, at) = {
-                let data = self.0.data.lock();
+                let engine = self.0;
+                let (data, rev) =
+                    self.1.get_or_insert_with(|| (engine.data.lock().clone(), engine.rev.load(Ordering::SeqCst)));
                 let found = data.get(key).cloned();
-                (found.as_ref().map(|(v, _)| v.clone()), found.map_or(0, |(_, r)| r), self.0.rev.load(Ordering::SeqCst))
+                (found.as_ref().map(|(v, _)| v.clone()), found.map_or(0, |(_, r)| r), *rev)
             };
             if let Some(h) = self.0.hold.lock().take() {
                 h.reached.send(()).unwrap();
@@ -927,11 +1175,11 @@ mod tests {
         fn get(&mut self, key: &[u8]) -> KvResult<Option<Vec<u8>>> {
             match self.1.get(key) {
                 Some(v) => Ok(v.clone()),
-                None => RevRead(self.0).get(key),
+                None => RevRead(self.0, None).get(key),
             }
         }
         fn scan(&mut self, start: &[u8], end: &[u8], limit: usize) -> KvResult<Vec<(Vec<u8>, Vec<u8>)>> {
-            let base = RevRead(self.0).scan(start, end, usize::MAX)?;
+            let base = RevRead(self.0, None).scan(start, end, usize::MAX)?;
             Ok(crate::kv::merge_pending(base, &self.1, start, end, limit))
         }
     }
@@ -955,6 +1203,10 @@ mod tests {
             if self.2.iter().any(|(k, v)| data.get(k).map_or(0, |(_, r)| *r) != *v) {
                 return Err(KvError::Conflict);
             }
+            if self.0.lose_answer.swap(false, Ordering::SeqCst) {
+                *self.0.limbo.lock() = Some(self.1);
+                return Err(KvError::Backend { msg: "connection reset".into(), retryable: true });
+            }
             let rev = self.0.rev.fetch_add(1, Ordering::SeqCst) + 1;
             for (k, v) in self.1 {
                 match v {
@@ -971,7 +1223,7 @@ mod tests {
             "rev"
         }
         fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
-            Ok(Box::new(RevRead(self)))
+            Ok(Box::new(RevRead(self, None)))
         }
         fn write_txn(&self) -> KvResult<Box<dyn KvWrite + '_>> {
             Ok(Box::new(RevWrite(self, PendingWrites::new(), Vec::new())))
@@ -1033,6 +1285,69 @@ mod tests {
             let now = kv.read_txn().unwrap().get(&x).unwrap();
             assert_eq!(now.is_some(), !removing, "removing: {removing}: x as committed, not as the older read saw it");
         }
+    }
+
+    /// A create whose commit lost its answer (the connection to etcd reset
+    /// after the request went out) lands after a read of its records (the
+    /// spare maker's look at the number handed out, a sweep's): the call
+    /// that made it then finds it made and answers, and this node's next
+    /// read of its own new inode must find it, not the absence the earlier
+    /// read cached (a create that failed with ENOENT at its open). Within
+    /// the call, nothing read of those records is kept; after it, they are
+    /// cached again.
+    #[test]
+    fn a_read_while_a_commit_is_unanswered_is_not_kept_past_its_landing() {
+        let engine = Arc::new(RevKv::default());
+        let kv = CachedKv::wrap(engine.clone()).unwrap();
+        let (inode, name) = (crate::schema::inode(5), crate::schema::dentry(7, b"f42"));
+        let scope = kv.unsettled_scope().expect("a node cache has scopes");
+        let mut w = kv.write_txn().unwrap();
+        w.settle_in(&scope);
+        w.put(&name, b"5");
+        w.put(&inode, b"file");
+        engine.lose_answer.store(true, Ordering::SeqCst);
+        assert!(w.commit(Durability::Buffered).is_err(), "the answer is lost");
+        // Read before it lands: absent.
+        assert_eq!(kv.read_txn().unwrap().get(&inode).unwrap(), None);
+        assert_eq!(kv.read_txn().unwrap().get(&name).unwrap(), None);
+        let rev = engine.land();
+        // The feed has not delivered the landing yet (it reconnects).
+        assert_eq!(kv.read_txn().unwrap().get(&inode).unwrap(), Some(b"file".to_vec()), "within the call");
+        drop(scope);
+        assert_eq!(kv.read_txn().unwrap().get(&inode).unwrap(), Some(b"file".to_vec()), "the new inode, at once");
+        assert_eq!(kv.read_txn().unwrap().get(&name).unwrap(), Some(b"5".to_vec()), "its name");
+        let feed = engine.feed.lock().clone().unwrap();
+        feed(&inode, Some(b"file"), rev);
+        let before = reads(&engine);
+        assert_eq!(kv.read_txn().unwrap().get(&inode).unwrap(), Some(b"file".to_vec()));
+        assert_eq!(reads(&engine), before, "settled, it is answered from memory again");
+    }
+
+    /// A read transaction reads the engine at the revision of its first
+    /// read (etcd pins it there). A later read in it of a record another
+    /// node changed meanwhile (the change feed evicted it, or renewed it)
+    /// gets the older value: it must not be kept, or the node answers that
+    /// value after the feed already told it of the newer one.
+    #[test]
+    fn a_later_read_of_a_pinned_transaction_is_not_kept_over_a_newer_change() {
+        let engine = Arc::new(RevKv::default());
+        let kv = CachedKv::wrap(engine.clone()).unwrap();
+        let (a, b) = (crate::schema::inode(1), crate::schema::inode(2));
+        {
+            let mut data = engine.data.lock();
+            data.insert(a.clone(), (b"a".to_vec(), 1));
+            data.insert(b.clone(), (b"old".to_vec(), 1));
+        }
+        engine.rev.store(1, Ordering::SeqCst);
+        let mut r = kv.read_txn().unwrap();
+        assert_eq!(r.get(&a).unwrap(), Some(b"a".to_vec()), "the first read pins the transaction");
+        // Another node changes b; the feed reports it.
+        engine.data.lock().insert(b.clone(), (b"new".to_vec(), 2));
+        engine.rev.store(2, Ordering::SeqCst);
+        engine.feed.lock().clone().unwrap()(&b, Some(b"new"), 2);
+        assert_eq!(r.get(&b).unwrap(), Some(b"old".to_vec()), "the pinned transaction's view");
+        drop(r);
+        assert_eq!(kv.read_txn().unwrap().get(&b).unwrap(), Some(b"new".to_vec()), "b after the change");
     }
 
     fn reads(engine: &RevKv) -> usize {

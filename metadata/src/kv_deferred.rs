@@ -1384,6 +1384,9 @@ impl KvRead for DeferredTxn<'_> {
 }
 
 impl KvWrite for DeferredTxn<'_> {
+    fn settle_in(&mut self, scope: &Arc<crate::kv_cache::UnsettledScope>) {
+        self.inner.settle_in(scope);
+    }
     fn put(&mut self, key: &[u8], value: &[u8]) {
         self.writes.insert(key.to_vec(), Some(value.to_vec()));
         self.inner.put(key, value);
@@ -1488,6 +1491,9 @@ impl KvWrite for DeferredTxn<'_> {
 impl KvEngine for DeferredKv {
     fn name(&self) -> &'static str {
         self.inner.name()
+    }
+    fn unsettled_scope(&self) -> Option<Arc<crate::kv_cache::UnsettledScope>> {
+        self.inner.unsettled_scope()
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         Ok(Box::new(DeferredRead { kv: self, inner: self.inner.read_txn()? }))

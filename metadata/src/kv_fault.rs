@@ -217,6 +217,9 @@ impl KvRead for FaultyWrite<'_> {
 }
 
 impl KvWrite for FaultyWrite<'_> {
+    fn settle_in(&mut self, scope: &Arc<crate::kv_cache::UnsettledScope>) {
+        self.inner().settle_in(scope)
+    }
     fn put(&mut self, key: &[u8], value: &[u8]) {
         self.ops.push(Op::Put(key.to_vec(), value.to_vec()));
         self.inner().put(key, value)
@@ -290,6 +293,9 @@ impl KvWrite for FaultyWrite<'_> {
 impl KvEngine for FaultyKv {
     fn name(&self) -> &'static str {
         "faulty"
+    }
+    fn unsettled_scope(&self) -> Option<Arc<crate::kv_cache::UnsettledScope>> {
+        self.inner.unsettled_scope()
     }
     fn read_txn(&self) -> KvResult<Box<dyn KvRead + '_>> {
         if self.take_fault(true).is_some() {

@@ -640,6 +640,9 @@ impl Namespace {
         // stands for whichever did. Only when no one else can make the
         // change (`own`).
         let mut unsure: Option<T> = None;
+        // What an attempt whose answer was lost wrote stays out of the
+        // node's cache until this call returns (see `KvEngine::unsettled_scope`).
+        let scope = self.kv.unsettled_scope();
         loop {
             // A transaction that cannot begin is answered as a failed commit
             // is: redb reopening its database after a disk-full error writes
@@ -654,6 +657,9 @@ impl Namespace {
                 Err(e) if self.try_again(&e, &mut tries) => continue,
                 Err(e) => return Err(e.into()),
             };
+            if let Some(scope) = &scope {
+                txn.settle_in(scope);
+            }
             let result = match f(txn.as_mut()) {
                 Ok(v) => {
                     if durability == Durability::Buffered {
