@@ -166,6 +166,9 @@ struct Unsettled {
 struct UnsettledState {
     keys: std::collections::HashMap<Vec<u8>, Hold>,
     ranges: Vec<(Vec<u8>, Vec<u8>, Hold)>,
+    /// The earliest end of a hold made in no scope: when the held keys
+    /// are next looked over for holds that ran out.
+    next_expiry: Option<std::time::Instant>,
 }
 
 /// Why a key is unsettled: the scopes holding it, and until when a commit
@@ -201,6 +204,9 @@ impl Unsettled {
     fn add(&self, keys: &[Vec<u8>], ranges: &[(Vec<u8>, Vec<u8>)], scoped: bool) {
         let now = std::time::Instant::now();
         let mut st = self.state.lock();
+        if !scoped && st.next_expiry.is_none() {
+            st.next_expiry = Some(now + UNSETTLED_MAX);
+        }
         for k in keys {
             st.keys.entry(k.clone()).or_default().add(scoped, now);
         }
@@ -267,10 +273,21 @@ impl Unsettled {
         }
         let now = std::time::Instant::now();
         let mut st = self.state.lock();
-        // Holds of commits made in no scope run out here.
-        st.keys.retain(|_, h| h.holds(now));
-        st.ranges.retain(|(_, _, h)| h.holds(now));
-        self.held.store(st.len(), Ordering::Release);
+        // Holds of commits made in no scope run out here, looked over
+        // only once the earliest of them is due.
+        if st.next_expiry.is_some_and(|t| t <= now) {
+            st.keys.retain(|_, h| h.holds(now));
+            st.ranges.retain(|(_, _, h)| h.holds(now));
+            let next = st
+                .keys
+                .values()
+                .chain(st.ranges.iter().map(|(_, _, h)| h))
+                .filter_map(|h| h.until)
+                .filter(|t| *t > now)
+                .min();
+            st.next_expiry = next;
+            self.held.store(st.len(), Ordering::Release);
+        }
         found(&st, now)
     }
 }
