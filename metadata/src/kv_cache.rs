@@ -226,7 +226,7 @@ impl Unsettled {
             let mut st = self.state.lock();
             for k in keys {
                 if let Some(h) = st.keys.get_mut(k) {
-                    h.scopes -= 1;
+                    h.scopes = h.scopes.saturating_sub(1);
                     if !h.holds(now) {
                         st.keys.remove(k);
                     }
@@ -235,7 +235,7 @@ impl Unsettled {
             for (start, end) in ranges {
                 let found = st.ranges.iter().position(|(s, e, h)| s == start && e == end && h.scopes > 0);
                 if let Some(i) = found {
-                    st.ranges[i].2.scopes -= 1;
+                    st.ranges[i].2.scopes = st.ranges[i].2.scopes.saturating_sub(1);
                 }
             }
             st.ranges.retain(|(_, _, h)| h.holds(now));
