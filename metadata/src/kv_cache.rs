@@ -133,6 +133,18 @@ impl Epochs {
     }
 }
 
+/// Drop what the cache holds of `key` (of everything, for an empty key):
+/// its epoch and its directory's stripe bumped, its listing and its entry
+/// gone, in that order, so that a fill of an older read begun before does
+/// not land after.
+fn evict_in(listings: &Listings, epochs: &Epochs, cache: &Cache, key: &[u8]) {
+    listings.evict(key, epochs);
+    match key.is_empty() {
+        true => cache.invalidate_all(),
+        false => cache.invalidate(key),
+    }
+}
+
 /// Longest a key stays unsettled when its commit was made outside any
 /// call's scope (the `--nowsync` flusher's batches): by then the commit
 /// has landed or never will, and a later landing reaches the cache through
@@ -242,12 +254,10 @@ impl Unsettled {
             self.held.store(st.len(), Ordering::Release);
         }
         for k in keys {
-            self.listings.evict(k, &self.epochs);
-            self.cache.invalidate(k);
+            evict_in(&self.listings, &self.epochs, &self.cache, k);
         }
         if !ranges.is_empty() {
-            self.listings.evict(b"", &self.epochs);
-            self.cache.invalidate_all();
+            evict_in(&self.listings, &self.epochs, &self.cache, b"");
         }
     }
 
@@ -587,8 +597,7 @@ impl CachedKv {
             let listings = listings.clone();
             Arc::new(move |key: &[u8], value: Option<&[u8]>, rev: i64| {
                 if key.is_empty() {
-                    listings.evict(key, &epochs);
-                    cache.invalidate_all();
+                    evict_in(&listings, &epochs, &cache, key);
                 } else if cacheable_in_writes(key) {
                     listings.evict(key, &epochs);
                     match rev {
@@ -686,14 +695,13 @@ impl CachedKv {
         // Too many to keep apart: everything cached goes first (the epochs
         // bump, so no fill of a read begun before lands after), then the
         // ranges, which no entry left can be stale in.
-        self.listings.evict(b"", &self.epochs);
-        self.cache.invalidate_all();
+        self.evict(b"");
         self.dropped.lock().clear();
     }
 
+    /// [`evict_in`] this cache.
     fn evict(&self, key: &[u8]) {
-        self.listings.evict(key, &self.epochs);
-        self.cache.invalidate(key);
+        evict_in(&self.listings, &self.epochs, &self.cache, key);
     }
 
     /// Read `key` from the engine in `txn` and keep what it says, unless
@@ -1001,8 +1009,7 @@ impl KvWrite for CachedWrite<'_> {
                 kv.drop_ranges(ranges, *rev)
             }
             (_, true) => {
-                kv.listings.evict(b"", &kv.epochs);
-                kv.cache.invalidate_all();
+                kv.evict(b"");
             }
             _ => {}
         }

@@ -9,7 +9,7 @@ use common::*;
 #[test]
 fn mount_on_etcd_metadata_keeps_namespace_and_bytes() {
     let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
-    let uri = format!("etcd://{}/vol1", cluster.endpoints.join(","));
+    let uri = cluster.uri("vol1");
     let mut m = Mount::with_args(&["--meta", &uri]);
     fs::create_dir_all(m.path("ckpt/run1")).unwrap();
     fs::write(m.path("ckpt/run1/step.tmp"), pattern(3 << 20, 5)).unwrap();
@@ -56,7 +56,7 @@ fn state_of(status: &str, node: &str) -> Option<String> {
 #[test]
 fn nodes_register_heartbeat_and_are_seen_dead() {
     let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
-    let uri = format!("etcd://{}/members", cluster.endpoints.join(","));
+    let uri = cluster.uri("members");
     let mut a = Mount::with_args(&["--meta", &uri, "--node-id", "n1", "--labels", "rack=r1", "--lease-ttl", "2"]);
     let mut b = Mount::with_args(&["--meta", &uri, "--node-id", "n2", "--labels", "rack=r2", "--lease-ttl", "2"]);
     // Heartbeats keep both alive past their lease.
@@ -186,7 +186,7 @@ fn all_64_read_back_whole(m: &Mount) {
 #[test]
 fn files_closed_just_before_an_unmount_keep_their_bytes() {
     let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
-    let uri = format!("etcd://{}/closing", cluster.endpoints.join(","));
+    let uri = cluster.uri("closing");
     let mut m = Mount::with_args(&["--meta", &uri]);
     close_64_files(&m);
     m.umount_at_once();
@@ -209,7 +209,7 @@ fn files_closed_just_before_an_unmount_keep_their_bytes() {
 #[test]
 fn files_closed_just_before_the_node_is_killed_keep_their_bytes() {
     let Some(cluster) = common::etcd_cluster::EtcdCluster::start() else { return };
-    let uri = format!("etcd://{}/killed", cluster.endpoints.join(","));
+    let uri = cluster.uri("killed");
     let mut m = Mount::with_args(&["--meta", &uri]);
     close_64_files(&m);
     m.crash();

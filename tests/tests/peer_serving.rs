@@ -57,7 +57,7 @@ fn one_node(volume: &str) -> Option<OneNode> {
     let ca_dir = t.path().join("ca");
     let out = converged().args(["cluster", "init", "--node", "n1", "--out"]).arg(&ca_dir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let uri = format!("etcd://{}/{volume}", etcd.endpoints.join(","));
+    let uri = etcd.uri(volume);
     let tls_dir = ca_dir.join("n1");
     let m = Mount::with_args(&["--meta", &uri, "--listen", "127.0.0.1:0", "--tls-dir", tls_dir.to_str().unwrap()]);
     let out = converged().args(["status", "--meta", &uri]).output().unwrap();

@@ -65,6 +65,12 @@ impl EtcdCluster {
         EtcdCluster { endpoints, children, _dir: dir }
     }
 
+    /// The `--meta` URI of `volume` on this cluster (every member).
+    #[allow(dead_code)] // used by some of the test crates that include this module
+    pub fn uri(&self, volume: &str) -> String {
+        format!("etcd://{}/{volume}", self.endpoints.join(","))
+    }
+
     /// Whether every member answers a linearizable read (the cluster has a
     /// leader) within `limit`.
     fn wait_healthy(&self, limit: Duration) -> bool {
