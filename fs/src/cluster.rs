@@ -100,6 +100,8 @@ const MEMBER_RECORDS: &[Control] = &[Control::Members, Control::Admin];
 #[derive(Default)]
 struct Members {
     read_at: Option<Instant>,
+    /// When a plan short of peers last had the list read again.
+    short_read_at: Option<Instant>,
     since: Option<Since>,
     live: Vec<NodeInfo>,
     admin: BTreeMap<String, NodeAdmin>,
@@ -235,8 +237,10 @@ impl Cluster {
             let mut m = self.members.lock();
             match self.control.get().filter(|c| c.is_watched()) {
                 Some(c) => {
-                    let read = m.read_at.is_some();
-                    read && !c.due(m.since.get_or_insert_with(|| Since::new(MEMBER_RECORDS)))
+                    // Asked each time, so that a read made because the
+                    // list was never read (or was marked stale) counts.
+                    let due = c.due(m.since.get_or_insert_with(|| Since::new(MEMBER_RECORDS)));
+                    m.read_at.is_some() && !due
                 }
                 None => m.read_at.is_some_and(|t| t.elapsed() <= MEMBERS_TTL),
             }
@@ -325,7 +329,38 @@ impl Cluster {
     /// have it already) and without draining ones, peers that failed lately
     /// last. Asks membership, so it must be called outside the transport
     /// runtime.
-    pub fn plan(&self, ino: u64, index: u32, holders: &[String]) -> Vec<NodeInfo> {
+    ///
+    /// Fewer than `want` of them: the member list is read again from the
+    /// store (see [`Cluster::read_members_again`]) before the plan is settled,
+    /// since a node that joined or came back may be registered there before
+    /// the change feed brings it here (a feed behind a loaded etcd, or
+    /// starting over). A copy not placed on it would leave the file
+    /// acknowledged with fewer copies than wanted until the replicator's
+    /// next pass.
+    pub fn plan(&self, ino: u64, index: u32, holders: &[String], want: usize) -> Vec<NodeInfo> {
+        let ranked = self.rank(ino, index, holders);
+        if ranked.len() >= want || !self.read_members_again() {
+            return ranked;
+        }
+        self.rank(ino, index, holders)
+    }
+
+    /// Have the next use of the member list read it from the store, unless
+    /// a plan short of peers did so within [`MEMBERS_TTL`] (a cluster that
+    /// stays short of nodes costs the store one read a second). Returns
+    /// whether it will.
+    fn read_members_again(&self) -> bool {
+        let mut m = self.members.lock();
+        if m.short_read_at.is_some_and(|t| t.elapsed() < MEMBERS_TTL) {
+            return false;
+        }
+        m.short_read_at = Some(Instant::now());
+        m.read_at = None;
+        true
+    }
+
+    /// [`Cluster::plan`]'s ranking over the member list as it stands.
+    fn rank(&self, ino: u64, index: u32, holders: &[String]) -> Vec<NodeInfo> {
         let peers: Vec<NodeInfo> =
             self.live_peers().into_iter().filter(|p| !holders.contains(&p.id) && self.placeable(&p.id)).collect();
         let candidates: Vec<Candidate> = peers

@@ -578,3 +578,24 @@ fn a_repair_copy_that_failed_is_made_by_the_next_pass() {
     c.node("a").faults.set("b", Some(PeerFault::Down));
     assert_same(&read_all(b, ino).unwrap(), &data, "b reads its own copy");
 }
+
+#[test]
+fn a_peer_the_change_feed_has_not_reported_yet_still_takes_its_copy() {
+    let mut c = TestCluster::start(&["a"], 2);
+    // A change feed is attached and says nothing: a feed behind a loaded
+    // etcd, or starting over, while another node registers.
+    let a = c.node("a").core.clone();
+    a.control().watching();
+    assert!(a.cluster().unwrap().live_peers().is_empty(), "a alone, as a last read the member list");
+
+    c.join("b");
+    let data = pattern(21, CHUNK + 1000);
+    let ino = create(&a, "after", &data).unwrap();
+    let b = &c.node("b").core;
+    for (i, mut chunk) in holders(b, ino).into_iter().enumerate() {
+        chunk.sort();
+        assert_eq!(chunk, ["a", "b"], "chunk {i}: the node registered since the last read took a copy");
+    }
+    c.node("b").faults.set("a", Some(PeerFault::Down));
+    assert_same(&read_all(b, ino).unwrap(), &data, "b reads its own copy");
+}

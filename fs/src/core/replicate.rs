@@ -192,7 +192,7 @@ impl Core {
                 continue;
             }
             let missing = want - rec.replicas.len();
-            let ranked = cluster.plan(ino, index, &rec.replicas);
+            let ranked = cluster.plan(ino, index, &rec.replicas, missing);
             let chunk = remote::chunk_ref(ino, index as u64, cs, &rec);
             let copies = cluster.block_on(cluster.clone().push(chunk, bytes::Bytes::from(data), missing, ranked));
             short |= rec.replicas.len() + copies.len() < want;

@@ -269,7 +269,7 @@ impl Core {
             };
             match (replicate_now, data) {
                 (Some(c), Some(data)) => {
-                    let ranked = c.plan(inode.ino, index, &record.replicas);
+                    let ranked = c.plan(inode.ino, index, &record.replicas, to_peers);
                     let how = Push { durable: true, made_in: self.ns.made_in(inode.ino) };
                     let push = c.clone().push_with(chunk, data.clone(), to_peers, ranked, how);
                     inflight.push_back((chunks.len(), chunk, data, c.spawn(push)));
@@ -385,7 +385,7 @@ impl Core {
             let block_crcs: Vec<u32> = data.chunks(BLOCK_SIZE as usize).map(crc32c::crc32c).collect();
             let version = session_version(previous, job.lease, floor);
             floor = version;
-            let ranked = c.plan(ino, index, &[self.node_id().to_string()]);
+            let ranked = c.plan(ino, index, &[self.node_id().to_string()], want - 1);
             let chunk = ChunkRef { ino, index, version, start };
             // Unsynced: the publish that records it has the holder sync it.
             let how = Push { durable: false, made_in: self.ns.made_in(ino) };

@@ -41,6 +41,7 @@ pub struct Node {
 
 pub struct TestCluster {
     pub nodes: Vec<Node>,
+    store: MemKv,
     net: Arc<MemNetwork>,
     replicas: u32,
     objects: Option<(Arc<dyn ObjectStore>, TierConfig)>,
@@ -70,7 +71,13 @@ impl TestCluster {
         set_chunk_size(&store, chunk as u32);
         let net = MemNetwork::new();
         let nodes = ids.iter().map(|id| start_node(&store, &net, id, replicas, objects.clone())).collect();
-        TestCluster { nodes, net, replicas, objects }
+        TestCluster { nodes, store, net, replicas, objects }
+    }
+
+    /// Start node `id` and add it to the cluster, as a node mounted later does.
+    pub fn join(&mut self, id: &str) {
+        let node = start_node(&self.store, &self.net, id, self.replicas, self.objects.clone());
+        self.nodes.push(node);
     }
 
     /// Stop node `i` as an unmount does (its core shut down, its handles
