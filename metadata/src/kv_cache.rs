@@ -1347,6 +1347,25 @@ mod tests {
         assert_eq!(reads(&engine), before, "settled, it is answered from memory again");
     }
 
+    /// A commit made outside any namespace call (the `--nowsync` flusher's
+    /// batches) has no scope to settle in: its keys stay unsettled for
+    /// [`UNSETTLED_MAX`] once its answer is lost, so a read before it lands
+    /// is not kept over the landing either.
+    #[test]
+    fn a_read_while_a_scopeless_commit_is_unanswered_is_not_kept_past_its_landing() {
+        let engine = Arc::new(RevKv::default());
+        let kv = CachedKv::wrap(engine.clone()).unwrap();
+        let inode = crate::schema::inode(9);
+        let mut w = kv.write_txn().unwrap();
+        w.put(&inode, b"file");
+        engine.lose_answer.store(true, Ordering::SeqCst);
+        assert!(w.commit(Durability::Buffered).is_err(), "the answer is lost");
+        assert_eq!(kv.read_txn().unwrap().get(&inode).unwrap(), None, "before it lands");
+        engine.land();
+        // The feed has not delivered the landing yet (it reconnects).
+        assert_eq!(kv.read_txn().unwrap().get(&inode).unwrap(), Some(b"file".to_vec()), "after it landed");
+    }
+
     /// A read transaction reads the engine at the revision of its first
     /// read (etcd pins it there). A later read in it of a record another
     /// node changed meanwhile (the change feed evicted it, or renewed it)
