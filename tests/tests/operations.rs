@@ -14,12 +14,37 @@ use common::cluster::{eventually, same, status, Cluster};
 use common::etcd_cluster::{free_port, EtcdMember};
 use common::*;
 
-fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+fn dirs() -> (TestDirs, PathBuf, PathBuf) {
     let t = tempfile::Builder::new().prefix("converged-ops").tempdir().unwrap();
     let (data, mnt) = (t.path().join("data"), t.path().join("mnt"));
     fs::create_dir(&data).unwrap();
     fs::create_dir(&mnt).unwrap();
-    (t, data, mnt)
+    (TestDirs { mnt: mnt.clone(), t }, data, mnt)
+}
+
+/// A test's directories. A mount still on its mount point when they go (a
+/// test that failed before its unmount) is taken down, so that its daemon
+/// does not outlive the test holding the data dir.
+struct TestDirs {
+    mnt: PathBuf,
+    t: tempfile::TempDir,
+}
+
+impl TestDirs {
+    fn path(&self) -> &Path {
+        self.t.path()
+    }
+}
+
+impl Drop for TestDirs {
+    fn drop(&mut self) {
+        if is_mounted(&self.mnt) {
+            let unmounted = converged().arg("umount").arg(&self.mnt).output().is_ok_and(|o| o.status.success());
+            if !unmounted {
+                lazy_umount(&self.mnt);
+            }
+        }
+    }
 }
 
 fn is_mounted(mnt: &Path) -> bool {
