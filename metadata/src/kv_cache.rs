@@ -253,11 +253,10 @@ impl Unsettled {
             st.ranges.retain(|(_, _, h)| h.holds(now));
             self.held.store(st.len(), Ordering::Release);
         }
-        for k in keys {
-            evict_in(&self.listings, &self.epochs, &self.cache, k);
-        }
-        if !ranges.is_empty() {
-            evict_in(&self.listings, &self.epochs, &self.cache, b"");
+        // A range settled: everything goes, its keys with it.
+        match ranges.is_empty() {
+            true => keys.iter().for_each(|k| evict_in(&self.listings, &self.epochs, &self.cache, k)),
+            false => evict_in(&self.listings, &self.epochs, &self.cache, b""),
         }
     }
 

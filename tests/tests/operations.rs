@@ -39,10 +39,7 @@ impl TestDirs {
 impl Drop for TestDirs {
     fn drop(&mut self) {
         if is_mounted(&self.mnt) {
-            let unmounted = converged().arg("umount").arg(&self.mnt).output().is_ok_and(|o| o.status.success());
-            if !unmounted {
-                lazy_umount(&self.mnt);
-            }
+            take_down(&self.mnt);
         }
     }
 }

@@ -173,11 +173,17 @@ impl Mount {
 impl Drop for Mount {
     fn drop(&mut self) {
         if self.mounted {
-            let out = converged().arg("umount").arg(&self.mnt).output();
-            if !out.map(|o| o.status.success()).unwrap_or(false) {
-                lazy_umount(&self.mnt);
-            }
+            take_down(&self.mnt);
         }
+    }
+}
+
+/// Unmount `mnt` as a user would (`converged umount`), or detach it when
+/// that fails: what a test leaves mounted must not outlive it.
+pub fn take_down(mnt: &Path) {
+    let out = converged().arg("umount").arg(mnt).output();
+    if !out.map(|o| o.status.success()).unwrap_or(false) {
+        lazy_umount(mnt);
     }
 }
 
