@@ -507,8 +507,8 @@ for target, label in (("cluster", "2 nodes on etcd"), ("nowsync", "2 nodes on et
                       f"(the floor's {what} and one etcd commit in series: {ceiling:,.0f}/s; "
                       f"2 nodes {c1[phase]['ops_s'] / ceiling:.2f}x of it)")
             # The same with etcd as a cluster has it: a create's transaction
-            # (3 compares + 4 puts), while the nodes' change feeds watch.
-            watched = etcd(1, "-watched")
+            # (3 compares + 4 puts), while the nodes' change feeds watch
+            # (`watched`: read with etcd's other rates above).
             if watched and ("alone", 0, 3, 4) in watched:
                 shaped = watched[("alone", 0, 3, 4)]
                 ceiling = 1 / (1 / fl["create"]["ops_s"] + 1 / shaped)
