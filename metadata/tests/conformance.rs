@@ -2222,3 +2222,24 @@ fn redb_reads_through_buffered_commits_match_a_plain_map() {
         }
     });
 }
+
+/// The servers the tests start (etcd members, moto, a daemon's metrics
+/// endpoint) take their ports from `etcd_cluster::free_port`, which must
+/// never hand one out twice while the process that took it lives: 300
+/// asked in one process are all different (ports picked at random and
+/// only checked free, as before, repeat among 300 about seven times in
+/// eight), and another process cannot take one of them while this one
+/// lives.
+#[test]
+fn test_ports_are_handed_out_once() {
+    let ports: std::collections::HashSet<u16> = (0..300).map(|_| etcd_cluster::free_port()).collect();
+    assert_eq!(ports.len(), 300, "a port was handed out twice");
+    let held = *ports.iter().next().unwrap();
+    let other = std::process::Command::new("flock")
+        .arg("--nonblock")
+        .arg(etcd_cluster::port_lock(held))
+        .arg("true")
+        .status()
+        .expect("run flock(1)");
+    assert!(!other.success(), "another process took port {held}, which this one holds");
+}

@@ -7,7 +7,6 @@ mod common;
 
 use std::fs;
 use std::io::Write;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -367,7 +366,7 @@ fn nix_statvfs(p: &Path) -> (u64, u64) {
 fn an_object_store_outage_keeps_the_backlog_and_drains_it_when_the_store_returns() {
     let Some(mut s3) = S3Server::start() else { return };
     s3.client().mkbucket("outage");
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::etcd_cluster::free_port();
     let metrics = format!("127.0.0.1:{port}");
     let m = mount(&tier_args(&s3, "outage", "p", &["--metrics", &metrics]));
     let big = pattern(48 << 20, 40);

@@ -51,7 +51,7 @@ fn daemon_read_path_verifies_and_serves_the_same_bytes() {
 
 #[test]
 fn corrupt_block_returns_eio_not_wrong_bytes() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::etcd_cluster::free_port();
     let metrics = format!("127.0.0.1:{port}");
     let mut m = Mount::with_args(&["--verify-reads", "--metrics", &metrics]);
     let data = pattern(1 << 20, 3);

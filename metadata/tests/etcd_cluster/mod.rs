@@ -153,26 +153,48 @@ impl Drop for EtcdMember {
     }
 }
 
-/// A loopback port free at the time of asking.
-/// A port nothing listens on now, for a server a test starts. Picked at
-/// random below the kernel's ephemeral range (32768 and up), so that tests
-/// asking at once, each in a process of its own, rarely get the same one:
-/// `bind(0)` hands a port just released by one caller to the next, and two
-/// tests then start servers on it.
+/// A loopback port for a server a test starts, nobody else's until this
+/// test process exits. Picked at random below the kernel's ephemeral range
+/// (32768 and up: `bind(0)` hands a port one caller just released to the
+/// next), free now for TCP and UDP, and held by a lock on a file named
+/// after it in a directory every test process shares. Without the lock, a
+/// port picked for a daemon's `--metrics` and not bound yet could be picked
+/// again for an etcd member in the same test, or by a test beside it, and
+/// the second server to start failed with `EADDRINUSE`. The lock is an
+/// `flock`, which the kernel drops when the process ends however it ends,
+/// so a test that dies leaves no port taken.
 pub fn free_port() -> u16 {
     use std::hash::{BuildHasher, Hasher};
+    use std::os::fd::AsRawFd;
+    static HELD: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+    std::fs::create_dir_all(port_lock(0).parent().unwrap()).expect("make the test port registry");
     let seed = std::collections::hash_map::RandomState::new();
     let mut attempt = 0u64;
     loop {
         let mut h = seed.build_hasher();
         h.write_u64(attempt);
         h.write_u32(std::process::id());
+        attempt += 1;
         let port = 10_000 + (h.finish() % 22_000) as u16;
+        let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(port_lock(port)) else {
+            continue;
+        };
+        // SAFETY: flock on a descriptor this function owns; a lock taken
+        // through another open of the same file, in this process or
+        // another, makes it fail with EWOULDBLOCK.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            continue;
+        }
         if TcpListener::bind(("127.0.0.1", port)).is_ok() && std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            HELD.lock().unwrap_or_else(|e| e.into_inner()).push(file);
             return port;
         }
-        attempt += 1;
     }
+}
+
+/// The file whose `flock` holds `port` for the test process that took it.
+pub fn port_lock(port: u16) -> PathBuf {
+    std::env::temp_dir().join("converged-test-ports").join(port.to_string())
 }
 
 impl EtcdCluster {

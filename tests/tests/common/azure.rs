@@ -2,7 +2,6 @@
 //! Azurite (from npm) on a loopback port, and azure-storage-blob (through
 //! `tests/scripts/azblob.py`) as a client that is not converged's own.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,7 +31,7 @@ impl AzureServer {
             eprintln!("azurite-blob not installed (npm install -g azurite; pip install azure-storage-blob); not run");
             return None;
         };
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = super::etcd_cluster::free_port();
         let dir = tempfile::tempdir().unwrap();
         let child = Command::new(bin)
             .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string(), "--skipApiVersionCheck", "--silent"])

@@ -2,7 +2,6 @@
 //! PyPI) on a loopback port, and boto3 (through `tests/scripts/s3.py`) as an
 //! S3 client that is not converged's own.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -28,7 +27,7 @@ impl S3Server {
             eprintln!("moto_server not installed (pip install 'moto[server]' boto3); object tier tests not run");
             return None;
         }
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = super::etcd_cluster::free_port();
         let mut s = S3Server { port, child: None };
         s.restart();
         Some(s)
