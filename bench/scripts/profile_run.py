@@ -15,11 +15,14 @@ served it.
 --proc NAME=PATTERN   processes whose command line matches PATTERN (as
               `pgrep -f`), all threads: CPU seconds (user + system) and
               context switches (voluntary and not) while CMD ran, as NAME
-              (repeatable: the node's daemon, the other node's, etcd)
+              (repeatable: the node's daemon, the other node's, etcd); the
+              same by thread name too (`fuser-3` counted as `fuser`), as
+              "threads", to say which of a daemon's threads spent it
 
 CMD's own CPU (its children's rusage) is recorded as "cmd". Prints nothing
 but errors; OUT is one JSON object:
     {"wall": s, "cpu": {NAME: s}, "switches": {NAME: n},
+     "threads": {NAME: {THREAD: [s, n]}},
      "fuse": {op: [count, seconds]}, "trips": n, "etcd_txn": [count, seconds],
      "etcd_served": {method: n}, "etcd_revisions": [first, last]}
 
@@ -50,22 +53,31 @@ def pids(pattern):
 
 
 def usage(pid_list):
-    """CPU seconds (all threads) and context switches of these processes."""
+    """CPU seconds (all threads) and context switches of these processes,
+    and both by thread name (its digits dropped: `fuser-3` counts as
+    `fuser`), as {name: [cpu, switches]}."""
     tick = os.sysconf("SC_CLK_TCK")
-    cpu, switches = 0.0, 0
+    cpu, switches, threads = 0.0, 0, {}
     for pid in pid_list:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             cpu += (int(fields[11]) + int(fields[12])) / tick
             for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/comm") as f:
+                    name = f.read().strip().rstrip("0123456789-") or "?"
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                t = threads.setdefault(name, [0.0, 0])
+                t[0] += (int(fields[11]) + int(fields[12])) / tick
                 with open(f"/proc/{pid}/task/{task}/status") as f:
                     for line in f:
                         if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
                             switches += int(line.split()[1])
+                            t[1] += int(line.split()[1])
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return cpu, switches
+    return cpu, switches, threads
 
 
 def stats(mnt):
@@ -191,10 +203,19 @@ def main():
     result = {"wall": wall, "cpu": {}, "switches": {}}
     result["cpu"]["cmd"] = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
     result["switches"]["cmd"] = (kids1.ru_nvcsw + kids1.ru_nivcsw) - (kids0.ru_nvcsw + kids0.ru_nivcsw)
+    result["threads"] = {}
     for name, p in found.items():
-        cpu, sw = usage(p)
+        cpu, sw, threads = usage(p)
         result["cpu"][name] = cpu - before[name][0]
         result["switches"][name] = sw - before[name][1]
+        # A thread that ended meanwhile takes its counts with it: its
+        # name's figures can read low, even below zero.
+        was = before[name][2]
+        result["threads"][name] = {
+            t: [c - was.get(t, [0, 0])[0], n - was.get(t, [0, 0])[1]]
+            for t, (c, n) in threads.items()
+            if (c, n) != tuple(was.get(t, [0, 0]))
+        }
     if mnt:
         s1 = stats(mnt)
         result["fuse"] = {op: [c - s0[0].get(op, (0, 0))[0], (ns - s0[0].get(op, (0, 0))[1]) / 1e9]
