@@ -175,6 +175,7 @@ pub fn free_port() -> u16 {
         h.write_u64(attempt);
         h.write_u32(std::process::id());
         attempt += 1;
+        assert!(attempt < 100_000, "no loopback port free for a test's server in {:?}", port_lock(0).parent());
         let port = 10_000 + (h.finish() % 22_000) as u16;
         let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(port_lock(port)) else {
             continue;
