@@ -32,7 +32,6 @@
 set -euo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO=$(cd "$SCRIPT_DIR/.." && pwd)
 BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-uring-bench}
 NFILES=${NFILES:-5000}
 TREE=${TREE:-2000}
@@ -165,8 +164,7 @@ PY
 echo
 cat "$REPORT"
 if [[ $SAVE == 1 ]]; then
-    mkdir -p "$SCRIPT_DIR/results"
-    dest=$SCRIPT_DIR/results/fuse-uring-$(date +%Y-%m-%d-%H%M%S).txt
-    cp "$REPORT" "$dest"
-    echo "saved to $dest"
+    # shellcheck source=scripts/results.sh
+    source "$SCRIPT_DIR/scripts/results.sh"
+    save_result fuse-uring "$REPORT"
 fi
