@@ -41,6 +41,8 @@ URING_PARAM=/sys/module/fuse/parameters/enable_uring
 
 die() { echo "fuse-uring: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
+# shellcheck source=scripts/mounts.sh
+. "$SCRIPT_DIR/scripts/mounts.sh"
 
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and $URING_PARAM need it): sudo $0"
 [[ -n ${LIBFUSE_BUILD:-} ]] || die "LIBFUSE_BUILD is not set: name a libfuse (3.18 or later) build directory"
@@ -109,12 +111,7 @@ mount_ph() { # extra options...: mounts passthrough_hp over SRC at MNT, prints i
     rm -rf "${SRC:?}"/*
     setsid "$PH" --foreground "$@" "$SRC" "$MNT" > "$OUT/passthrough_hp.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 100); do
-        grep -q " $MNT " /proc/mounts && break
-        kill -0 "$pid" 2>/dev/null || die "passthrough_hp $* exited: $(cat "$OUT/passthrough_hp.log")"
-        sleep 0.1
-    done
-    grep -q " $MNT " /proc/mounts || die "passthrough_hp $* did not mount $MNT"
+    wait_mounted "$MNT" "$pid" "$OUT/passthrough_hp.log" "passthrough_hp $*"
     echo "$pid"
 }
 

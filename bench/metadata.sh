@@ -98,6 +98,8 @@ die() { echo "metadata-bench: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
 # shellcheck source=scripts/disk.sh
 . "$SCRIPT_DIR/scripts/disk.sh"
+# shellcheck source=scripts/mounts.sh
+. "$SCRIPT_DIR/scripts/mounts.sh"
 
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and drop_caches need it): sudo $0"
 command -v python3 >/dev/null || die "python3 not found"
@@ -219,12 +221,7 @@ if wants floor; then
     log "the FUSE floor (fuse_floor: names in memory, nothing else)"
     "$FLOOR" "$FLOOR_MNT" 2>"$OUT/floor.err" &
     FLOOR_PID=$!
-    for _ in $(seq 100); do
-        grep -q " $FLOOR_MNT " /proc/mounts && break
-        kill -0 "$FLOOR_PID" 2>/dev/null || die "fuse_floor failed: $(cat "$OUT/floor.err")"
-        sleep 0.1
-    done
-    grep -q " $FLOOR_MNT " /proc/mounts || die "fuse_floor did not mount $FLOOR_MNT"
+    wait_mounted "$FLOOR_MNT" "$FLOOR_PID" "$OUT/floor.err" fuse_floor
 fi
 
 if wants one; then
