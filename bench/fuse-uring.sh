@@ -125,6 +125,10 @@ for r in $(seq "$ROUNDS"); do
         [[ $t == io-uring ]] && opts=(-o io_uring)
         log "round $r: passthrough_hp through $t"
         pid=$(mount_ph "${opts[@]}")
+        # A daemon that registered its rings holds io_uring instances; one
+        # that fell back to /dev/fuse holds none, and would be measured twice.
+        rings=$(find "/proc/$pid/fd" -lname 'anon_inode:\[io_uring\]' | wc -l)
+        [[ $t == dev-fuse || $rings -gt 0 ]] || die "passthrough_hp -o io_uring holds no io_uring: it serves /dev/fuse"
         measure "$t-$r" "$MNT" "$pid"
         fusermount3 -u "$MNT"
         for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
