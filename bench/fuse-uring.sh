@@ -47,6 +47,7 @@ log() { echo "== $*" >&2; }
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and $URING_PARAM need it): sudo $0"
 [[ -n ${LIBFUSE_BUILD:-} ]] || die "LIBFUSE_BUILD is not set: name a libfuse (3.18 or later) build directory"
 PH=$LIBFUSE_BUILD/example/passthrough_hp
+PH_RE=$(printf '%s' "$PH" | sed 's/[][\.*^$+?(){}|]/\\&/g') # as pgrep -f matches it
 [[ -x $PH ]] || die "$PH not found: build libfuse with -Dexamples=true (see the top of $0)"
 "$PH" --help 2>&1 | grep -q -- "-o io_uring" || die "$PH has no -o io_uring: libfuse 3.18 or later, built with liburing"
 [[ -w $URING_PARAM ]] || die "$URING_PARAM is missing or read-only: this kernel has no FUSE over io_uring (Linux 6.14+)"
@@ -71,38 +72,30 @@ trap cleanup EXIT
 echo Y > "$URING_PARAM"
 python3 "$SCRIPT_DIR/scripts/make_tree.py" "$OUT/tree.tar" "$TREE" 10
 
-daemon_usage() { # PID: CPU ticks and context switches of every thread
-    local cpu sw
-    cpu=$(awk '{print $14 + $15}' "/proc/$1/stat")
-    sw=$(cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ { s += $2 } END { print s }')
-    echo "$cpu $sw"
-}
-
-# One round: DIR is where the files go; PID (or empty) the daemon serving it.
-measure() { # NAME DIR PID
-    local name=$1 dir=$2 pid=$3 u0 u1 u2 s e
-    [[ -n $pid ]] && u0=$(daemon_usage "$pid")
-    python3 "$SCRIPT_DIR/scripts/meta_ops.py" "$dir/meta" "$NFILES" 1 > "$OUT/$name.meta.json"
-    [[ -n $pid ]] && u1=$(daemon_usage "$pid")
+# One round: DIR is where the files go; PATTERN (or empty) the daemon
+# serving it, as `pgrep -f` finds it. scripts/profile_run.py times each
+# phase and reads the daemon's CPU and context switches around it.
+measure() { # NAME DIR PATTERN
+    local name=$1 dir=$2 pattern=$3 proc=()
+    [[ -n $pattern ]] && proc=(--proc "daemon=$pattern")
+    python3 "$SCRIPT_DIR/scripts/profile_run.py" "$OUT/$name.meta-profile.json" "${proc[@]}" -- \
+        python3 "$SCRIPT_DIR/scripts/meta_ops.py" "$dir/meta" "$NFILES" 1 > "$OUT/$name.meta.json"
     mkdir "$dir/tree"
     sync
-    s=$(date +%s.%N)
-    tar -xf "$OUT/tree.tar" -C "$dir/tree"
-    e=$(date +%s.%N)
-    [[ -n $pid ]] && u2=$(daemon_usage "$pid")
-    python3 - "$OUT/$name.json" "$OUT/$name.meta.json" "$s" "$e" "$TREE" "$NFILES" "${u0:-}" "${u1:-}" "${u2:-}" <<'PY'
-import json, os, sys
-out, meta, s, e, tree, nfiles = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-r = {k: v["ops_s"] for k, v in json.load(open(meta)).items()}
-r["untar_s"] = e - s
-if sys.argv[7]:
-    tick = os.sysconf("SC_CLK_TCK")
-    u = [list(map(float, a.split())) for a in sys.argv[7:10]]
+    python3 "$SCRIPT_DIR/scripts/profile_run.py" "$OUT/$name.tree-profile.json" "${proc[@]}" -- \
+        tar -xf "$OUT/tree.tar" -C "$dir/tree"
+    python3 - "$OUT" "$name" "$TREE" "$NFILES" <<'PY'
+import json, sys
+out, name, tree, nfiles = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+r = {k: v["ops_s"] for k, v in json.load(open(f"{out}/{name}.meta.json")).items()}
+meta, untar = (json.load(open(f"{out}/{name}.{p}-profile.json")) for p in ("meta", "tree"))
+r["untar_s"] = untar["wall"]
+if "daemon" in untar["cpu"]:
     # The meta phase makes, stats and removes NFILES files.
-    r["meta_cpu_us"] = 1e6 * (u[1][0] - u[0][0]) / tick / nfiles
-    r["untar_cpu_us"] = 1e6 * (u[2][0] - u[1][0]) / tick / tree
-    r["untar_switches"] = (u[2][1] - u[1][1]) / tree
-json.dump(r, open(out, "w"))
+    r["meta_cpu_us"] = 1e6 * meta["cpu"]["daemon"] / nfiles
+    r["untar_cpu_us"] = 1e6 * untar["cpu"]["daemon"] / tree
+    r["untar_switches"] = untar["switches"]["daemon"] / tree
+json.dump(r, open(f"{out}/{name}.json", "w"))
 PY
     rm -rf "${dir:?}/meta" "${dir:?}/tree"
 }
@@ -129,7 +122,7 @@ for r in $(seq "$ROUNDS"); do
         # that fell back to /dev/fuse holds none, and would be measured twice.
         rings=$(find "/proc/$pid/fd" -lname 'anon_inode:\[io_uring\]' | wc -l)
         [[ $t == dev-fuse || $rings -gt 0 ]] || die "passthrough_hp -o io_uring holds no io_uring: it serves /dev/fuse"
-        measure "$t-$r" "$MNT" "$pid"
+        measure "$t-$r" "$MNT" "^$PH_RE --foreground"
         fusermount3 -u "$MNT"
         for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     done
