@@ -575,11 +575,11 @@ if profiles:
     for who, label in (("cmd", "tar"), ("node", "this node's daemon"), ("other", "the other node's daemon"),
                        ("etcd", "etcd")):
         row(f"CPU ms, {label}", lambda p: 1000 * p["cpu"][who] / n if who in p["cpu"] else None)
-        # A daemon's CPU by thread (the FUSE threads, the transport's
-        # workers, the change feed...): those that spent 0.02 ms a file.
-        by_thread = {t: profiles[t].get("threads", {}).get(who, {}) for t in shown}
-        spent = {th for t in shown for th, (c, _) in by_thread[t].items() if 1000 * c / n >= 0.02}
-        if who != "etcd":
+        if who in ("node", "other"):
+            # A daemon's CPU by thread (the FUSE threads, the transport's
+            # workers, the change feed...): those that spent 0.02 ms a file.
+            by_thread = {t: profiles[t].get("threads", {}).get(who, {}) for t in shown}
+            spent = {th for t in shown for th, (c, _) in by_thread[t].items() if 1000 * c / n >= 0.02}
             for th in sorted(spent, key=lambda th: -max(by_thread[t].get(th, [0])[0] for t in shown)):
                 row(f"  {th} threads", lambda p: 1000 * p["threads"][who].get(th, [0])[0] / n
                     if who in p.get("threads", {}) else None)
