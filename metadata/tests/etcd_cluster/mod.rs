@@ -167,7 +167,7 @@ pub fn free_port() -> u16 {
     use std::hash::{BuildHasher, Hasher};
     use std::os::fd::AsRawFd;
     static HELD: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
-    std::fs::create_dir_all(port_lock(0).parent().unwrap()).expect("make the test port registry");
+    std::fs::create_dir_all(port_registry()).expect("make the test port registry");
     let seed = std::collections::hash_map::RandomState::new();
     let mut attempt = 0u64;
     loop {
@@ -175,7 +175,7 @@ pub fn free_port() -> u16 {
         h.write_u64(attempt);
         h.write_u32(std::process::id());
         attempt += 1;
-        assert!(attempt < 100_000, "no loopback port free for a test's server in {:?}", port_lock(0).parent());
+        assert!(attempt < 100_000, "no loopback port free for a test's server in {:?}", port_registry());
         let port = 10_000 + (h.finish() % 22_000) as u16;
         let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(port_lock(port)) else {
             continue;
@@ -193,9 +193,14 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// The directory every test process keeps its ports' lock files in.
+fn port_registry() -> PathBuf {
+    std::env::temp_dir().join("converged-test-ports")
+}
+
 /// The file whose `flock` holds `port` for the test process that took it.
 pub fn port_lock(port: u16) -> PathBuf {
-    std::env::temp_dir().join("converged-test-ports").join(port.to_string())
+    port_registry().join(port.to_string())
 }
 
 impl EtcdCluster {
