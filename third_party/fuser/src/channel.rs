@@ -7,6 +7,7 @@ use nix::errno::Errno;
 
 use crate::dev_fuse::DevFuse;
 use crate::passthrough::BackingId;
+use crate::uring::Ring;
 
 /// A raw communication channel to the FUSE kernel driver
 #[derive(Debug, Clone)]
@@ -53,7 +54,7 @@ impl Channel {
     pub(crate) fn sender(&self) -> ChannelSender {
         // Since write/writev syscalls are threadsafe, we can simply create
         // a sender by using the same file and use it in other threads.
-        ChannelSender(self.0.clone())
+        ChannelSender { dev: self.0.clone(), ring: None }
     }
 
     /// Clone the FUSE device fd using FUSE_DEV_IOC_CLONE ioctl.
@@ -79,12 +80,26 @@ impl Channel {
     }
 }
 
+/// Where a reply goes: written to /dev/fuse, or committed to the ring entry
+/// its request came in (FUSE over io_uring). Notifications always go to
+/// /dev/fuse: they are made from a sender without a ring.
 #[derive(Clone, Debug)]
-pub(crate) struct ChannelSender(Arc<DevFuse>);
+pub(crate) struct ChannelSender {
+    dev: Arc<DevFuse>,
+    ring: Option<(Arc<Ring>, usize)>,
+}
 
 impl ChannelSender {
+    /// A sender that answers the request in entry `index` of `ring`.
+    pub(crate) fn ring(dev: Arc<DevFuse>, ring: Arc<Ring>, index: usize) -> ChannelSender {
+        ChannelSender { dev, ring: Some((ring, index)) }
+    }
+
     pub(crate) fn send(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {
-        let rc = nix::sys::uio::writev(&self.0, bufs)?;
+        if let Some((ring, index)) = &self.ring {
+            return ring.commit(*index, bufs);
+        }
+        let rc = nix::sys::uio::writev(&self.dev, bufs)?;
         // writev is atomic, so do not need to check how many bytes are written.
         // libfuse does not do it either
         // https://github.com/libfuse/libfuse/blob/6278995cca991978abd25ebb2c20ebd3fc9e8a13/lib/fuse_lowlevel.c#L267
@@ -93,10 +108,10 @@ impl ChannelSender {
     }
 
     pub(crate) fn open_backing(&self, fd: BorrowedFd<'_>) -> std::io::Result<BackingId> {
-        BackingId::create(&self.0, fd)
+        BackingId::create(&self.dev, fd)
     }
 
     pub(crate) unsafe fn wrap_backing(&self, id: u32) -> BackingId {
-        unsafe { BackingId::wrap_raw(&self.0, id) }
+        unsafe { BackingId::wrap_raw(&self.dev, id) }
     }
 }

@@ -140,6 +140,9 @@ pub struct Session<FS: Filesystem> {
     /// The field is set to `Some` when the init message is received.
     pub(crate) proto_version: Option<Version>,
     pub(crate) config: Config,
+    /// The payload buffer each ring entry needs, once INIT settled FUSE over
+    /// io_uring (`Config::io_uring` and the kernel's offer); `None` otherwise.
+    pub(crate) ring_payload: Option<usize>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -187,6 +190,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config: options.clone(),
+            ring_payload: None,
         };
 
         session.handshake()?;
@@ -215,6 +219,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config,
+            ring_payload: None,
         };
 
         session.handshake()?;
@@ -242,6 +247,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: Some(Version(abi::FUSE_KERNEL_VERSION, abi::FUSE_KERNEL_MINOR_VERSION)),
             config,
+            ring_payload: None,
         })
     }
 
@@ -285,6 +291,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner,
             proto_version: _,
             config,
+            ring_payload,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -319,9 +326,19 @@ impl<FS: Filesystem> Session<FS> {
                 channels.push(ch.clone());
             }
         }
+        #[cfg(target_os = "linux")]
+        let ring_dev = ch.clone();
         channels.push(ch);
 
         let mut threads = Vec::with_capacity(n_threads);
+
+        #[cfg(target_os = "linux")]
+        let ring_threads = match ring_payload {
+            Some(payload) => spawn_rings(&ring_dev, &filesystem, allowed, session_owner, n_threads, payload),
+            None => Vec::new(),
+        };
+        #[cfg(not(target_os = "linux"))]
+        let _ = ring_payload;
 
         for (i, ch) in channels.into_iter().enumerate() {
             let thread_name = format!("fuser-{i}");
@@ -351,6 +368,15 @@ impl<FS: Filesystem> Session<FS> {
                 if reply.is_ok() {
                     reply = Err(e);
                 }
+            }
+        }
+
+        #[cfg(target_os = "linux")]
+        for thread in ring_threads {
+            match thread.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!("FUSE ring thread ended: {e}"),
+                Err(_) => return Err(io::Error::other("ring thread panicked")),
             }
         }
 
@@ -506,6 +532,15 @@ impl<FS: Filesystem> Session<FS> {
             <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
                 .send_ll(&response);
 
+            if self.config.io_uring
+                && (config.requested & init.capabilities()).contains(InitFlags::FUSE_OVER_IO_URING)
+            {
+                // The kernel refuses an entry whose payload buffer is smaller
+                // than the largest request or reply the connection allows.
+                let pages = config.max_pages() as usize * page_size::get();
+                self.ring_payload = Some(pages.max(config.max_write as usize).max(8192));
+            }
+
             return Ok(());
         }
     }
@@ -585,6 +620,91 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 Err(err) => return Err(err.into()),
             }
         }
+    }
+}
+
+/// Starts the ring threads of FUSE over io_uring: `n_threads` of them
+/// spread evenly over the queues (at least one a queue), each pinned to
+/// its queue's CPU and holding one entry. The kernel hands a request to
+/// the entry that became free last, so one process's requests go to the
+/// thread that answered its last one, on the CPU the process sleeps on;
+/// a request that blocks (a disk sync, a commit on etcd) holds up only
+/// its own thread. A ring the kernel refuses leaves requests on /dev/fuse.
+#[cfg(target_os = "linux")]
+fn spawn_rings<FS: Filesystem>(
+    ch: &Channel,
+    filesystem: &Arc<FilesystemHolder<FS>>,
+    allowed: SessionACL,
+    session_owner: Uid,
+    n_threads: usize,
+    payload: usize,
+) -> Vec<JoinHandle<io::Result<()>>> {
+    use crate::uring::Ring;
+    let queues = match crate::uring::queue_count() {
+        Ok(q) => q,
+        Err(e) => {
+            warn!("FUSE over io_uring not started: {e}");
+            return Vec::new();
+        }
+    };
+    let count = n_threads.max(queues).div_ceil(queues) * queues;
+    let mut threads = Vec::with_capacity(count);
+    for i in 0..count {
+        let Ok(qid) = u16::try_from(i % queues) else { break };
+        let ring = match Ring::new(ch.0.clone(), qid, 1, payload) {
+            Ok(ring) => ring,
+            Err(e) => {
+                warn!("FUSE over io_uring not started (io_uring setup: {e}); requests stay on /dev/fuse");
+                break;
+            }
+        };
+        let thread_name = format!("fuser-ring-{i}");
+        let event_loop = SessionEventLoop {
+            thread_name: thread_name.clone(),
+            filesystem: filesystem.clone(),
+            ch: ch.clone(),
+            allowed,
+            session_owner,
+        };
+        match thread::Builder::new().name(thread_name).spawn(move || event_loop.ring_loop(ring)) {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                warn!("FUSE ring thread not started: {e}");
+                break;
+            }
+        }
+    }
+    info!("FUSE over io_uring: {} ring threads on {queues} queues, {payload} bytes an entry", threads.len());
+    threads
+}
+
+#[cfg(target_os = "linux")]
+impl<FS: Filesystem> SessionEventLoop<FS> {
+    /// The loop of one ring thread: each request its ring completes is
+    /// dispatched as one read from /dev/fuse would be, its reply committed
+    /// to the entry it came in.
+    fn ring_loop(&self, ring: Arc<crate::uring::Ring>) -> io::Result<()> {
+        ring.pin();
+        ring.register()?;
+        ring.serve(|index, data| {
+            let sender = ChannelSender::ring(self.ch.0.clone(), ring.clone(), index);
+            match RequestWithSender::new(sender.clone(), data) {
+                Some(req) => {
+                    if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                        req.reply::<ReplyEmpty>().ok();
+                        return false;
+                    }
+                    req.dispatch(self);
+                }
+                None => {
+                    // Answer it, or the entry and its caller would wait forever.
+                    let unique = data.get(8..16).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
+                    <ReplyRaw as Reply>::new(ll::RequestId(unique), ReplySender::Channel(sender))
+                        .send_ll(&ResponseErrno(ll::Errno::EIO));
+                }
+            }
+            true
+        })
     }
 }
 

@@ -18,6 +18,13 @@ pub struct Config {
     /// This enables more efficient request processing
     /// when multiple threads are used. Requires Linux 4.5+.
     pub clone_fd: bool,
+    /// Serve requests through FUSE over io_uring (Linux 6.14, the fuse
+    /// module's `enable_uring` set) when the kernel offers it at INIT: the
+    /// threads are spread over one ring queue per possible CPU, with
+    /// /dev/fuse readers kept for forgets and interrupts. Ignored when the
+    /// kernel does not offer it. Add `InitFlags::FUSE_OVER_IO_URING` to the
+    /// capabilities in `Filesystem::init` as well.
+    pub io_uring: bool,
 }
 
 /// Mount options accepted by the FUSE filesystem type
