@@ -271,6 +271,18 @@ pub struct MountArgs {
     #[arg(long)]
     pub no_supervisor: bool,
 
+    /// Serve FUSE requests through io_uring (Linux 6.14 with the fuse module's
+    /// `enable_uring` set: `echo Y > /sys/module/fuse/parameters/enable_uring`) instead of
+    /// threads reading /dev/fuse: a reply and the next request in one system call, on the
+    /// CPU the request was made on; 1.5-1.8x the creates and unlinks a second of one process
+    /// on this project's test host (bench/fuse-uring.sh). Needs --no-supervisor: a request
+    /// a dead daemon's ring held is never sent again (the kernel's FUSE_NOTIFY_RESEND only
+    /// re-queues what /dev/fuse readers took), so the supervisor's takeover cannot keep the
+    /// mount; without the supervisor a crash ends the mount (ENOTCONN) as it otherwise
+    /// would. When the kernel does not offer it the mount serves /dev/fuse and logs why.
+    #[arg(long, requires = "no_supervisor")]
+    pub fuse_uring: bool,
+
     /// Daemon restarts the supervisor makes within --restart-window before it gives up (a
     /// daemon that dies at start); the mount then reports ENOTCONN, with the reason in the log.
     #[arg(long, default_value_t = 10, value_name = "N")]

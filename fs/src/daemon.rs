@@ -624,6 +624,7 @@ fn mount_and_serve(
         source,
         attr_timeout: Duration::from_secs_f64(args.attr_timeout),
         want_passthrough: !args.verify_reads,
+        fuse_uring: args.fuse_uring,
         threads: args.threads.unwrap_or(match engine.membership() {
             Some(_) => crate::config::CLUSTER_FUSE_THREADS,
             None => crate::config::FUSE_THREADS,

@@ -44,6 +44,8 @@ pub struct FuseAdapter {
     /// Fault switch (tests): the namespace operation after whose commit
     /// this daemon dies, before it answers.
     die_after_commit: Option<String>,
+    /// Ask the kernel for FUSE over io_uring at INIT (`--fuse-uring`).
+    want_uring: bool,
 }
 
 /// The door requests come in by (see [`FuseAdapter::enter`]).
@@ -104,6 +106,7 @@ impl FuseAdapter {
             gate: Arc::default(),
             notifier: Arc::default(),
             die_after_commit: None,
+            want_uring: false,
         }
     }
 
@@ -556,6 +559,12 @@ impl Filesystem for FuseAdapter {
                     tracing::warn!("kernel does not offer FUSE passthrough; reads and writes go through the daemon")
                 }
             }
+        }
+        if self.want_uring && config.add_capabilities(InitFlags::FUSE_OVER_IO_URING).is_err() {
+            tracing::warn!(
+                "the kernel does not offer FUSE over io_uring (needs Linux 6.14 and \
+                 /sys/module/fuse/parameters/enable_uring set to Y); requests go through /dev/fuse"
+            );
         }
         self.core.set_passthrough(passthrough);
         self.journal.write_header(Settled { passthrough })?;
@@ -1138,6 +1147,8 @@ pub struct MountSpec<'a> {
     pub attr_timeout: Duration,
     /// Ask the kernel for passthrough (off with --verify-reads).
     pub want_passthrough: bool,
+    /// Serve requests through FUSE over io_uring where the kernel offers it.
+    pub fuse_uring: bool,
     pub threads: usize,
     /// `ro`: the kernel refuses every change with EROFS.
     pub read_only: bool,
@@ -1181,6 +1192,7 @@ pub fn serve(
     use anyhow::Context;
     let mut adapter = FuseAdapter::new(core.clone(), spec.attr_timeout, spec.want_passthrough, journal);
     adapter.die_after_commit = spec.die_after_commit.clone();
+    adapter.want_uring = spec.fuse_uring;
     let notifier = adapter.notifier.clone();
     let gate = adapter.gate.clone();
     let backing = adapter.backing.clone();
@@ -1198,6 +1210,7 @@ pub fn serve(
     ];
     config.acl = fuser::SessionACL::All;
     config.n_threads = Some(spec.threads);
+    config.io_uring = spec.fuse_uring;
     let resumed = matches!(conn, Connection::Resume(_));
     // A mount fuser made is undone by fuser; one on the supervisor's descriptor here.
     let fuser_mounted = matches!(conn, Connection::Mount);

@@ -1,0 +1,196 @@
+//! `--fuse-uring`: FUSE over io_uring through a real kernel mount. The mount
+//! serves its requests from ring threads when the kernel offers the
+//! transport, falls back to /dev/fuse when it does not, ends with its daemon
+//! (no request left waiting), and is refused with the supervisor.
+
+mod common;
+
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use common::*;
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Sets the fuse module's `enable_uring` for as long as the returned lock is
+/// held: the tests here that set it take turns (each is a process of its
+/// own under nextest). Other tests' mounts do not ask for the transport, so
+/// the switch does not touch them.
+fn uring_switch(on: bool) -> File {
+    assert!(
+        Path::new(ENABLE_URING).exists(),
+        "{ENABLE_URING} missing: this kernel has no FUSE over io_uring (Linux 6.14, CONFIG_FUSE_IO_URING)"
+    );
+    let lock = File::create(std::env::temp_dir().join("converged-test-enable-uring.lock")).unwrap();
+    // SAFETY: flock(2) on a descriptor of ours.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "flock: errno {}", errno());
+    fs::write(ENABLE_URING, if on { "Y" } else { "N" }).expect("write enable_uring");
+    lock
+}
+
+/// io_uring instances the process `pid` holds.
+fn io_urings(pid: i32) -> usize {
+    fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy() == "anon_inode:[io_uring]")
+        .count()
+}
+
+/// Nanoseconds on CPU of `pid`'s threads whose names start with `prefix`.
+fn cpu_ns(pid: i32, prefix: &str) -> u64 {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| {
+            let t = t.ok()?.path();
+            let name = fs::read_to_string(t.join("comm")).ok()?;
+            if !name.trim_end().starts_with(prefix) {
+                return None;
+            }
+            fs::read_to_string(t.join("schedstat")).ok()?.split(' ').next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
+/// The CPUs the kernel makes a ring queue for.
+fn possible_cpus() -> usize {
+    let text = fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+    text.trim().split(',').map(|p| p.rsplit('-').next().unwrap().parse::<usize>().unwrap()).max().unwrap() + 1
+}
+
+/// What a dataset unpack and a checkpoint do, checked by reading back.
+fn workload(m: &Mount) {
+    let dir = m.path("many");
+    fs::create_dir(&dir).unwrap();
+    for i in 0..2000 {
+        fs::write(dir.join(format!("f{i}")), format!("file {i}")).unwrap();
+    }
+    assert_eq!(fs::read_dir(&dir).unwrap().count(), 2000);
+    for i in (0..2000).step_by(97) {
+        assert_eq!(fs::read_to_string(dir.join(format!("f{i}"))).unwrap(), format!("file {i}"));
+    }
+    // Reads and writes of a mount with --verify-reads go through the daemon:
+    // 1 MiB requests and replies in the ring entries' payload buffers.
+    let data = pattern(5 << 20, 7);
+    let mut f = File::create(m.path("ckpt.tmp")).unwrap();
+    f.write_all(&data).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    fs::rename(m.path("ckpt.tmp"), m.path("ckpt")).unwrap();
+    drop_caches();
+    let mut back = Vec::new();
+    File::open(m.path("ckpt")).unwrap().read_to_end(&mut back).unwrap();
+    assert!(back == data, "the checkpoint read back differs");
+    xattr_round_trip(&m.path("ckpt"));
+    for i in 0..2000 {
+        fs::remove_file(dir.join(format!("f{i}"))).unwrap();
+    }
+    fs::remove_dir(&dir).unwrap();
+    let err = fs::metadata(&dir).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+}
+
+fn xattr_round_trip(p: &Path) {
+    let path = cstr(p);
+    let name = c"user.converged-test";
+    // SAFETY: setxattr/getxattr with valid pointers and lengths.
+    unsafe {
+        assert_eq!(libc::setxattr(path.as_ptr(), name.as_ptr(), b"v1".as_ptr().cast(), 2, 0), 0, "errno {}", errno());
+        let mut buf = [0u8; 16];
+        let n = libc::getxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len());
+        assert_eq!(n, 2, "errno {}", errno());
+        assert_eq!(&buf[..2], b"v1");
+    }
+}
+
+#[test]
+fn requests_go_through_the_rings_and_the_mount_unmounts() {
+    let _switch = uring_switch(true);
+    let mut m = Mount::with_args(&["--no-supervisor", "--fuse-uring", "--verify-reads"]);
+    let pid = m.daemon_pid();
+    assert!(
+        io_urings(pid) >= possible_cpus(),
+        "the daemon holds {} io_uring instances, expected one a queue ({}); log:\n{}",
+        io_urings(pid),
+        possible_cpus(),
+        m.log()
+    );
+    let (ring0, dev0) = (cpu_ns(pid, "fuser-ring-"), cpu_ns(pid, "fuser-") - cpu_ns(pid, "fuser-ring-"));
+    workload(&m);
+    let ring = cpu_ns(pid, "fuser-ring-") - ring0;
+    let dev = cpu_ns(pid, "fuser-") - cpu_ns(pid, "fuser-ring-") - dev0;
+    // The /dev/fuse readers still take the kernel's forgets; everything
+    // else is the rings'.
+    assert!(ring > dev, "ring threads ran {ring} ns, /dev/fuse readers {dev} ns: the rings did not serve the mount");
+    m.umount();
+    wait_gone(pid);
+    // Gone, or a zombie its new parent has not reaped: ended either way.
+    let state = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    assert!(matches!(state.split(' ').nth(2), None | Some("Z")), "the daemon outlived its unmount: {state}");
+    // What was written is there at the next mount, served the same way.
+    m.mount();
+    let mut back = Vec::new();
+    File::open(m.path("ckpt")).unwrap().read_to_end(&mut back).unwrap();
+    assert!(back == pattern(5 << 20, 7), "the checkpoint differs after a remount");
+}
+
+#[test]
+fn without_the_kernels_offer_the_mount_serves_dev_fuse() {
+    let _switch = uring_switch(false);
+    let m = Mount::with_args(&["--no-supervisor", "--fuse-uring", "--verify-reads"]);
+    assert_eq!(io_urings(m.daemon_pid()), 0, "rings started though the kernel did not offer them");
+    workload(&m);
+    assert!(m.log().contains("does not offer FUSE over io_uring"), "no word of the fallback in the log:\n{}", m.log());
+}
+
+#[test]
+fn a_daemon_killed_on_rings_ends_the_mount_with_no_caller_left_waiting() {
+    let _switch = uring_switch(true);
+    let mut m = Mount::with_args(&["--no-supervisor", "--fuse-uring"]);
+    let pid = m.daemon_pid();
+    assert!(io_urings(pid) > 0, "no rings; log:\n{}", m.log());
+    fs::write(m.path("a"), b"x").unwrap();
+    // Callers busy on the mount while the daemon dies: each must come back
+    // with an error (ECONNABORTED for a request in flight, ENOTCONN after),
+    // not wait forever.
+    let mnt = m.mnt.clone();
+    let callers: Vec<_> = (0..4)
+        .map(|t| {
+            let mnt = mnt.clone();
+            std::thread::spawn(move || {
+                for i in 0.. {
+                    let p = mnt.join(format!("t{t}-{i}"));
+                    if let Err(e) = fs::write(&p, b"y").and_then(|_| fs::metadata(&p)) {
+                        return e.raw_os_error();
+                    }
+                }
+                unreachable!()
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // SAFETY: kill(2).
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_gone(pid);
+    for c in callers {
+        let e = c.join().unwrap();
+        assert!(matches!(e, Some(libc::ENOTCONN | libc::ECONNABORTED)), "a caller ended with errno {e:?}");
+    }
+    assert_eq!(fs::metadata(m.path("a")).unwrap_err().raw_os_error(), Some(libc::ENOTCONN));
+    m.crash();
+}
+
+#[test]
+fn fuse_uring_with_the_supervisor_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let (data, mnt) = (root.path().join("data"), root.path().join("mnt"));
+    fs::create_dir(&data).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).arg("--fuse-uring").output().unwrap();
+    assert!(!out.status.success(), "mounted with --fuse-uring and a supervisor");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--no-supervisor"), "the error does not say what is missing: {stderr}");
+    assert!(!fs::read_to_string("/proc/self/mounts").unwrap().contains(&*mnt.to_string_lossy()), "left a mount behind");
+}
