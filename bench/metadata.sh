@@ -62,7 +62,10 @@
 #   TARGETS     what to measure, space separated, from: raw (ext4), floor
 #               (the FUSE floor: creates, stats and unlinks only), one (a
 #               single-node mount, and one with --attr-timeout 0), cluster
-#               (2 nodes on etcd), nowsync (the same with --nowsync)
+#               (2 nodes on etcd), nowsync (the same with --nowsync), uring
+#               (a single-node mount with --no-supervisor --fuse-uring: FUSE
+#               over io_uring; the fuse module's enable_uring is set for
+#               the run and put back after)
 #               [raw floor one cluster nowsync]
 #   FS          ext4 or xfs: run every target (ext4 included: "raw" is then
 #               this filesystem) on a filesystem of that kind made fresh for
@@ -104,10 +107,10 @@ log() { echo "== $*" >&2; }
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and drop_caches need it): sudo $0"
 command -v python3 >/dev/null || die "python3 not found"
 wants() { [[ " ${TARGETS[*]} " == *" $1 "* ]]; }
-((${#TARGETS[@]} > 0)) || die "TARGETS is empty: name at least one of raw floor one cluster nowsync"
+((${#TARGETS[@]} > 0)) || die "TARGETS is empty: name at least one of raw floor one cluster nowsync uring"
 for t in "${TARGETS[@]}"; do
-    case $t in raw | floor | one | cluster | nowsync) ;;
-        *) die "TARGETS: unknown target '$t' (raw, floor, one, cluster, nowsync)" ;;
+    case $t in raw | floor | one | cluster | nowsync | uring) ;;
+        *) die "TARGETS: unknown target '$t' (raw, floor, one, cluster, nowsync, uring)" ;;
     esac
 done
 CLUSTERED=0
@@ -161,6 +164,9 @@ fi
 RAW=$WORK/raw
 ONE=$WORK/one
 ZERO=$WORK/zero
+URING=$WORK/uring
+ENABLE_URING=/sys/module/fuse/parameters/enable_uring
+URING_WAS=
 FLOOR_MNT=$WORK/floor
 DEV=$WORK/dev
 NW=$WORK/nowsync
@@ -175,7 +181,7 @@ cleanup() {
     local rc=$?
     trap - EXIT INT TERM
     set +e
-    for m in "$ONE/mnt" "$ZERO/mnt"; do
+    for m in "$ONE/mnt" "$ZERO/mnt" "$URING/mnt"; do
         grep -q " $m " /proc/mounts && "$CONVERGED" umount "$m"
     done
     if [[ -n $FLOOR_PID ]]; then
@@ -189,7 +195,8 @@ cleanup() {
         fi
     done
     for p in "${PEERS_UP[@]}"; do "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1; done
-    rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$FLOOR_MNT"
+    [[ -z $URING_WAS ]] || echo "$URING_WAS" > "$ENABLE_URING"
+    rm -rf "$RAW" "$ONE" "$ZERO" "$URING" "$DEV" "$NW" "$FLOOR_MNT"
     if [[ -n $LOOP ]]; then
         grep -q " $WORK " /proc/mounts && umount "$WORK"
         losetup -d "$LOOP"
@@ -214,8 +221,8 @@ if [[ -n $FS ]]; then
     log "FS=$FS: a fresh $FS on $LOOP (direct I/O over $IMAGE), mounted on $WORK"
 fi
 
-rm -rf "$RAW" "$ONE" "$ZERO" "$DEV" "$NW" "$FLOOR_MNT" "$OUT"
-mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$FLOOR_MNT" "$OUT"
+rm -rf "$RAW" "$ONE" "$ZERO" "$URING" "$DEV" "$NW" "$FLOOR_MNT" "$OUT"
+mkdir -p "$RAW" "$ONE/data" "$ONE/mnt" "$ZERO/data" "$ZERO/mnt" "$URING/data" "$URING/mnt" "$FLOOR_MNT" "$OUT"
 
 if wants floor; then
     log "the FUSE floor (fuse_floor: names in memory, nothing else)"
@@ -228,6 +235,17 @@ if wants one; then
     log "single-node mounts (embedded metadata): default, and --attr-timeout 0"
     "$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data"
     "$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0
+fi
+
+if wants uring; then
+    [[ -e $ENABLE_URING ]] || die "TARGETS=uring: $ENABLE_URING missing (FUSE over io_uring needs Linux 6.14)"
+    URING_WAS=$(cat "$ENABLE_URING")
+    echo Y > "$ENABLE_URING"
+    log "single-node mount over FUSE io_uring (--no-supervisor --fuse-uring)"
+    "$CONVERGED" mount "$URING/mnt" --data-dir "$URING/data" --no-supervisor --fuse-uring
+    pid=$(cat "$URING/data/converged.lock")
+    ls -l "/proc/$pid/fd" | grep -q 'anon_inode:\[io_uring\]' ||
+        die "TARGETS=uring: the daemon serves no io_uring (see $URING/data/converged.log)"
 fi
 
 start_cluster() { # DIR NAME [mount options...]: sets STARTED_PID and STARTED_ENDPOINT
@@ -263,8 +281,8 @@ if wants nowsync; then
     [[ -n $ENDPOINT ]] || ENDPOINT=$STARTED_ENDPOINT
 fi
 
-declare -A DIR=([raw]=$RAW [floor]=$FLOOR_MNT [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
-declare -A STATS=([raw]="" [floor]="" [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt)
+declare -A DIR=([raw]=$RAW [floor]=$FLOOR_MNT [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt [uring]=$URING/mnt)
+declare -A STATS=([raw]="" [floor]="" [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt [uring]=$URING/mnt)
 if [[ $PEERS == 1 ]]; then
     for p in moosefs gluster; do
         if [[ -x $PEERS_DIR/peer_$p.sh ]] && "$PEERS_DIR/peer_$p.sh" start >"$OUT/$p.log" 2>&1; then
@@ -347,6 +365,7 @@ for t in "${TARGETS[@]}"; do
     profile=()
     case $t in
         one) profile=(--stats "$ONE/mnt" --proc "node=mount $ONE/mnt --data-dir") ;;
+        uring) profile=(--stats "$URING/mnt" --proc "node=mount $URING/mnt --data-dir") ;;
         cluster | nowsync)
             if [[ $t == nowsync ]]; then c=$NW e=$NW_ENDPOINT; else c=$DEV e=$DEV_ENDPOINT; fi
             profile=(--stats "$c/n1/mnt" --etcd "http://$e" --proc "node=mount $c/n1/mnt --data-dir"
@@ -396,7 +415,7 @@ REPORT=$OUT/table.txt
 import json, os, re, sys
 
 out, targets = sys.argv[1], sys.argv[2].split()
-names = {"raw": "ext4", "floor": "FUSE floor", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "etcd+nowsync",
+names = {"raw": "ext4", "floor": "FUSE floor", "one": "1 node", "cluster": "2 nodes/etcd", "nowsync": "etcd+nowsync", "uring": "1 node, uring",
          "moosefs": "MooseFS", "gluster": "GlusterFS"}
 
 def load(t, tag):
@@ -473,17 +492,20 @@ print()
 def met(ok):
     return "met" if ok else "MISSED"
 
-o, fl = load("one", "p1"), load("floor", "p1")
-if o:
-    print("1 node against its targets (1 process)" + (", and against the FUSE floor:" if fl else ":"))
-    for phase, label, floor in (("create", "create", 10_000), ("unlink", "unlink", 20_000),
-                                ("first_stat", "first stat after create", 200_000)):
+fl = load("floor", "p1")
+for target, label in (("one", "1 node"), ("uring", "1 node over FUSE io_uring")):
+    o = load(target, "p1")
+    if not o:
+        continue
+    print(f"{label} against its targets (1 process)" + (", and against the FUSE floor:" if fl else ":"))
+    for phase, what, floor in (("create", "create", 10_000), ("unlink", "unlink", 20_000),
+                               ("first_stat", "first stat after create", 200_000)):
         v = o[phase]["ops_s"]
         of = ""
         if fl:
             f = fl[phase]["ops_s"]
-            of = f"; the floor {f:,.0f}/s, 1 node {v / f:.2f}x of it"
-        print(f"  {label:<25}{v:>10,.0f}/s   (target >= {floor:,}/s: {met(v >= floor)}{of})")
+            of = f"; the floor {f:,.0f}/s, {label} {v / f:.2f}x of it"
+        print(f"  {what:<25}{v:>10,.0f}/s   (target >= {floor:,}/s: {met(v >= floor)}{of})")
     print()
 for target, label in (("cluster", "2 nodes on etcd"), ("nowsync", "2 nodes on etcd with --nowsync")):
     c1, c16 = load(target, "p1"), load(target, "spread")
