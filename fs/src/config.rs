@@ -274,8 +274,9 @@ pub struct MountArgs {
     /// Serve FUSE requests through io_uring (Linux 6.14 with the fuse module's
     /// `enable_uring` set: `echo Y > /sys/module/fuse/parameters/enable_uring`) instead of
     /// threads reading /dev/fuse: a reply and the next request in one system call, on the
-    /// CPU the request was made on; 1.5-1.8x the creates and unlinks a second of one process
-    /// on this project's test host (bench/fuse-uring.sh). Needs --no-supervisor: a request
+    /// CPU the request was made on. On this project's 2-core test host one process's creates
+    /// ran at 1.4-1.6x and its unlinks at 1.3-1.5x their rate through /dev/fuse
+    /// (bench/metadata.sh, TARGETS="one uring"). Needs --no-supervisor: a request
     /// a dead daemon's ring held is never sent again (the kernel's FUSE_NOTIFY_RESEND only
     /// re-queues what /dev/fuse readers took), so the supervisor's takeover cannot keep the
     /// mount; without the supervisor a crash ends the mount (ENOTCONN) as it otherwise
