@@ -14,11 +14,22 @@ use common::*;
 
 const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
 
-/// Sets the fuse module's `enable_uring` for as long as the returned lock is
-/// held: the tests here that set it take turns (each is a process of its
-/// own under nextest). Other tests' mounts do not ask for the transport, so
-/// the switch does not touch them.
-fn uring_switch(on: bool) -> File {
+/// The fuse module's `enable_uring`, set for as long as this is held and
+/// put back after: the tests here that set it take turns (each is a
+/// process of its own under nextest). Other tests' mounts do not ask for
+/// the transport, so the switch does not touch them.
+struct UringSwitch {
+    _lock: File,
+    was: String,
+}
+
+impl Drop for UringSwitch {
+    fn drop(&mut self) {
+        let _ = fs::write(ENABLE_URING, &self.was);
+    }
+}
+
+fn uring_switch(on: bool) -> UringSwitch {
     assert!(
         Path::new(ENABLE_URING).exists(),
         "{ENABLE_URING} missing: this kernel has no FUSE over io_uring (Linux 6.14, CONFIG_FUSE_IO_URING)"
@@ -26,8 +37,9 @@ fn uring_switch(on: bool) -> File {
     let lock = File::create(std::env::temp_dir().join("converged-test-enable-uring.lock")).unwrap();
     // SAFETY: flock(2) on a descriptor of ours.
     assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "flock: errno {}", errno());
+    let was = fs::read_to_string(ENABLE_URING).unwrap().trim().to_string();
     fs::write(ENABLE_URING, if on { "Y" } else { "N" }).expect("write enable_uring");
-    lock
+    UringSwitch { _lock: lock, was }
 }
 
 /// io_uring instances the process `pid` holds.
@@ -37,6 +49,20 @@ fn io_urings(pid: i32) -> usize {
         .filter_map(|e| fs::read_link(e.ok()?.path()).ok())
         .filter(|l| l.to_string_lossy() == "anon_inode:[io_uring]")
         .count()
+}
+
+/// io_uring instances of `pid` once it holds `want`, or what it holds
+/// after 10 s: the mount command returns when the kernel mount answers,
+/// and the ring threads start beside it.
+fn wait_for_urings(pid: i32, want: usize) -> usize {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let n = io_urings(pid);
+        if n >= want || std::time::Instant::now() > deadline {
+            return n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// Nanoseconds on CPU of `pid`'s threads whose names start with `prefix`.
@@ -110,10 +136,10 @@ fn requests_go_through_the_rings_and_the_mount_unmounts() {
     let _switch = uring_switch(true);
     let mut m = Mount::with_args(&["--no-supervisor", "--fuse-uring", "--verify-reads"]);
     let pid = m.daemon_pid();
+    let rings = wait_for_urings(pid, possible_cpus());
     assert!(
-        io_urings(pid) >= possible_cpus(),
-        "the daemon holds {} io_uring instances, expected one a queue ({}); log:\n{}",
-        io_urings(pid),
+        rings >= possible_cpus(),
+        "the daemon holds {rings} io_uring instances, expected one a queue ({}); log:\n{}",
         possible_cpus(),
         m.log()
     );
@@ -140,8 +166,8 @@ fn requests_go_through_the_rings_and_the_mount_unmounts() {
 fn without_the_kernels_offer_the_mount_serves_dev_fuse() {
     let _switch = uring_switch(false);
     let m = Mount::with_args(&["--no-supervisor", "--fuse-uring", "--verify-reads"]);
-    assert_eq!(io_urings(m.daemon_pid()), 0, "rings started though the kernel did not offer them");
     workload(&m);
+    assert_eq!(io_urings(m.daemon_pid()), 0, "rings started though the kernel did not offer them");
     assert!(m.log().contains("does not offer FUSE over io_uring"), "no word of the fallback in the log:\n{}", m.log());
 }
 
@@ -150,7 +176,7 @@ fn a_daemon_killed_on_rings_ends_the_mount_with_no_caller_left_waiting() {
     let _switch = uring_switch(true);
     let mut m = Mount::with_args(&["--no-supervisor", "--fuse-uring"]);
     let pid = m.daemon_pid();
-    assert!(io_urings(pid) > 0, "no rings; log:\n{}", m.log());
+    assert!(wait_for_urings(pid, possible_cpus()) >= possible_cpus(), "no rings; log:\n{}", m.log());
     fs::write(m.path("a"), b"x").unwrap();
     // Callers busy on the mount while the daemon dies: each must come back
     // with an error (ECONNABORTED for a request in flight, ENOTCONN after),
