@@ -25,6 +25,7 @@ use std::cell::UnsafeCell;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::thread::ThreadId;
 
 use io_uring::IoUring;
@@ -70,13 +71,15 @@ unsafe impl Send for Entry {}
 pub(crate) struct Ring {
     uring: IoUring<squeue::Entry128, cqueue::Entry>,
     /// Held while pushing to the submission queue: the owner and the threads
-    /// that answer a request later share it. Never held across a wait.
+    /// that answer a request later share it. A leaf: nothing else is taken
+    /// under it, and it is never held across a system call.
     submit: Mutex<()>,
     dev: Arc<DevFuse>,
     qid: u16,
     entries: Box<[Entry]>,
     payload_len: usize,
-    owner: Mutex<Option<ThreadId>>,
+    /// The thread that serves the ring (set once, when it starts).
+    owner: OnceLock<ThreadId>,
 }
 
 impl std::fmt::Debug for Ring {
@@ -116,7 +119,7 @@ impl Ring {
                 iov: UnsafeCell::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2]),
             })
             .collect();
-        Ok(Arc::new(Ring { uring, submit: Mutex::new(()), dev, qid, entries, payload_len: payload, owner: Mutex::new(None) }))
+        Ok(Arc::new(Ring { uring, submit: Mutex::new(()), dev, qid, entries, payload_len: payload, owner: OnceLock::new() }))
     }
 
     /// The command for entry `index`: a `struct fuse_uring_cmd_req` in the SQE's command area.
@@ -229,7 +232,7 @@ impl Ring {
         self.push(&self.command(CMD_COMMIT_AND_FETCH, index, unique, None))?;
         // The owner submits what it pushed when it next waits; any other
         // thread submits now, as the owner may be asleep in that wait.
-        if *self.owner.lock() != Some(std::thread::current().id()) {
+        if self.owner.get() != Some(&std::thread::current().id()) {
             self.uring.submit()?;
         }
         Ok(())
@@ -239,7 +242,7 @@ impl Ring {
     /// have delivered it, with the entry it came in. Returns when the
     /// connection ends.
     pub(crate) fn serve(&self, mut dispatch: impl FnMut(usize, &[u8]) -> bool) -> io::Result<()> {
-        *self.owner.lock() = Some(std::thread::current().id());
+        let _ = self.owner.set(std::thread::current().id());
         let mut buf = vec![0u8; IN_HEADER + OP_IN_SIZE + self.payload_len];
         let mut done = Vec::with_capacity(self.entries.len());
         loop {
