@@ -65,19 +65,32 @@ fn wait_for_urings(pid: i32, want: usize) -> usize {
     }
 }
 
-/// Nanoseconds on CPU of `pid`'s threads whose names start with `prefix`.
-fn cpu_ns(pid: i32, prefix: &str) -> u64 {
+/// Nanoseconds on CPU of `pid`'s ring threads and of its /dev/fuse
+/// readers, read in one pass over its threads.
+fn fuse_cpu_ns(pid: i32) -> (u64, u64) {
+    let (ring, dev) = threads_ns(pid).into_iter().fold((0, 0), |(r, d), (name, ns)| {
+        if name.starts_with("fuser-ring-") {
+            (r + ns, d)
+        } else if name.starts_with("fuser-") {
+            (r, d + ns)
+        } else {
+            (r, d)
+        }
+    });
+    (ring, dev)
+}
+
+/// Each of `pid`'s threads: its name and its nanoseconds on CPU.
+fn threads_ns(pid: i32) -> Vec<(String, u64)> {
     fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
         .filter_map(|t| {
             let t = t.ok()?.path();
-            let name = fs::read_to_string(t.join("comm")).ok()?;
-            if !name.trim_end().starts_with(prefix) {
-                return None;
-            }
-            fs::read_to_string(t.join("schedstat")).ok()?.split(' ').next()?.parse::<u64>().ok()
+            let name = fs::read_to_string(t.join("comm")).ok()?.trim_end().to_string();
+            let ns = fs::read_to_string(t.join("schedstat")).ok()?.split(' ').next()?.parse::<u64>().ok()?;
+            Some((name, ns))
         })
-        .sum()
+        .collect()
 }
 
 /// The CPUs the kernel makes a ring queue for.
@@ -143,10 +156,10 @@ fn requests_go_through_the_rings_and_the_mount_unmounts() {
         possible_cpus(),
         m.log()
     );
-    let (ring0, dev0) = (cpu_ns(pid, "fuser-ring-"), cpu_ns(pid, "fuser-") - cpu_ns(pid, "fuser-ring-"));
+    let (ring0, dev0) = fuse_cpu_ns(pid);
     workload(&m);
-    let ring = cpu_ns(pid, "fuser-ring-") - ring0;
-    let dev = cpu_ns(pid, "fuser-") - cpu_ns(pid, "fuser-ring-") - dev0;
+    let (ring1, dev1) = fuse_cpu_ns(pid);
+    let (ring, dev) = (ring1 - ring0, dev1 - dev0);
     // The /dev/fuse readers still take the kernel's forgets; everything
     // else is the rings'.
     assert!(ring > dev, "ring threads ran {ring} ns, /dev/fuse readers {dev} ns: the rings did not serve the mount");
