@@ -91,8 +91,8 @@ pub(crate) struct ChannelSender {
 
 impl ChannelSender {
     /// A sender that answers the request in entry `index` of `ring`.
-    pub(crate) fn ring(dev: Arc<DevFuse>, ring: Arc<Ring>, index: usize) -> ChannelSender {
-        ChannelSender { dev, ring: Some((ring, index)) }
+    pub(crate) fn ring(ring: Arc<Ring>, index: usize) -> ChannelSender {
+        ChannelSender { dev: ring.dev().clone(), ring: Some((ring, index)) }
     }
 
     pub(crate) fn send(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {

@@ -687,8 +687,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         ring.pin();
         ring.register()?;
         ring.serve(|index, data| {
-            let sender = ChannelSender::ring(self.ch.0.clone(), ring.clone(), index);
-            match RequestWithSender::new(sender.clone(), data) {
+            match RequestWithSender::new(ChannelSender::ring(ring.clone(), index), data) {
                 Some(req) => {
                     if let Ok(Operation::Destroy(_)) = req.request.operation() {
                         req.reply::<ReplyEmpty>().ok();
@@ -699,7 +698,8 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 None => {
                     // Answer it, or the entry and its caller would wait forever.
                     let unique = data.get(8..16).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
-                    <ReplyRaw as Reply>::new(ll::RequestId(unique), ReplySender::Channel(sender))
+                    let sender = ReplySender::Channel(ChannelSender::ring(ring.clone(), index));
+                    <ReplyRaw as Reply>::new(ll::RequestId(unique), sender)
                         .send_ll(&ResponseErrno(ll::Errno::EIO));
                 }
             }

@@ -144,6 +144,11 @@ impl Ring {
         Ok(())
     }
 
+    /// The /dev/fuse descriptor the ring's commands name.
+    pub(crate) fn dev(&self) -> &Arc<DevFuse> {
+        &self.dev
+    }
+
     /// Pins the calling thread to the queue's CPU, where the processes whose
     /// requests it serves sleep while they wait (without it, unlinks from one
     /// process ran at 0.6-0.75x those through /dev/fuse here; with it,
