@@ -158,6 +158,34 @@ fn requests_go_through_the_rings_and_the_mount_unmounts() {
     );
     let (ring0, dev0) = fuse_cpu_ns(pid);
     workload(&m);
+    // Sixteen writers at once, each in its own directory and in one shared
+    // one: every file reads back its own bytes, and each directory lists
+    // what was made in it.
+    let writers: Vec<_> = (0..16)
+        .map(|t| {
+            let (own, shared) = (m.path(&format!("w{t}")), m.path("shared"));
+            std::thread::spawn(move || {
+                fs::create_dir(&own).unwrap();
+                let _ = fs::create_dir(&shared);
+                for i in 0..150 {
+                    let body = pattern(64 + i * 37, (t * 1000 + i) as u64);
+                    for dir in [&own, &shared] {
+                        let p = dir.join(format!("t{t}-{i}"));
+                        fs::write(&p, &body).unwrap();
+                        assert!(fs::read(&p).unwrap() == body, "{} read back other bytes", p.display());
+                    }
+                }
+                for i in (0..150).step_by(2) {
+                    fs::remove_file(own.join(format!("t{t}-{i}"))).unwrap();
+                }
+                assert_eq!(fs::read_dir(&own).unwrap().count(), 75);
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    assert_eq!(fs::read_dir(m.path("shared")).unwrap().count(), 16 * 150);
     let (ring1, dev1) = fuse_cpu_ns(pid);
     let (ring, dev) = (ring1 - ring0, dev1 - dev0);
     // The /dev/fuse readers still take the kernel's forgets; everything
