@@ -143,6 +143,9 @@ pub struct Session<FS: Filesystem> {
     /// The payload buffer each ring entry needs, once INIT settled FUSE over
     /// io_uring (`Config::io_uring` and the kernel's offer); `None` otherwise.
     pub(crate) ring_payload: Option<usize>,
+    /// The connection was taken over from an earlier daemon: its ring
+    /// entries' slots are recovered (see `uring.rs`).
+    pub(crate) ring_resume: bool,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -191,6 +194,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config: options.clone(),
             ring_payload: None,
+            ring_resume: false,
         };
 
         session.handshake()?;
@@ -220,6 +224,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config,
             ring_payload: None,
+            ring_resume: false,
         };
 
         session.handshake()?;
@@ -232,9 +237,16 @@ impl<FS: Filesystem> Session<FS> {
     /// outlived that daemon). No handshake: the kernel sends no second
     /// INIT, and `Filesystem::init` is not called; the caller restores what
     /// the first init settled. Requests the earlier daemon read and did not
-    /// answer are sent again after [`Notifier::resend`].
+    /// answer are sent again after [`Notifier::resend`]. With
+    /// `config.io_uring` (set it when the connection's INIT settled FUSE
+    /// over io_uring) the rings are started again on the ring memory the
+    /// earlier daemon left (`Config::io_uring_memory`), answering what its
+    /// entries held.
     pub fn resume_fd(filesystem: FS, fd: OwnedFd, acl: SessionACL, config: Config) -> io::Result<Self> {
         let ch = Channel::new(Arc::new(DevFuse(File::from(fd))));
+        // The area records the payload size; one that left no area gets the
+        // largest a connection can ask for.
+        let ring_payload = config.io_uring.then(|| (256 * page_size::get()).max(1 << 20));
         Ok(Session {
             filesystem: FilesystemHolder {
                 fs: Some(filesystem),
@@ -247,7 +259,8 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: Some(Version(abi::FUSE_KERNEL_VERSION, abi::FUSE_KERNEL_MINOR_VERSION)),
             config,
-            ring_payload: None,
+            ring_payload,
+            ring_resume: true,
         })
     }
 
@@ -292,6 +305,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: _,
             config,
             ring_payload,
+            ring_resume,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -334,11 +348,14 @@ impl<FS: Filesystem> Session<FS> {
 
         #[cfg(target_os = "linux")]
         let ring_threads = match ring_payload {
-            Some(payload) => spawn_rings(&ring_dev, &filesystem, allowed, session_owner, n_threads, payload),
+            Some(payload) => {
+                let rings = RingSetup { payload, memory: config.io_uring_memory, resume: ring_resume };
+                spawn_rings(&ring_dev, &filesystem, allowed, session_owner, n_threads, rings)?
+            }
             None => Vec::new(),
         };
         #[cfg(not(target_os = "linux"))]
-        let _ = ring_payload;
+        let _ = (ring_payload, ring_resume);
 
         for (i, ch) in channels.into_iter().enumerate() {
             let thread_name = format!("fuser-{i}");
@@ -623,6 +640,15 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     }
 }
 
+/// How the rings start: the payload an entry needs, the memory their
+/// buffers go in, and whether an earlier daemon left entries there.
+#[cfg(target_os = "linux")]
+struct RingSetup {
+    payload: usize,
+    memory: Option<i32>,
+    resume: bool,
+}
+
 /// Starts the ring threads of FUSE over io_uring: `n_threads` of them
 /// spread evenly over the queues (at least one a queue), each pinned to
 /// its queue's CPU and holding one entry. The kernel hands a request to
@@ -630,6 +656,9 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
 /// thread that answered its last one, on the CPU the process sleeps on;
 /// a request that blocks (a disk sync, a commit on etcd) holds up only
 /// its own thread. A ring the kernel refuses leaves requests on /dev/fuse.
+/// Resuming, the threads are those of the earlier daemon's slots; an area
+/// that cannot be mapped again where it was is an error, since the
+/// requests in it would wait for ever.
 #[cfg(target_os = "linux")]
 fn spawn_rings<FS: Filesystem>(
     ch: &Channel,
@@ -637,28 +666,46 @@ fn spawn_rings<FS: Filesystem>(
     allowed: SessionACL,
     session_owner: Uid,
     n_threads: usize,
-    payload: usize,
-) -> Vec<JoinHandle<io::Result<()>>> {
-    use crate::uring::Ring;
-    let queues = match crate::uring::queue_count() {
-        Ok(q) => q,
-        Err(e) => {
-            warn!("FUSE over io_uring not started: {e}");
-            return Vec::new();
+    setup: RingSetup,
+) -> io::Result<Vec<JoinHandle<io::Result<()>>>> {
+    use crate::uring::{Ring, RingArea};
+    let left = match (setup.resume, setup.memory) {
+        (true, Some(fd)) => RingArea::reopen(fd)?,
+        _ => None,
+    };
+    let resume = left.is_some();
+    let area = match left {
+        Some(area) => area,
+        None => {
+            let queues = match crate::uring::queue_count() {
+                Ok(q) => q,
+                Err(e) => {
+                    warn!("FUSE over io_uring not started: {e}");
+                    return Ok(Vec::new());
+                }
+            };
+            let count = n_threads.max(queues).div_ceil(queues) * queues;
+            let qids: Vec<u16> = (0..count).filter_map(|i| u16::try_from(i % queues).ok()).collect();
+            match RingArea::create(setup.memory, &qids, setup.payload) {
+                Ok(area) => area,
+                Err(e) => {
+                    warn!("FUSE over io_uring not started (ring memory: {e}); requests stay on /dev/fuse");
+                    return Ok(Vec::new());
+                }
+            }
         }
     };
-    let count = n_threads.max(queues).div_ceil(queues) * queues;
-    let mut threads = Vec::with_capacity(count);
-    for i in 0..count {
-        let Ok(qid) = u16::try_from(i % queues) else { break };
-        let ring = match Ring::new(ch.0.clone(), qid, 1, payload) {
+    let mut threads = Vec::with_capacity(area.slots());
+    for slot in 0..area.slots() {
+        let ring = match Ring::new(ch.0.clone(), area.clone(), &[slot]) {
             Ok(ring) => ring,
+            Err(e) if resume => return Err(e),
             Err(e) => {
                 warn!("FUSE over io_uring not started (io_uring setup: {e}); requests stay on /dev/fuse");
                 break;
             }
         };
-        let thread_name = format!("fuser-ring-{i}");
+        let thread_name = format!("fuser-ring-{slot}");
         let event_loop = SessionEventLoop {
             thread_name: thread_name.clone(),
             filesystem: filesystem.clone(),
@@ -666,16 +713,22 @@ fn spawn_rings<FS: Filesystem>(
             allowed,
             session_owner,
         };
-        match thread::Builder::new().name(thread_name).spawn(move || event_loop.ring_loop(ring)) {
+        match thread::Builder::new().name(thread_name).spawn(move || event_loop.ring_loop(ring, resume)) {
             Ok(t) => threads.push(t),
+            Err(e) if resume => return Err(e),
             Err(e) => {
                 warn!("FUSE ring thread not started: {e}");
                 break;
             }
         }
     }
-    info!("FUSE over io_uring: {} ring threads on {queues} queues, {payload} bytes an entry", threads.len());
-    threads
+    info!(
+        "FUSE over io_uring: {} ring threads, {} bytes an entry{}",
+        threads.len(),
+        area.payload(),
+        if resume { ", taken over from the earlier daemon" } else { "" }
+    );
+    Ok(threads)
 }
 
 #[cfg(target_os = "linux")]
@@ -683,10 +736,9 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     /// The loop of one ring thread: each request its ring completes is
     /// dispatched as one read from /dev/fuse would be, its reply committed
     /// to the entry it came in.
-    fn ring_loop(&self, ring: Arc<crate::uring::Ring>) -> io::Result<()> {
+    fn ring_loop(&self, ring: Arc<crate::uring::Ring>, resume: bool) -> io::Result<()> {
         ring.pin();
-        ring.register()?;
-        ring.serve(|index, data| {
+        ring.serve(resume, |index, data| {
             match RequestWithSender::new(ChannelSender::ring(ring.clone(), index), data) {
                 Some(req) => {
                     if let Ok(Operation::Destroy(_)) = req.request.operation() {

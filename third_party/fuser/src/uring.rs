@@ -20,12 +20,38 @@
 //! thread that took the completion builds the request from them, and the
 //! one reply (from whichever thread sends it) writes them and then commits.
 //! So no two parties touch them at once.
+//!
+//! # A daemon that dies with requests in its entries
+//!
+//! The kernel keeps a request it put into an entry until a commit names
+//! it, and `FUSE_NOTIFY_RESEND` does not reach it (it walks the /dev/fuse
+//! queues only). But a commit is found by the request's unique id on the
+//! entry's queue, not by the ring that registered the entry, and the
+//! kernel reads the reply from the addresses the entry was registered
+//! with. So the buffers live in shared memory ([`RingArea`]: a memfd the
+//! caller keeps across daemons, `Config::io_uring_memory`), mapped at the
+//! same address by every daemon of the connection, and each entry's slot
+//! records how far this process got with the request in it
+//! ([`SlotState`]). A daemon that resumes the connection maps the area
+//! where the last one had it and, for each slot, serves again a request
+//! the dead daemon held (marked as sent again, as a resend is), commits a
+//! reply it had finished, or registers the slot anew. A commit the kernel
+//! takes makes the entry this daemon's; one it no longer knows (the reply
+//! got there before the death) comes back `ENOENT` and the slot is
+//! registered anew.
 
 use std::cell::UnsafeCell;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::fd::FromRawFd;
+use std::os::fd::OwnedFd;
+use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::sync::OnceLock;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicU32;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 use std::thread::ThreadId;
 
 use io_uring::IoUring;
@@ -35,6 +61,7 @@ use io_uring::squeue;
 use io_uring::types;
 use log::debug;
 use log::error;
+use log::info;
 use log::warn;
 use parking_lot::Mutex;
 
@@ -50,22 +77,317 @@ const CMD_COMMIT_AND_FETCH: u32 = 2;
 const HEADER_SIZE: usize = 128 + 128 + 32;
 const OP_IN: usize = 128;
 const OP_IN_SIZE: usize = 128;
+const COMMIT_ID: usize = 256 + 8;
 const PAYLOAD_SZ: usize = 256 + 16;
 /// `struct fuse_in_header` and `struct fuse_out_header`.
 const IN_HEADER: usize = 40;
 const OUT_HEADER: usize = 16;
+/// The bit the kernel sets in the unique id of a request it sends again
+/// (`FUSE_UNIQUE_RESEND`); a request served again from a slot carries it too.
+const RESENT: u64 = 1 << 63;
 
-/// An entry's two buffers, and the iovecs that name them to the kernel at registration.
+/// What a slot's entry holds, as far as this process got with it. Written
+/// by the ring's owner when a completion hands it a request (`Held`) and by
+/// the reply (`Replying`, `Replied`); read by the next daemon only.
+///
+/// ```text
+///   Free ──request completes──▶ Held ──reply starts──▶ Replying ──reply written──▶ Replied
+///    ▲                           ▲                                                   │
+///    └──registered anew          └──────────────── next request completes ───────────┘
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+enum SlotState {
+    /// Registered, no request seen by this process (the header's commit id
+    /// is zeroed at registration: one found there came after).
+    Free = 0,
+    /// The request named by the slot's unique is being served; its bytes
+    /// in the buffers are whole.
+    Held = 1,
+    /// The reply is being written over the request; the slot's undo area
+    /// holds the request's header and the payload bytes the reply covers.
+    Replying = 2,
+    /// As `Replying`, but what the reply covers did not fit the undo area.
+    ReplyingLost = 3,
+    /// The reply is whole in the buffers; its commit may or may not have
+    /// reached the kernel.
+    Replied = 4,
+}
+
+impl SlotState {
+    fn from_u32(v: u32) -> Option<SlotState> {
+        [SlotState::Free, SlotState::Held, SlotState::Replying, SlotState::ReplyingLost, SlotState::Replied]
+            .into_iter()
+            .find(|s| *s as u32 == v)
+    }
+}
+
+/// One slot's record in the area's control pages.
+#[repr(C)]
+struct SlotCtl {
+    qid: AtomicU32,
+    state: AtomicU32,
+    unique: AtomicU64,
+    undo_len: AtomicU64,
+    _reserved: AtomicU64,
+}
+
+const AREA_MAGIC: u64 = u64::from_le_bytes(*b"fuserrng");
+const AREA_VERSION: u32 = 1;
+/// The area's header: magic, version, slot count, the address it was
+/// mapped at, the payload size, the slot stride; then a `SlotCtl` a slot.
+const AREA_HEADER: usize = 64;
+/// A slot: the entry's header buffer, then the undo area, then (page
+/// aligned) the payload buffer.
+const SLOT_UNDO: usize = 512;
+const SLOT_PAYLOAD: usize = 8192;
+const UNDO_SIZE: usize = SLOT_PAYLOAD - SLOT_UNDO;
+/// Where the first daemon asks to map the area, away from where a process's
+/// heap, libraries and stack go, so that the next daemon finds it free.
+#[cfg(target_pointer_width = "64")]
+const PREFERRED_BASE: usize = 0x3e00_0000_0000;
+#[cfg(not(target_pointer_width = "64"))]
+const PREFERRED_BASE: usize = 0;
+
+fn page_size() -> usize {
+    page_size::get()
+}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+/// The shared memory the entries' buffers live in (see the module comment).
+pub(crate) struct RingArea {
+    base: *mut u8,
+    len: usize,
+    slots: usize,
+    payload: usize,
+    stride: usize,
+    ctl_len: usize,
+}
+
+// SAFETY: the mapping is plain memory; each slot has one user at a time
+// (module comment), and the control words are atomics.
+unsafe impl Send for RingArea {}
+unsafe impl Sync for RingArea {}
+
+impl Drop for RingArea {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made by `map` with this length and is
+        // dropped once, after every ring using it.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+impl std::fmt::Debug for RingArea {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingArea").field("base", &self.base).field("slots", &self.slots).finish()
+    }
+}
+
+fn map(fd: RawFd, len: usize, at: Option<usize>) -> io::Result<*mut u8> {
+    let (addr, flags) = match at {
+        Some(a) if a != 0 => (a as *mut libc::c_void, libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE),
+        _ => (std::ptr::null_mut(), libc::MAP_SHARED),
+    };
+    // SAFETY: a new shared mapping of `fd`; MAP_FIXED_NOREPLACE never
+    // replaces an existing mapping.
+    let p = unsafe { libc::mmap(addr, len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    if at.is_some_and(|a| a != 0 && a != p as usize) {
+        // A kernel older than MAP_FIXED_NOREPLACE takes the address as a hint.
+        // SAFETY: the mapping just made, not used.
+        unsafe { libc::munmap(p, len) };
+        return Err(io::Error::from_raw_os_error(libc::EEXIST));
+    }
+    Ok(p.cast())
+}
+
+impl RingArea {
+    /// A fresh area of one slot per entry of `qids` (each slot's queue), with
+    /// payload buffers of `payload` bytes, in `memory` (emptied first) or,
+    /// without it, in a memfd of this process's own.
+    pub(crate) fn create(memory: Option<RawFd>, qids: &[u16], payload: usize) -> io::Result<Arc<RingArea>> {
+        let page = page_size();
+        let slots = qids.len();
+        let ctl_len = round_up(AREA_HEADER + slots * std::mem::size_of::<SlotCtl>(), page);
+        let stride = SLOT_PAYLOAD + round_up(payload, page);
+        let len = ctl_len + slots * stride;
+        let own;
+        let fd = match memory {
+            Some(fd) => fd,
+            None => {
+                // SAFETY: memfd_create with a NUL-terminated name.
+                let fd = unsafe { libc::memfd_create(c"fuser-rings".as_ptr(), libc::MFD_CLOEXEC) };
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // SAFETY: just made, owned here; closed once mapped.
+                own = unsafe { OwnedFd::from_raw_fd(fd) };
+                own.as_raw_fd()
+            }
+        };
+        // SAFETY: plain ftruncate calls on a descriptor the caller lent.
+        if unsafe { libc::ftruncate(fd, 0) } != 0 || unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let base = match map(fd, len, Some(PREFERRED_BASE)) {
+            Ok(p) => p,
+            Err(e) => {
+                debug!("ring memory not mapped at {PREFERRED_BASE:#x} ({e}); anywhere instead");
+                map(fd, len, None)?
+            }
+        };
+        let area = RingArea { base, len, slots, payload, stride, ctl_len };
+        for (i, qid) in qids.iter().enumerate() {
+            area.ctl(i).qid.store(u32::from(*qid), Ordering::Relaxed);
+        }
+        let mut h = [0u8; 48];
+        h[0..8].copy_from_slice(&AREA_MAGIC.to_ne_bytes());
+        h[8..12].copy_from_slice(&AREA_VERSION.to_ne_bytes());
+        h[12..16].copy_from_slice(&(slots as u32).to_ne_bytes());
+        h[16..24].copy_from_slice(&(base as u64).to_ne_bytes());
+        h[24..32].copy_from_slice(&(payload as u64).to_ne_bytes());
+        h[32..40].copy_from_slice(&(stride as u64).to_ne_bytes());
+        h[40..48].copy_from_slice(&(ctl_len as u64).to_ne_bytes());
+        // SAFETY: the header lies inside the mapping; nothing else uses it yet.
+        unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), base, h.len()) };
+        Ok(Arc::new(area))
+    }
+
+    /// The area an earlier daemon of this connection left in `memory`,
+    /// mapped where it had it; `None` if it left none.
+    pub(crate) fn reopen(memory: RawFd) -> io::Result<Option<Arc<RingArea>>> {
+        let mut h = [0u8; 48];
+        // SAFETY: pread into a local buffer of its length.
+        let n = unsafe { libc::pread(memory, h.as_mut_ptr().cast(), h.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let u64_at = |i: usize| u64::from_ne_bytes(h[i..i + 8].try_into().unwrap_or_default());
+        if (n as usize) < h.len() || u64_at(0) != AREA_MAGIC {
+            return Ok(None);
+        }
+        let version = u32::from_ne_bytes(h[8..12].try_into().unwrap_or_default());
+        if version != AREA_VERSION {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("ring memory of version {version}")));
+        }
+        let slots = u32::from_ne_bytes(h[12..16].try_into().unwrap_or_default()) as usize;
+        let (base, payload, stride, ctl_len) = (u64_at(16) as usize, u64_at(24) as usize, u64_at(32) as usize, u64_at(40) as usize);
+        let len = ctl_len + slots * stride;
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat into a local.
+        if unsafe { libc::fstat(memory, &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if (st.st_size as usize) < len || stride < SLOT_PAYLOAD + payload || ctl_len < AREA_HEADER + slots * std::mem::size_of::<SlotCtl>() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "ring memory shorter than its header says"));
+        }
+        let base = map(memory, len, Some(base)).map_err(|e| {
+            io::Error::new(e.kind(), format!("cannot map the ring memory at {base:#x}, where the earlier daemon had it: {e}"))
+        })?;
+        Ok(Some(Arc::new(RingArea { base, len, slots, payload, stride, ctl_len })))
+    }
+
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
+
+    pub(crate) fn payload(&self) -> usize {
+        self.payload
+    }
+
+    pub(crate) fn qid(&self, slot: usize) -> u16 {
+        u16::try_from(self.ctl(slot).qid.load(Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    fn ctl(&self, slot: usize) -> &SlotCtl {
+        assert!(slot < self.slots);
+        // SAFETY: inside the control pages (`ctl_len` covers every slot's
+        // record), aligned (64 + 32 * slot), atomics only.
+        unsafe { &*self.base.add(AREA_HEADER + slot * std::mem::size_of::<SlotCtl>()).cast::<SlotCtl>() }
+    }
+
+    fn slot_base(&self, slot: usize) -> *mut u8 {
+        assert!(slot < self.slots);
+        // SAFETY: inside the mapping (`len` covers every slot).
+        unsafe { self.base.add(self.ctl_len + slot * self.stride) }
+    }
+}
+
+/// One entry: its slot in the area, and the iovecs that name its buffers to
+/// the kernel at registration.
 struct Entry {
-    header: UnsafeCell<Box<[u8; HEADER_SIZE]>>,
-    payload: UnsafeCell<Box<[u8]>>,
+    slot: usize,
     iov: UnsafeCell<[libc::iovec; 2]>,
+    /// The last command was a commit made for an earlier daemon's request:
+    /// an error completing it means the kernel no longer holds that request.
+    recovering: AtomicBool,
 }
 
 // SAFETY: see the module comment: an entry's buffers have one user at a time,
 // handed over through the ring's completion and the submission lock.
 unsafe impl Sync for Entry {}
 unsafe impl Send for Entry {}
+
+/// What a resumed daemon does with a slot an earlier one left.
+#[derive(Debug, PartialEq, Eq)]
+enum Recovery {
+    /// Nothing held: register the slot anew.
+    Register,
+    /// Serve the request in the buffers (`resent`: the earlier daemon may
+    /// have carried it out).
+    Serve { resent: bool },
+    /// Commit the reply the earlier daemon finished for this request.
+    Recommit(u64),
+    /// The request was overwritten by an unfinished reply: answer it EIO.
+    Fail(u64),
+}
+
+/// The decision for a slot from its recorded state, the unique it names
+/// and the commit id the kernel last wrote into its header.
+fn recovery(state: Option<SlotState>, unique: u64, commit_id: u64) -> Recovery {
+    match state {
+        Some(SlotState::Free) | None if commit_id != 0 => Recovery::Serve { resent: false },
+        Some(SlotState::Free) | None => Recovery::Register,
+        Some(SlotState::Held) | Some(SlotState::Replying) if commit_id == unique => Recovery::Serve { resent: true },
+        Some(SlotState::ReplyingLost) if commit_id == unique => Recovery::Fail(unique),
+        Some(SlotState::Replied) if commit_id == unique => Recovery::Recommit(unique),
+        // The kernel put a request in after the reply: never seen here.
+        Some(SlotState::Replied) if commit_id != 0 => Recovery::Serve { resent: false },
+        Some(_) => Recovery::Register,
+    }
+}
+
+/// The completion tag of a ring's sentinel poll (see `sentinel`).
+const SENTINEL_POLL: u64 = u64::MAX;
+
+/// A quiet io_uring instance that nothing uses, whose descriptor every
+/// ring thread polls for input (which never comes). A request on an
+/// io_uring file is one the kernel tracks, and a thread that holds a
+/// tracked request cancels its rings' cancelable commands, its entries
+/// waiting for a request, as the first thing it does when it exits (the
+/// kernel's `io_uring_files_cancel`), before it is marked exiting. Without
+/// it those entries stay available until the process's last thread closes
+/// the rings, and a request the kernel hands to one meanwhile is ended
+/// with `ECANCELED` (the copy into a dying thread's buffers is refused):
+/// a caller's error each time a daemon is killed under load.
+fn sentinel() -> Option<RawFd> {
+    static SENTINEL: OnceLock<Option<IoUring>> = OnceLock::new();
+    SENTINEL
+        .get_or_init(|| match IoUring::new(2) {
+            Ok(ring) => Some(ring),
+            Err(e) => {
+                warn!("no sentinel io_uring ({e}): a daemon killed under load may fail a few requests");
+                None
+            }
+        })
+        .as_ref()
+        .map(|r| r.as_raw_fd())
+}
 
 /// One thread's io_uring with its entries on one queue.
 pub(crate) struct Ring {
@@ -76,8 +398,8 @@ pub(crate) struct Ring {
     submit: Mutex<()>,
     dev: Arc<DevFuse>,
     qid: u16,
+    area: Arc<RingArea>,
     entries: Box<[Entry]>,
-    payload_len: usize,
     /// The thread that serves the ring (set once, when it starts).
     owner: OnceLock<ThreadId>,
 }
@@ -109,17 +431,38 @@ fn possible_cpus(text: &str) -> Option<usize> {
 }
 
 impl Ring {
-    /// A ring of `entries` entries for queue `qid`, each with a payload buffer of `payload` bytes.
-    pub(crate) fn new(dev: Arc<DevFuse>, qid: u16, entries: usize, payload: usize) -> io::Result<Arc<Ring>> {
-        let uring = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build((entries * 2).next_power_of_two() as u32)?;
-        let entries = (0..entries)
-            .map(|_| Entry {
-                header: UnsafeCell::new(Box::new([0; HEADER_SIZE])),
-                payload: UnsafeCell::new(vec![0; payload].into_boxed_slice()),
+    /// A ring for the entries in `slots` of `area`, all on one queue.
+    pub(crate) fn new(dev: Arc<DevFuse>, area: Arc<RingArea>, slots: &[usize]) -> io::Result<Arc<Ring>> {
+        let qid = slots.first().map_or(0, |s| area.qid(*s));
+        let uring = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(((slots.len() + 1) * 2).next_power_of_two() as u32)?;
+        let entries = slots
+            .iter()
+            .map(|&slot| Entry {
+                slot,
                 iov: UnsafeCell::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2]),
+                recovering: AtomicBool::new(false),
             })
             .collect();
-        Ok(Arc::new(Ring { uring, submit: Mutex::new(()), dev, qid, entries, payload_len: payload, owner: OnceLock::new() }))
+        Ok(Arc::new(Ring { uring, submit: Mutex::new(()), dev, qid, area, entries, owner: OnceLock::new() }))
+    }
+
+    /// Entry `index`'s header, undo area and payload buffer.
+    fn buffers(&self, index: usize) -> (*mut u8, *mut u8, *mut u8) {
+        let base = self.area.slot_base(self.entries[index].slot);
+        // SAFETY: offsets inside the slot (`stride` covers header, undo and payload).
+        unsafe { (base, base.add(SLOT_UNDO), base.add(SLOT_PAYLOAD)) }
+    }
+
+    fn ctl(&self, index: usize) -> &SlotCtl {
+        self.area.ctl(self.entries[index].slot)
+    }
+
+    /// The one place a slot's state changes (see `SlotState`). Release: what
+    /// was written to the buffers before is there for whoever reads the state.
+    fn set_state(&self, index: usize, state: SlotState, unique: u64) {
+        let ctl = self.ctl(index);
+        ctl.unique.store(unique, Ordering::Relaxed);
+        ctl.state.store(state as u32, Ordering::Release);
     }
 
     /// The command for entry `index`: a `struct fuse_uring_cmd_req` in the SQE's command area.
@@ -171,69 +514,87 @@ impl Ring {
         }
     }
 
-    /// Offers every entry to the queue. The kernel answers a refused
-    /// registration with a completion at once; an accepted one completes
-    /// only when a request comes.
-    pub(crate) fn register(&self) -> io::Result<()> {
-        for (index, entry) in self.entries.iter().enumerate() {
-            // SAFETY: not yet registered: nothing else touches the entry.
-            let iov = unsafe { &mut *entry.iov.get() };
-            let header = unsafe { &mut *entry.header.get() };
-            let payload = unsafe { &mut *entry.payload.get() };
-            iov[0] = libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: HEADER_SIZE };
-            iov[1] = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: payload.len() };
-            let mut sqe = self.command(CMD_REGISTER, index, 0, Some(iov.as_ptr() as u64));
-            // The registration's iovec count goes in the SQE's `len` (offset 24
-            // of `struct io_uring_sqe`), which `UringCmd80` does not set.
-            // SAFETY: `Entry128` is `#[repr(C)]` over `struct io_uring_sqe` and 64 more bytes.
-            unsafe { (&raw mut sqe).cast::<u8>().add(24).cast::<u32>().write_unaligned(2) };
-            self.push(&sqe)?;
-        }
-        self.uring.submit()?;
-        Ok(())
+    /// Offers entry `index` to the queue (not yet submitted). The kernel
+    /// answers a refused registration with a completion at once; an
+    /// accepted one completes only when a request comes.
+    fn push_register(&self, index: usize) -> io::Result<()> {
+        let (header, _, payload) = self.buffers(index);
+        // SAFETY: the entry is not the kernel's: nothing else touches it.
+        unsafe { header.add(COMMIT_ID).cast::<u64>().write_unaligned(0) };
+        self.set_state(index, SlotState::Free, 0);
+        // SAFETY: as above; the iovecs live as long as the ring.
+        let iov = unsafe { &mut *self.entries[index].iov.get() };
+        iov[0] = libc::iovec { iov_base: header.cast(), iov_len: HEADER_SIZE };
+        iov[1] = libc::iovec { iov_base: payload.cast(), iov_len: self.area.payload };
+        let mut sqe = self.command(CMD_REGISTER, index, 0, Some(iov.as_ptr() as u64));
+        // The registration's iovec count goes in the SQE's `len` (offset 24
+        // of `struct io_uring_sqe`), which `UringCmd80` does not set.
+        // SAFETY: `Entry128` is `#[repr(C)]` over `struct io_uring_sqe` and 64 more bytes.
+        unsafe { (&raw mut sqe).cast::<u8>().add(24).cast::<u32>().write_unaligned(2) };
+        self.push(&sqe)
     }
 
     /// Sends the reply `data` (a `struct fuse_out_header` and what follows it)
     /// for the request in entry `index`, and offers the entry again.
     pub(crate) fn commit(&self, index: usize, data: &[io::IoSlice<'_>]) -> io::Result<()> {
-        let entry = &self.entries[index];
-        // SAFETY: the entry holds a request this reply answers: it is ours until the commit.
-        let header = unsafe { &mut *entry.header.get() };
-        let payload = unsafe { &mut *entry.payload.get() };
+        let (header_p, undo_p, payload_p) = self.buffers(index);
+        // SAFETY: the entry holds a request this reply answers: it is ours
+        // until the commit. The three regions do not overlap.
+        let header = unsafe { std::slice::from_raw_parts_mut(header_p, HEADER_SIZE) };
+        let undo = unsafe { std::slice::from_raw_parts_mut(undo_p, UNDO_SIZE) };
+        let payload = unsafe { std::slice::from_raw_parts_mut(payload_p, self.area.payload) };
         let total: usize = data.iter().map(|s| s.len()).sum();
         let mut out_header = [0u8; OUT_HEADER];
         let mut at = 0;
-        let mut len = 0;
-        let mut overflow = false;
         for slice in data {
-            let mut s: &[u8] = slice;
-            if at < OUT_HEADER {
-                let n = s.len().min(OUT_HEADER - at);
-                out_header[at..at + n].copy_from_slice(&s[..n]);
-                at += n;
-                s = &s[n..];
-            }
-            if s.is_empty() {
-                continue;
-            }
-            if len + s.len() > payload.len() {
-                overflow = true;
+            let n = slice.len().min(OUT_HEADER - at);
+            out_header[at..at + n].copy_from_slice(&slice[..n]);
+            at += n;
+            if at == OUT_HEADER {
                 break;
             }
-            payload[len..len + s.len()].copy_from_slice(s);
-            len += s.len();
         }
         if at < OUT_HEADER {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "reply shorter than its header"));
         }
-        let unique = u64::from_ne_bytes(out_header[8..16].try_into().unwrap_or_default());
-        if overflow {
+        // A request served again carries the resend bit; the kernel knows it without.
+        let unique = u64::from_ne_bytes(out_header[8..16].try_into().unwrap_or_default()) & !RESENT;
+        out_header[8..16].copy_from_slice(&unique.to_ne_bytes());
+        let mut len = total - OUT_HEADER;
+        if len > payload.len() {
             error!("reply of {total} bytes does not fit the ring's payload buffer; answering EIO");
             out_header[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
             len = 0;
         }
+        // Keep what the reply writes over, so that a daemon taking over after
+        // a death in the middle can serve the request again.
+        let request_payload = u32::from_ne_bytes(header[PAYLOAD_SZ..PAYLOAD_SZ + 4].try_into().unwrap_or_default()) as usize;
+        let covered = len.min(request_payload).min(payload.len());
+        if HEADER_SIZE + covered <= UNDO_SIZE {
+            undo[..HEADER_SIZE].copy_from_slice(header);
+            undo[HEADER_SIZE..HEADER_SIZE + covered].copy_from_slice(&payload[..covered]);
+            self.ctl(index).undo_len.store(covered as u64, Ordering::Relaxed);
+            self.set_state(index, SlotState::Replying, unique);
+        } else {
+            self.set_state(index, SlotState::ReplyingLost, unique);
+        }
+        let mut skip = OUT_HEADER;
+        let mut written = 0;
+        for slice in data {
+            let s: &[u8] = slice;
+            let n = skip.min(s.len());
+            skip -= n;
+            let s = &s[n..];
+            if s.is_empty() || written >= len {
+                continue;
+            }
+            let take = s.len().min(len - written);
+            payload[written..written + take].copy_from_slice(&s[..take]);
+            written += take;
+        }
         header[..OUT_HEADER].copy_from_slice(&out_header);
         header[PAYLOAD_SZ..PAYLOAD_SZ + 4].copy_from_slice(&(len as u32).to_ne_bytes());
+        self.set_state(index, SlotState::Replied, unique);
         self.push(&self.command(CMD_COMMIT_AND_FETCH, index, unique, None))?;
         // The owner submits what it pushed when it next waits; any other
         // thread submits now, as the owner may be asleep in that wait.
@@ -243,12 +604,105 @@ impl Ring {
         Ok(())
     }
 
+    /// Entry `index`'s request, as /dev/fuse would have delivered it, into
+    /// `buf`; its length. `resent` marks its unique id as a resend's.
+    fn request(&self, index: usize, buf: &mut [u8], resent: bool) -> io::Result<usize> {
+        let (header_p, _, payload_p) = self.buffers(index);
+        // SAFETY: the entry holds a request: this thread's until the commit.
+        let header = unsafe { std::slice::from_raw_parts(header_p, HEADER_SIZE) };
+        let payload = unsafe { std::slice::from_raw_parts(payload_p, self.area.payload) };
+        let len = u32::from_ne_bytes(header[0..4].try_into().unwrap_or_default()) as usize;
+        let payload_sz = u32::from_ne_bytes(header[PAYLOAD_SZ..PAYLOAD_SZ + 4].try_into().unwrap_or_default()) as usize;
+        // The request's first argument went to `op_in`, the rest to the payload.
+        let op_len = len.checked_sub(IN_HEADER + payload_sz);
+        let Some(op_len) = op_len.filter(|&n| n <= OP_IN_SIZE && payload_sz <= payload.len() && len <= buf.len()) else {
+            error!("ring of queue {}: request of {len} bytes with {payload_sz} of payload does not add up", self.qid);
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "malformed ring request"));
+        };
+        buf[..IN_HEADER].copy_from_slice(&header[..IN_HEADER]);
+        buf[IN_HEADER..IN_HEADER + op_len].copy_from_slice(&header[OP_IN..OP_IN + op_len]);
+        buf[IN_HEADER + op_len..len].copy_from_slice(&payload[..payload_sz]);
+        if resent {
+            let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default()) | RESENT;
+            buf[8..16].copy_from_slice(&unique.to_ne_bytes());
+        }
+        Ok(len)
+    }
+
+    /// What to do with entry `index`'s slot when this daemon resumes a
+    /// connection an earlier one served; a request to serve is left in the
+    /// buffers as it came.
+    fn recover(&self, index: usize) -> Recovery {
+        let (header_p, undo_p, payload_p) = self.buffers(index);
+        let ctl = self.ctl(index);
+        let state = SlotState::from_u32(ctl.state.load(Ordering::Acquire));
+        let unique = ctl.unique.load(Ordering::Relaxed);
+        // SAFETY: no command of this daemon names the slot yet; the earlier
+        // daemon is gone and the kernel writes an entry only while it is its.
+        let header = unsafe { std::slice::from_raw_parts_mut(header_p, HEADER_SIZE) };
+        let commit_id = u64::from_ne_bytes(header[COMMIT_ID..COMMIT_ID + 8].try_into().unwrap_or_default());
+        let decision = recovery(state, unique, commit_id);
+        if state == Some(SlotState::Replying) && decision == (Recovery::Serve { resent: true }) {
+            let covered = ctl.undo_len.load(Ordering::Relaxed) as usize;
+            // SAFETY: as above.
+            let undo = unsafe { std::slice::from_raw_parts(undo_p, UNDO_SIZE) };
+            let payload = unsafe { std::slice::from_raw_parts_mut(payload_p, self.area.payload) };
+            if HEADER_SIZE + covered > UNDO_SIZE || covered > payload.len() {
+                return Recovery::Fail(unique);
+            }
+            header.copy_from_slice(&undo[..HEADER_SIZE]);
+            payload[..covered].copy_from_slice(&undo[HEADER_SIZE..HEADER_SIZE + covered]);
+        }
+        if let Recovery::Serve { .. } = decision {
+            // The request's own header must name the id the kernel wrote.
+            let in_unique = u64::from_ne_bytes(header[8..16].try_into().unwrap_or_default());
+            if in_unique != commit_id {
+                warn!("ring of queue {}: slot {} names request {commit_id} but holds {in_unique}; registered anew", self.qid, self.entries[index].slot);
+                return Recovery::Register;
+            }
+        }
+        decision
+    }
+
     /// Waits for requests and hands each to `dispatch` as /dev/fuse would
-    /// have delivered it, with the entry it came in. Returns when the
-    /// connection ends.
-    pub(crate) fn serve(&self, mut dispatch: impl FnMut(usize, &[u8]) -> bool) -> io::Result<()> {
+    /// have delivered it, with the entry it came in. With `resume`, first
+    /// serves or answers what an earlier daemon left in the entries'
+    /// slots; otherwise registers them. Returns when the connection ends.
+    pub(crate) fn serve(&self, resume: bool, mut dispatch: impl FnMut(usize, &[u8]) -> bool) -> io::Result<()> {
         let _ = self.owner.set(std::thread::current().id());
-        let mut buf = vec![0u8; IN_HEADER + OP_IN_SIZE + self.payload_len];
+        let mut buf = vec![0u8; IN_HEADER + OP_IN_SIZE + self.area.payload];
+        for index in 0..self.entries.len() {
+            let decision = if resume { self.recover(index) } else { Recovery::Register };
+            if decision != Recovery::Register {
+                info!("ring of queue {}, slot {}: {decision:?} after the earlier daemon", self.qid, self.entries[index].slot);
+                self.entries[index].recovering.store(true, Ordering::Relaxed);
+            }
+            match decision {
+                Recovery::Register => self.push_register(index)?,
+                Recovery::Recommit(unique) => {
+                    self.push(&self.command(CMD_COMMIT_AND_FETCH, index, unique, None))?;
+                }
+                Recovery::Fail(unique) => {
+                    let mut reply = [0u8; OUT_HEADER];
+                    reply[0..4].copy_from_slice(&(OUT_HEADER as u32).to_ne_bytes());
+                    reply[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
+                    reply[8..16].copy_from_slice(&unique.to_ne_bytes());
+                    self.commit(index, &[io::IoSlice::new(&reply)])?;
+                }
+                Recovery::Serve { resent } => {
+                    let len = self.request(index, &mut buf, resent)?;
+                    self.set_state(index, SlotState::Held, u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default()) & !RESENT);
+                    if !dispatch(index, &buf[..len]) {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        if let Some(fd) = sentinel() {
+            let poll = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32).build().user_data(SENTINEL_POLL);
+            self.push(&poll.into())?;
+        }
+        self.uring.submit()?;
         let mut done = Vec::with_capacity(self.entries.len());
         loop {
             match self.uring.submitter().submit_and_wait(1) {
@@ -259,14 +713,30 @@ impl Ring {
             {
                 // SAFETY: only the owner (this thread) reads the completion queue.
                 let cq = unsafe { self.uring.completion_shared() };
-                done.extend(cq.map(|c| (c.user_data() as usize, c.result())));
+                done.extend(cq.map(|c| (c.user_data(), c.result())));
             }
-            for (index, res) in done.drain(..) {
+            for (data, res) in done.drain(..) {
+                if data == SENTINEL_POLL {
+                    debug!("ring of queue {}: the sentinel poll ended ({res})", self.qid);
+                    continue;
+                }
+                let index = data as usize;
+                let Some(entry) = self.entries.get(index) else {
+                    error!("ring of queue {}: completion for unknown entry {index}", self.qid);
+                    continue;
+                };
+                let recovering = entry.recovering.swap(false, Ordering::Relaxed);
                 if res < 0 {
                     let err = io::Error::from_raw_os_error(-res);
+                    if recovering && matches!(-res, libc::ENOENT | libc::EIO) {
+                        // The earlier daemon's reply got there before it died.
+                        debug!("ring of queue {}: the kernel no longer holds the request ({err}); entry registered anew", self.qid);
+                        self.push_register(index)?;
+                        continue;
+                    }
                     return match -res {
                         // The connection ended (unmount, abort) or the ring is going away.
-                        libc::ENOTCONN | libc::ECANCELED | libc::ENODEV => {
+                        libc::ENOTCONN | libc::ECANCELED | libc::ENODEV | libc::ECONNABORTED => {
                             debug!("ring of queue {}: {err}", self.qid);
                             Ok(())
                         }
@@ -276,24 +746,10 @@ impl Ring {
                         }
                     };
                 }
-                let Some(entry) = self.entries.get(index) else {
-                    error!("ring of queue {}: completion for unknown entry {index}", self.qid);
-                    continue;
-                };
-                // SAFETY: the completion hands the entry to this thread until its commit.
-                let header = unsafe { &*entry.header.get() };
-                let payload = unsafe { &*entry.payload.get() };
-                let len = u32::from_ne_bytes(header[0..4].try_into().unwrap_or_default()) as usize;
-                let payload_sz = u32::from_ne_bytes(header[PAYLOAD_SZ..PAYLOAD_SZ + 4].try_into().unwrap_or_default()) as usize;
-                // The request's first argument went to `op_in`, the rest to the payload.
-                let op_len = len.checked_sub(IN_HEADER + payload_sz);
-                let Some(op_len) = op_len.filter(|&n| n <= OP_IN_SIZE && payload_sz <= payload.len()) else {
-                    error!("ring of queue {}: request of {len} bytes with {payload_sz} of payload does not add up", self.qid);
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, "malformed ring request"));
-                };
-                buf[..IN_HEADER].copy_from_slice(&header[..IN_HEADER]);
-                buf[IN_HEADER..IN_HEADER + op_len].copy_from_slice(&header[OP_IN..OP_IN + op_len]);
-                buf[IN_HEADER + op_len..len].copy_from_slice(&payload[..payload_sz]);
+                // The completion hands the entry to this thread until its commit.
+                let len = self.request(index, &mut buf, false)?;
+                let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default());
+                self.set_state(index, SlotState::Held, unique);
                 if !dispatch(index, &buf[..len]) {
                     return Ok(());
                 }
@@ -304,7 +760,7 @@ impl Ring {
 
 #[cfg(test)]
 mod tests {
-    use super::possible_cpus;
+    use super::{Recovery, SlotState, possible_cpus, recovery};
 
     #[test]
     fn possible_cpu_lists() {
@@ -312,5 +768,24 @@ mod tests {
         assert_eq!(possible_cpus("0"), Some(1));
         assert_eq!(possible_cpus("0-3,8-11"), Some(12));
         assert_eq!(possible_cpus("x"), None);
+    }
+
+    #[test]
+    fn what_a_resumed_daemon_does_with_each_slot() {
+        use SlotState::*;
+        // Registered and never used; used and answered, nothing since.
+        assert_eq!(recovery(Some(Free), 0, 0), Recovery::Register);
+        // A request the earlier daemon never saw.
+        assert_eq!(recovery(Some(Free), 0, 8), Recovery::Serve { resent: false });
+        assert_eq!(recovery(Some(Replied), 6, 8), Recovery::Serve { resent: false });
+        // Held, or its reply begun and undone: served again as a resend.
+        assert_eq!(recovery(Some(Held), 8, 8), Recovery::Serve { resent: true });
+        assert_eq!(recovery(Some(Replying), 8, 8), Recovery::Serve { resent: true });
+        assert_eq!(recovery(Some(ReplyingLost), 8, 8), Recovery::Fail(8));
+        // A finished reply: committed (the kernel says ENOENT if it had it).
+        assert_eq!(recovery(Some(Replied), 8, 8), Recovery::Recommit(8));
+        // Inconsistent records are left alone.
+        assert_eq!(recovery(Some(Held), 8, 10), Recovery::Register);
+        assert_eq!(recovery(None, 3, 0), Recovery::Register);
     }
 }

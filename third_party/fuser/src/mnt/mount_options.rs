@@ -25,6 +25,13 @@ pub struct Config {
     /// kernel does not offer it. Add `InitFlags::FUSE_OVER_IO_URING` to the
     /// capabilities in `Filesystem::init` as well.
     pub io_uring: bool,
+    /// A memfd (or other shareable file) to keep the ring entries' buffers
+    /// in, kept by the caller across daemons of one connection: a daemon
+    /// that takes the connection over (`Session::resume_fd`) with the same
+    /// memory answers the requests the earlier daemon's entries held, which
+    /// the kernel would otherwise never send again. Without it the buffers
+    /// are this process's own.
+    pub io_uring_memory: Option<i32>,
 }
 
 /// Mount options accepted by the FUSE filesystem type
