@@ -271,18 +271,21 @@ pub struct MountArgs {
     #[arg(long)]
     pub no_supervisor: bool,
 
-    /// Serve FUSE requests through io_uring (Linux 6.14 with the fuse module's
-    /// `enable_uring` set: `echo Y > /sys/module/fuse/parameters/enable_uring`) instead of
-    /// threads reading /dev/fuse: a reply and the next request in one system call, on the
-    /// CPU the request was made on. On this project's 2-core test host one process's creates
-    /// ran at 1.4-1.6x and its unlinks at 1.3-1.5x their rate through /dev/fuse
-    /// (bench/metadata.sh, TARGETS="one uring"). Needs --no-supervisor: a request
-    /// a dead daemon's ring held is never sent again (the kernel's FUSE_NOTIFY_RESEND only
-    /// re-queues what /dev/fuse readers took), so the supervisor's takeover cannot keep the
-    /// mount; without the supervisor a crash ends the mount (ENOTCONN) as it otherwise
-    /// would. When the kernel does not offer it the mount serves /dev/fuse and logs why.
-    #[arg(long, requires = "no_supervisor")]
+    /// Serve FUSE requests through io_uring where the kernel offers it (Linux 6.14 with the
+    /// fuse module's `enable_uring` set: `echo Y > /sys/module/fuse/parameters/enable_uring`),
+    /// instead of threads reading /dev/fuse: a reply and the next request in one system call,
+    /// on the CPU the request was made on. On this project's 2-core test host one process's
+    /// creates ran at 1.4-1.6x and its unlinks at 1.3-1.5x their rate through /dev/fuse
+    /// (bench/metadata.sh, TARGETS="one uring"). The ring entries' buffers live in memory the
+    /// supervisor keeps, so a daemon that takes over after a crash answers the requests the
+    /// dead one's rings held. On by default; where the kernel does not offer it the mount
+    /// serves /dev/fuse (given explicitly, the log says why).
+    #[arg(long, overrides_with = "no_fuse_uring")]
     pub fuse_uring: bool,
+
+    /// Serve FUSE requests through /dev/fuse even where the kernel offers io_uring.
+    #[arg(long, overrides_with = "fuse_uring")]
+    pub no_fuse_uring: bool,
 
     /// Daemon restarts the supervisor makes within --restart-window before it gives up (a
     /// daemon that dies at start); the mount then reports ENOTCONN, with the reason in the log.
@@ -296,6 +299,10 @@ pub struct MountArgs {
     /// Internal: the supervisor's /dev/fuse descriptor, for the daemon to serve.
     #[arg(long, hide = true, value_name = "FD")]
     pub fuse_fd: Option<i32>,
+
+    /// Internal: the supervisor's memfd for the FUSE ring entries' buffers.
+    #[arg(long, hide = true, value_name = "FD")]
+    pub fuse_ring_fd: Option<i32>,
 
     /// Internal: how many daemons served this connection before this one (0: none; it mounts).
     #[arg(long, hide = true, default_value_t = 0)]

@@ -624,7 +624,13 @@ fn mount_and_serve(
         source,
         attr_timeout: Duration::from_secs_f64(args.attr_timeout),
         want_passthrough: !args.verify_reads,
-        fuse_uring: args.fuse_uring,
+        fuse_uring: match (args.fuse_uring, args.no_fuse_uring) {
+            (_, true) => crate::fuse::Uring::Off,
+            (true, _) => crate::fuse::Uring::Asked,
+            (false, false) => crate::fuse::Uring::Default,
+        },
+        ring_memory: args.fuse_ring_fd,
+        resumed_uring: kernel.settled.is_some_and(|s| s.io_uring),
         threads: args.threads.unwrap_or(match engine.membership() {
             Some(_) => crate::config::CLUSTER_FUSE_THREADS,
             None => crate::config::FUSE_THREADS,

@@ -45,7 +45,7 @@ pub struct FuseAdapter {
     /// this daemon dies, before it answers.
     die_after_commit: Option<String>,
     /// Ask the kernel for FUSE over io_uring at INIT (`--fuse-uring`).
-    want_uring: bool,
+    want_uring: Uring,
 }
 
 /// The door requests come in by (see [`FuseAdapter::enter`]).
@@ -106,7 +106,7 @@ impl FuseAdapter {
             gate: Arc::default(),
             notifier: Arc::default(),
             die_after_commit: None,
-            want_uring: false,
+            want_uring: Uring::Off,
         }
     }
 
@@ -560,14 +560,16 @@ impl Filesystem for FuseAdapter {
                 }
             }
         }
-        if self.want_uring && config.add_capabilities(InitFlags::FUSE_OVER_IO_URING).is_err() {
-            tracing::warn!(
-                "the kernel does not offer FUSE over io_uring (needs Linux 6.14 and \
-                 /sys/module/fuse/parameters/enable_uring set to Y); requests go through /dev/fuse"
-            );
+        let io_uring = self.want_uring != Uring::Off && config.add_capabilities(InitFlags::FUSE_OVER_IO_URING).is_ok();
+        const NOT_OFFERED: &str = "the kernel does not offer FUSE over io_uring (needs Linux 6.14 and \
+             /sys/module/fuse/parameters/enable_uring set to Y); requests go through /dev/fuse";
+        match self.want_uring {
+            Uring::Asked if !io_uring => tracing::warn!("{NOT_OFFERED}"),
+            Uring::Default if !io_uring => tracing::info!("{NOT_OFFERED}"),
+            _ => {}
         }
         self.core.set_passthrough(passthrough);
-        self.journal.write_header(Settled { passthrough })?;
+        self.journal.write_header(Settled { passthrough, io_uring })?;
         tracing::info!(passthrough = self.core.passthrough(), "FUSE session initialised");
         Ok(())
     }
@@ -1148,7 +1150,12 @@ pub struct MountSpec<'a> {
     /// Ask the kernel for passthrough (off with --verify-reads).
     pub want_passthrough: bool,
     /// Serve requests through FUSE over io_uring where the kernel offers it.
-    pub fuse_uring: bool,
+    pub fuse_uring: Uring,
+    /// The supervisor's memory for the ring entries' buffers (a memfd kept
+    /// across daemons), and whether the connection taken over settled
+    /// FUSE over io_uring at its INIT (then the rings start again from it).
+    pub ring_memory: Option<i32>,
+    pub resumed_uring: bool,
     pub threads: usize,
     /// `ro`: the kernel refuses every change with EROFS.
     pub read_only: bool,
@@ -1161,6 +1168,17 @@ pub struct MountSpec<'a> {
     /// Fault switch (tests): die after committing this namespace operation
     /// (`mkdir`, `rename`, ...), before answering it.
     pub die_after_commit: Option<String>,
+}
+
+/// Whether a mount asks the kernel for FUSE over io_uring at INIT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Uring {
+    /// `--no-fuse-uring`: /dev/fuse only.
+    Off,
+    /// The default: the rings where the kernel offers them, quietly not where it does not.
+    Default,
+    /// `--fuse-uring`: as the default, with a warning where the kernel does not offer them.
+    Asked,
 }
 
 /// The /dev/fuse connection a daemon serves.
@@ -1210,8 +1228,11 @@ pub fn serve(
     ];
     config.acl = fuser::SessionACL::All;
     config.n_threads = Some(spec.threads);
-    config.io_uring = spec.fuse_uring;
     let resumed = matches!(conn, Connection::Resume(_));
+    // A connection taken over keeps what its INIT settled, whatever this
+    // daemon was asked for.
+    config.io_uring = if resumed { spec.resumed_uring } else { spec.fuse_uring != Uring::Off };
+    config.io_uring_memory = spec.ring_memory;
     // A mount fuser made is undone by fuser; one on the supervisor's descriptor here.
     let fuser_mounted = matches!(conn, Connection::Mount);
     let mut session = match conn {
@@ -1271,6 +1292,9 @@ pub fn serve(
         // their unique ids marked (see FuseAdapter::resent_open).
         session.notifier().resend().context("ask the kernel to resend the requests in flight")?;
         tracing::info!(handles = adopted.len(), "took over the live FUSE connection");
+        if config.io_uring {
+            kick_ring_queues(spec.mountpoint);
+        }
     }
     match session.run() {
         // The kernel ended the connection while requests were under way
@@ -1285,6 +1309,64 @@ pub fn serve(
             Ok(())
         }
         r => r.context("FUSE session"),
+    }
+}
+
+/// After a takeover under FUSE over io_uring: requests made while no
+/// daemon had an entry free wait on their CPU's queue, and the kernel hands
+/// a queued request to an entry only when a commit on that queue fetches
+/// the next (a registration does not). So, once the new daemon's entries
+/// are registered, one `statfs` of the mount from each CPU: its answer's
+/// commit fetches what waited there, and each commit after it the next.
+/// Each `statfs` is made by a child process, not a thread of the daemon: a
+/// request of the daemon's own that its death left unanswered would keep
+/// the dying daemon from ending (a caller whose request was sent waits
+/// for its answer even when killed), and the supervisor starts the next
+/// daemon only once it has.
+fn kick_ring_queues(mountpoint: &Path) {
+    let Ok(path) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else { return };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let possible = std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|t| t.trim().rsplit(['-', ',']).next().and_then(|n| n.parse::<usize>().ok()))
+        .map_or(cpus, |highest| highest + 1);
+    let spawned = std::thread::Builder::new().name("ring-kick".into()).spawn(move || {
+        // A statfs made before this daemon's entries were registered waits
+        // on its queue itself, until the next round's answer fetches it.
+        let mut children = Vec::new();
+        for delay in [Duration::from_millis(200), Duration::from_secs(2)] {
+            std::thread::sleep(delay);
+            for cpu in 0..possible.min(8 * std::mem::size_of::<libc::cpu_set_t>()) {
+                // SAFETY: the child makes system calls only (no allocation,
+                // no lock) and ends with _exit: what is safe after fork in a
+                // threaded process. The set is a zeroed cpu_set_t with one CPU
+                // below CPU_SETSIZE; statfs writes into a local.
+                let pid = unsafe { libc::fork() };
+                match pid {
+                    0 => unsafe {
+                        // Nothing of the daemon's: a child still waiting
+                        // must not keep the connection or the rings open.
+                        libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+                        let mut set: libc::cpu_set_t = std::mem::zeroed();
+                        libc::CPU_SET(cpu, &mut set);
+                        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0 {
+                            let mut st: libc::statfs = std::mem::zeroed();
+                            libc::statfs(path.as_ptr(), &mut st);
+                        }
+                        libc::_exit(0);
+                    },
+                    -1 => tracing::warn!(error = %std::io::Error::last_os_error(), "fork for the ring queues' kick"),
+                    pid => children.push(pid),
+                }
+            }
+        }
+        for pid in children {
+            // SAFETY: waitpid(2) on a child of ours.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "could not start the ring queues' kick; requests made during the takeover wait for the next on their CPU");
     }
 }
 

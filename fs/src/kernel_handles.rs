@@ -92,6 +92,9 @@ impl Recorded {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Settled {
     pub passthrough: bool,
+    /// FUSE over io_uring: the kernel sends requests to ring entries, which
+    /// the next daemon must register again (with them, it waits).
+    pub io_uring: bool,
 }
 
 #[derive(Default)]
@@ -137,6 +140,7 @@ impl HandleJournal {
         let mut b = [0u8; SLOT];
         b[0..8].copy_from_slice(&MAGIC.to_le_bytes());
         b[8] = u8::from(settled.passthrough);
+        b[9] = u8::from(settled.io_uring);
         b[16..24].copy_from_slice(&self.connection.to_le_bytes());
         self.file.write_all_at(&b, 0)
     }
@@ -157,7 +161,7 @@ impl HandleJournal {
                 format!("{} holds no handle journal of a live connection", data_dir.join(FILE).display()),
             ));
         }
-        let settled = Settled { passthrough: bytes[8] != 0 };
+        let settled = Settled { passthrough: bytes[8] != 0, io_uring: bytes[9] != 0 };
         let connection = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
         let mut slots = Slots { end: (bytes.len() / SLOT) as u64, ..Slots::default() };
         let mut found = Vec::new();
@@ -236,7 +240,7 @@ mod tests {
     #[test]
     fn a_later_daemon_finds_the_handles_still_open_and_reuses_the_slots_of_released_ones() {
         let dir = tempfile::tempdir().unwrap();
-        let j = HandleJournal::create(dir.path(), Settled { passthrough: true }).unwrap();
+        let j = HandleJournal::create(dir.path(), Settled { passthrough: true, io_uring: false }).unwrap();
         let (a, b, c) =
             (rec(1, 10, true, Io::Passthrough, 7), rec(2, 11, false, Io::Cached, 0), rec(3, 10, false, Io::Direct, 0));
         for r in [&a, &b, &c] {
@@ -244,7 +248,7 @@ mod tests {
         }
         j.forget(2);
         let connection = j.connection();
-        j.write_header(Settled { passthrough: true }).unwrap();
+        j.write_header(Settled { passthrough: true, io_uring: false }).unwrap();
         drop(j);
         let (j, settled, found) = HandleJournal::take_over(dir.path()).unwrap();
         assert!(settled.passthrough);

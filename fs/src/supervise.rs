@@ -7,7 +7,9 @@
 //! takes the connection over (`fuse::Connection::Resume`): the handles the
 //! kernel holds from the journal (`kernel_handles.rs`), and the requests
 //! the dead daemon read and did not answer sent again by the kernel
-//! (`FUSE_NOTIFY_RESEND`, Linux 6.9).
+//! (`FUSE_NOTIFY_RESEND`, Linux 6.9), or, under FUSE over io_uring, left
+//! in the ring entries' memory the supervisor also keeps (a memfd) and
+//! served from there by the next daemon.
 //!
 //! ```text
 //!   Starting ──READY──▶ Serving ──daemon killed / failed──▶ Restarting ──▶ Serving
@@ -23,7 +25,7 @@
 use std::ffi::OsString;
 use std::fs::OpenOptions;
 use std::io::{BufRead, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -51,24 +53,30 @@ fn child_command(
     exe: &Path,
     exe_prefix: &[OsString],
     argv: &[OsString],
-    fd: i32,
+    fds: (i32, i32),
     generation: u64,
     last: &str,
 ) -> Command {
+    let (fd, ring_fd) = fds;
     let mut cmd = Command::new(exe);
     cmd.args(exe_prefix)
         .args(argv)
-        .args(["--fuse-fd", &fd.to_string(), "--fuse-generation", &generation.to_string()])
+        .args(["--fuse-fd", &fd.to_string(), "--fuse-ring-fd", &ring_fd.to_string()])
+        .args(["--fuse-generation", &generation.to_string()])
         .arg("--last-exit")
         .arg(last);
     // Readiness under systemd is the supervisor's to report (NotifyAccess=main).
     cmd.env_remove("NOTIFY_SOCKET");
     // SAFETY: between fork and exec only async-signal-safe calls: fcntl(2)
-    // keeps the connection's descriptor open across the exec.
+    // keeps the connection's descriptors open across the exec.
     unsafe {
-        cmd.pre_exec(move || match libc::fcntl(fd, libc::F_SETFD, 0) {
-            -1 => Err(std::io::Error::last_os_error()),
-            _ => Ok(()),
+        cmd.pre_exec(move || {
+            for fd in [fd, ring_fd] {
+                if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
         });
     }
     cmd
@@ -117,6 +125,17 @@ pub fn run(args: &MountArgs, data_dir: &Path, argv: &[OsString], exe_prefix: &[O
         .context("open /dev/fuse (is the fuse module loaded?)")?
         .into();
     let fd = fuse.as_raw_fd();
+    // The memory FUSE over io_uring keeps its ring entries in, kept here
+    // with the connection: a daemon taking over answers from it what the
+    // dead one's entries held (see fuser's uring.rs). Empty until a daemon
+    // starts rings.
+    // SAFETY: memfd_create with a NUL-terminated name; the descriptor is owned here.
+    let rings = unsafe { libc::memfd_create(c"converged-fuse-rings".as_ptr(), libc::MFD_CLOEXEC) };
+    if rings < 0 {
+        return Err(std::io::Error::last_os_error()).context("memfd_create for the FUSE rings");
+    }
+    // SAFETY: just made and owned by nothing else.
+    let rings = unsafe { OwnedFd::from_raw_fd(rings) };
     let pid_file = data_dir.join(PID_FILE);
     std::fs::write(&pid_file, format!("{}\n", std::process::id()))
         .with_context(|| format!("write {}", pid_file.display()))?;
@@ -129,7 +148,7 @@ pub fn run(args: &MountArgs, data_dir: &Path, argv: &[OsString], exe_prefix: &[O
     let mut generation = 0u64;
     let mut last = String::from("none");
     loop {
-        let mut cmd = child_command(&exe, exe_prefix, argv, fd, generation, &last);
+        let mut cmd = child_command(&exe, exe_prefix, argv, (fd, rings.as_raw_fd()), generation, &last);
         let mut child = match generation {
             0 => cmd.stdout(Stdio::piped()),
             _ if args.daemonized => cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()),
