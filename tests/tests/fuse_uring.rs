@@ -1,7 +1,8 @@
 //! `--fuse-uring`: FUSE over io_uring through a real kernel mount. The mount
 //! serves its requests from ring threads when the kernel offers the
 //! transport, falls back to /dev/fuse when it does not, ends with its daemon
-//! (no request left waiting), and is refused with the supervisor.
+//! (no request left waiting) without the supervisor, and with it is taken
+//! over by the next daemon with every request answered.
 
 mod common;
 
@@ -249,15 +250,163 @@ fn a_daemon_killed_on_rings_ends_the_mount_with_no_caller_left_waiting() {
     m.crash();
 }
 
+/// Aborts the FUSE connection `dev` (the mount's device number): every
+/// request waiting on it fails `ECONNABORTED`. Mounts the fuse control
+/// filesystem first where it is not.
+fn abort_connection(dev: u64) {
+    let dir = Path::new("/sys/fs/fuse/connections");
+    if !dir.join(dev.to_string()).exists() {
+        let _ = std::process::Command::new("mount").args(["-t", "fusectl", "none"]).arg(dir).status();
+    }
+    let _ = fs::write(dir.join(dev.to_string()).join("abort"), "1");
+}
+
+/// The daemon's pid once the supervisor has started one other than `old`
+/// and it holds its rings.
+fn next_daemon(m: &Mount, old: i32) -> i32 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if let Some(pid) = daemon_pid(&m.data).filter(|&p| p != old) {
+            if wait_for_urings(pid, possible_cpus()) >= possible_cpus() {
+                return pid;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "no new daemon on rings after 30 s; log:\n{}", m.log());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Under the supervisor, a daemon killed while its rings hold requests is
+/// replaced and no caller notices: the next daemon maps the ring memory
+/// the supervisor kept, serves again (or commits the finished reply of)
+/// what the dead one's entries held, and the requests made meanwhile are
+/// fetched from their queues. Sixteen writers, each writing files of its
+/// own and reading every one back, through two kills; then every file is
+/// read again.
 #[test]
-fn fuse_uring_with_the_supervisor_is_refused() {
-    let root = tempfile::tempdir().unwrap();
-    let (data, mnt) = (root.path().join("data"), root.path().join("mnt"));
-    fs::create_dir(&data).unwrap();
-    fs::create_dir(&mnt).unwrap();
-    let out = converged().arg("mount").arg(&mnt).arg("--data-dir").arg(&data).arg("--fuse-uring").output().unwrap();
-    assert!(!out.status.success(), "mounted with --fuse-uring and a supervisor");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("--no-supervisor"), "the error does not say what is missing: {stderr}");
-    assert!(!fs::read_to_string("/proc/self/mounts").unwrap().contains(&*mnt.to_string_lossy()), "left a mount behind");
+fn a_daemon_killed_on_rings_is_replaced_and_every_caller_finishes() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let _switch = uring_switch(true);
+    let m = Mount::with_args(&["--fuse-uring", "--restart-limit", "20"]);
+    let first = m.daemon_pid();
+    assert!(wait_for_urings(first, possible_cpus()) >= possible_cpus(), "no rings; log:\n{}", m.log());
+    let connection = {
+        use std::os::unix::fs::MetadataExt;
+        fs::metadata(&m.mnt).unwrap().dev()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..16)
+        .map(|t| {
+            let (mnt, stop) = (m.mnt.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let dir = mnt.join(format!("w{t}"));
+                fs::create_dir(&dir).unwrap_or_else(|e| panic!("writer {t}: mkdir: {e}"));
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let p = dir.join(format!("f{n}"));
+                    let data = pattern(64 + (n as usize * 977) % 9000, t * 100_000 + n);
+                    fs::write(&p, &data).unwrap_or_else(|e| panic!("writer {t}: write f{n}: {e}"));
+                    let back = fs::read(&p).unwrap_or_else(|e| panic!("writer {t}: read f{n}: {e}"));
+                    assert!(back == data, "writer {t}: f{n} read back differs");
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    // SAFETY: kill(2).
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    let second = next_daemon(&m, first);
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    // The second daemon dies too: what it took over is taken over again.
+    // SAFETY: kill(2).
+    unsafe { libc::kill(second, libc::SIGKILL) };
+    let third = next_daemon(&m, second);
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    stop.store(true, Ordering::Relaxed);
+    // A request no daemon answers would keep its writer waiting for ever:
+    // after 60 s the connection is aborted (every waiter gets ECONNABORTED)
+    // and the test fails saying so.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while writers.iter().any(|w| !w.is_finished()) {
+        if std::time::Instant::now() > deadline {
+            abort_connection(connection);
+            panic!("writers still waiting 60 s after the last takeover: a request was lost; log:\n{}", m.log());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let counts: Vec<u64> = writers.into_iter().map(|w| w.join().expect("a writer failed")).collect();
+    assert!(counts.iter().all(|&n| n > 0), "a writer wrote nothing: {counts:?}");
+    for (t, &n) in counts.iter().enumerate() {
+        let t = t as u64;
+        assert_eq!(fs::read_dir(m.path(&format!("w{t}"))).unwrap().count() as u64, n, "writer {t}'s listing");
+        for i in 0..n {
+            let back = fs::read(m.path(&format!("w{t}/f{i}"))).unwrap();
+            assert!(back == pattern(64 + (i as usize * 977) % 9000, t * 100_000 + i), "w{t}/f{i} differs");
+        }
+    }
+    assert_eq!(daemon_pid(&m.data), Some(third), "the third daemon serves");
+    assert!(m.log().contains("ring threads"), "no word of the rings in the log:\n{}", m.log());
+}
+
+/// A daemon that dies after a change commits and before it answers leaves
+/// the request in its ring entry; the next daemon serves it again from the
+/// slot as a resend, so each change is answered as done and made once.
+#[test]
+fn a_change_held_in_a_ring_by_a_daemon_that_died_is_answered_as_done() {
+    use std::os::unix::fs::MetadataExt;
+    let _switch = uring_switch(true);
+    let ops = ["mkdir", "create", "rename", "unlink"];
+    let m = Mount::with_env(
+        &["--fuse-uring", "--restart-limit", "20"],
+        &[("CONVERGED_FAULT_DIE_AFTER_COMMIT", &ops.join(","))],
+    );
+    assert!(wait_for_urings(m.daemon_pid(), possible_cpus()) >= possible_cpus(), "no rings; log:\n{}", m.log());
+    let connection = fs::metadata(&m.mnt).unwrap().dev();
+    let (mnt, data) = (m.mnt.clone(), m.data.clone());
+    let p = move |rel: &str| mnt.join(rel);
+    let changes = {
+        let p = p.clone();
+        std::thread::spawn(move || {
+            let log = || fs::read_to_string(data.join("converged.log")).unwrap_or_default();
+            let died = |n: usize| {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                while log().matches("starting a new one on the live connection").count() < n {
+                    assert!(std::time::Instant::now() < deadline, "daemon {n} did not die:\n{}", log());
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            };
+            fs::create_dir(p("d")).expect("mkdir");
+            died(1);
+            let mut f = fs::OpenOptions::new().write(true).create_new(true).open(p("d/f")).expect("create with O_EXCL");
+            died(2);
+            f.write_all(b"written after the create").unwrap();
+            drop(f);
+            fs::hard_link(p("d/f"), p("d/h")).unwrap();
+            fs::rename(p("d/f"), p("d/g")).expect("rename");
+            died(3);
+            fs::remove_file(p("d/h")).expect("unlink");
+            died(4);
+        })
+    };
+    // A change no daemon answers would wait for ever: abort the connection
+    // after 120 s and fail.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !changes.is_finished() {
+        if std::time::Instant::now() > deadline {
+            abort_connection(connection);
+            panic!("a change still waits for its answer after 120 s; log:\n{}", m.log());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    changes.join().expect("the changes failed");
+    assert_eq!(fs::read(p("d/g")).unwrap(), b"written after the create");
+    assert_eq!(fs::metadata(p("d/g")).unwrap().nlink(), 1);
+    let names: Vec<_> = fs::read_dir(p("d")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["g"]);
+    let log = m.log();
+    assert_eq!(log.matches("a resent request's change had committed").count(), ops.len(), "log:\n{log}");
+    assert!(log.contains("after the earlier daemon"), "not served from a ring slot; log:\n{log}");
 }
