@@ -61,11 +61,13 @@
 #   SAVE        1: also save the table under bench/results/ [0]
 #   TARGETS     what to measure, space separated, from: raw (ext4), floor
 #               (the FUSE floor: creates, stats and unlinks only), one (a
-#               single-node mount, and one with --attr-timeout 0), cluster
+#               single-node mount through /dev/fuse, --no-fuse-uring: what
+#               the default mount is on a kernel that does not offer FUSE
+#               over io_uring; and one with --attr-timeout 0), cluster
 #               (2 nodes on etcd), nowsync (the same with --nowsync), uring
-#               (a single-node mount with --no-supervisor --fuse-uring: FUSE
-#               over io_uring; the fuse module's enable_uring is set for
-#               the run and put back after)
+#               (the default single-node mount, supervisor included, with
+#               the fuse module's enable_uring set for the run and put back
+#               after: FUSE over io_uring)
 #               [raw floor one cluster nowsync]
 #   FS          ext4 or xfs: run every target (ext4 included: "raw" is then
 #               this filesystem) on a filesystem of that kind made fresh for
@@ -233,16 +235,16 @@ fi
 
 if wants one; then
     log "single-node mounts (embedded metadata): default, and --attr-timeout 0"
-    "$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data"
-    "$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0
+    "$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data" --no-fuse-uring
+    "$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0 --no-fuse-uring
 fi
 
 if wants uring; then
     [[ -e $ENABLE_URING ]] || die "TARGETS=uring: $ENABLE_URING missing (FUSE over io_uring needs Linux 6.14)"
     URING_WAS=$(cat "$ENABLE_URING")
     echo Y > "$ENABLE_URING"
-    log "single-node mount over FUSE io_uring (--no-supervisor --fuse-uring)"
-    "$CONVERGED" mount "$URING/mnt" --data-dir "$URING/data" --no-supervisor --fuse-uring
+    log "single-node mount, default options, over FUSE io_uring (enable_uring=Y)"
+    "$CONVERGED" mount "$URING/mnt" --data-dir "$URING/data"
     pid=$(cat "$URING/data/converged.lock")
     ls -l "/proc/$pid/fd" | grep -q 'anon_inode:\[io_uring\]' ||
         die "TARGETS=uring: the daemon serves no io_uring (see $URING/data/converged.log)"

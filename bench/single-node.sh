@@ -15,7 +15,8 @@
 #   STAT_LOOPS  stat passes over the NFILES files [10]
 #   CONVERGED   converged binary [<repo>/target/release/converged; built if missing]
 #   SAVE        1: also save the table under bench/results/ [0]
-#   META        1: also run bench/metadata.sh (TARGETS="raw floor one") and append its
+#   META        1: also run bench/metadata.sh (TARGETS="raw floor one uring", uring
+#               where the kernel has FUSE over io_uring) and append its
 #               table: creates, stats, unlinks, the untar of TREE files [1]
 #   TREE        files in the metadata untar test [20000]
 #
@@ -317,8 +318,10 @@ PY
 # processes, etcd's own ceiling where etcd is used, and the untar, ls -lR
 # and rm -rf of TREE small files, on ext4 and one node.
 if [[ $META == 1 ]]; then
-    log "metadata: bench/metadata.sh with TARGETS=\"raw floor one\""
-    BENCH_DIR=$BENCH_DIR/meta TARGETS="raw floor one" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 APPEND_TO=$REPORT \
+    meta_targets="raw floor one"
+    [[ -e /sys/module/fuse/parameters/enable_uring ]] && meta_targets+=" uring"
+    log "metadata: bench/metadata.sh with TARGETS=\"$meta_targets\""
+    BENCH_DIR=$BENCH_DIR/meta TARGETS="$meta_targets" NFILES=$NFILES TREE=$TREE CONVERGED=$CONVERGED SAVE=0 APPEND_TO=$REPORT \
         "$SCRIPT_DIR/metadata.sh" > "$JSON/metadata.txt" || die "bench/metadata.sh failed"
 fi
 echo
