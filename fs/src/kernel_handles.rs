@@ -248,10 +248,10 @@ mod tests {
         }
         j.forget(2);
         let connection = j.connection();
-        j.write_header(Settled { passthrough: true, io_uring: false }).unwrap();
+        j.write_header(Settled { passthrough: true, io_uring: true }).unwrap();
         drop(j);
         let (j, settled, found) = HandleJournal::take_over(dir.path()).unwrap();
-        assert!(settled.passthrough);
+        assert_eq!(settled, Settled { passthrough: true, io_uring: true }, "what INIT settled");
         assert_eq!(j.connection(), connection, "the connection keeps its id");
         let other = HandleJournal::create(tempfile::tempdir().unwrap().path(), Settled::default()).unwrap();
         assert_ne!(other.connection(), connection, "another connection's id differs");
