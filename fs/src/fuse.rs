@@ -1316,8 +1316,10 @@ pub fn serve(
 /// daemon had an entry free wait on their CPU's queue, and the kernel hands
 /// a queued request to an entry only when a commit on that queue fetches
 /// the next (a registration does not). So, once the new daemon's entries
-/// are registered, one `statfs` of the mount from each CPU: its answer's
-/// commit fetches what waited there, and each commit after it the next.
+/// are registered, one `statfs` of the mount from each CPU, 20 ms, 200 ms
+/// and 2 s after the session starts (the rings register as they start):
+/// its answer's commit fetches what waited there, and each commit after it
+/// the next.
 /// Each `statfs` is made by a child process, not a thread of the daemon: a
 /// request of the daemon's own that its death left unanswered would keep
 /// the dying daemon from ending (a caller whose request was sent waits
@@ -1334,7 +1336,7 @@ fn kick_ring_queues(mountpoint: &Path) {
         // A statfs made before this daemon's entries were registered waits
         // on its queue itself, until the next round's answer fetches it.
         let mut children = Vec::new();
-        for delay in [Duration::from_millis(200), Duration::from_secs(2)] {
+        for delay in [Duration::from_millis(20), Duration::from_millis(200), Duration::from_secs(2)] {
             std::thread::sleep(delay);
             for cpu in 0..possible.min(8 * std::mem::size_of::<libc::cpu_set_t>()) {
                 // SAFETY: the child makes system calls only (no allocation,
