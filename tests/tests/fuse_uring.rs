@@ -410,3 +410,64 @@ fn a_change_held_in_a_ring_by_a_daemon_that_died_is_answered_as_done() {
     assert_eq!(log.matches("a resent request's change had committed").count(), ops.len(), "log:\n{log}");
     assert!(log.contains("after the earlier daemon"), "not served from a ring slot; log:\n{log}");
 }
+
+/// A request made while no daemon serves the rings (the dead one's idle
+/// entries cancelled, the next not started) waits on its CPU's queue, which
+/// the kernel serves only when a commit on that queue fetches: the next
+/// daemon's statfs from each CPU makes one. The supervisor is stopped
+/// while the daemon dies, so the requests are surely made in the gap.
+#[test]
+fn requests_made_between_two_daemons_on_rings_are_answered() {
+    use std::os::unix::fs::MetadataExt;
+    let _switch = uring_switch(true);
+    let m = Mount::with_args(&["--fuse-uring"]);
+    let first = m.daemon_pid();
+    assert!(wait_for_urings(first, possible_cpus()) >= possible_cpus(), "no rings; log:\n{}", m.log());
+    fs::write(m.path("before"), b"made before the kill").unwrap();
+    let connection = fs::metadata(&m.mnt).unwrap().dev();
+    let supervisor = m.supervisor_pid().expect("a supervisor");
+    // SAFETY: kill(2).
+    unsafe {
+        libc::kill(supervisor, libc::SIGSTOP);
+        libc::kill(first, libc::SIGKILL);
+    }
+    // Dead (a zombie its stopped parent has not reaped), its rings closed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while fs::read_to_string(format!("/proc/{first}/stat")).is_ok_and(|s| !s.contains(") Z ")) {
+        assert!(std::time::Instant::now() < deadline, "the daemon did not die");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // From every CPU, so that each queue holds one.
+    let callers: Vec<_> = (0..2 * possible_cpus())
+        .map(|i| {
+            let p = m.path(&format!("made-in-the-gap-{i}"));
+            std::thread::spawn(move || {
+                let cpu = i % possible_cpus();
+                // SAFETY: a zeroed cpu_set_t with one CPU set; sched_setaffinity on this thread.
+                unsafe {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::CPU_SET(cpu, &mut set);
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+                }
+                fs::write(&p, p.to_string_lossy().as_bytes()).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // SAFETY: kill(2).
+    unsafe { libc::kill(supervisor, libc::SIGCONT) };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while callers.iter().any(|c| !c.is_finished()) {
+        if std::time::Instant::now() > deadline {
+            abort_connection(connection);
+            panic!("requests made between the daemons still wait 60 s on; log:\n{}", m.log());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for (i, c) in callers.into_iter().enumerate() {
+        c.join().unwrap().unwrap_or_else(|e| panic!("caller {i}: {e}"));
+        let p = m.path(&format!("made-in-the-gap-{i}"));
+        assert_eq!(fs::read_to_string(&p).unwrap(), p.to_string_lossy());
+    }
+    assert_eq!(fs::read(m.path("before")).unwrap(), b"made before the kill");
+}
