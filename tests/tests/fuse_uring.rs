@@ -261,6 +261,21 @@ fn abort_connection(dev: u64) {
     let _ = fs::write(dir.join(dev.to_string()).join("abort"), "1");
 }
 
+/// Waits up to `secs` for `threads` to finish; past that, aborts the
+/// connection `dev` (a request no daemon answers would keep them waiting
+/// for ever; the abort ends each with ECONNABORTED) and says so.
+fn finished_or_aborted<T>(threads: &[std::thread::JoinHandle<T>], dev: u64, secs: u64) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while threads.iter().any(|t| !t.is_finished()) {
+        if std::time::Instant::now() > deadline {
+            abort_connection(dev);
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    true
+}
+
 /// The daemon's pid once the supervisor has started one other than `old`
 /// and it holds its rings.
 fn next_daemon(m: &Mount, old: i32) -> i32 {
@@ -326,17 +341,11 @@ fn a_daemon_killed_on_rings_is_replaced_and_every_caller_finishes() {
     let third = next_daemon(&m, second);
     std::thread::sleep(std::time::Duration::from_millis(400));
     stop.store(true, Ordering::Relaxed);
-    // A request no daemon answers would keep its writer waiting for ever:
-    // after 60 s the connection is aborted (every waiter gets ECONNABORTED)
-    // and the test fails saying so.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while writers.iter().any(|w| !w.is_finished()) {
-        if std::time::Instant::now() > deadline {
-            abort_connection(connection);
-            panic!("writers still waiting 60 s after the last takeover: a request was lost; log:\n{}", m.log());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    assert!(
+        finished_or_aborted(&writers, connection, 60),
+        "writers still waiting 60 s after the last takeover: a request was lost; log:\n{}",
+        m.log()
+    );
     let counts: Vec<u64> = writers.into_iter().map(|w| w.join().expect("a writer failed")).collect();
     assert!(counts.iter().all(|&n| n > 0), "a writer wrote nothing: {counts:?}");
     for (t, &n) in counts.iter().enumerate() {
@@ -391,16 +400,11 @@ fn a_change_held_in_a_ring_by_a_daemon_that_died_is_answered_as_done() {
             died(4);
         })
     };
-    // A change no daemon answers would wait for ever: abort the connection
-    // after 120 s and fail.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while !changes.is_finished() {
-        if std::time::Instant::now() > deadline {
-            abort_connection(connection);
-            panic!("a change still waits for its answer after 120 s; log:\n{}", m.log());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    assert!(
+        finished_or_aborted(std::slice::from_ref(&changes), connection, 120),
+        "a change still waits for its answer after 120 s; log:\n{}",
+        m.log()
+    );
     changes.join().expect("the changes failed");
     assert_eq!(fs::read(p("d/g")).unwrap(), b"written after the create");
     assert_eq!(fs::metadata(p("d/g")).unwrap().nlink(), 1);
@@ -456,14 +460,11 @@ fn requests_made_between_two_daemons_on_rings_are_answered() {
     std::thread::sleep(std::time::Duration::from_millis(300));
     // SAFETY: kill(2).
     unsafe { libc::kill(supervisor, libc::SIGCONT) };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while callers.iter().any(|c| !c.is_finished()) {
-        if std::time::Instant::now() > deadline {
-            abort_connection(connection);
-            panic!("requests made between the daemons still wait 60 s on; log:\n{}", m.log());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    assert!(
+        finished_or_aborted(&callers, connection, 60),
+        "requests made between the daemons still wait 60 s on; log:\n{}",
+        m.log()
+    );
     for (i, c) in callers.into_iter().enumerate() {
         c.join().unwrap().unwrap_or_else(|e| panic!("caller {i}: {e}"));
         let p = m.path(&format!("made-in-the-gap-{i}"));
