@@ -1327,18 +1327,16 @@ pub fn serve(
 /// daemon only once it has.
 fn kick_ring_queues(mountpoint: &Path) {
     let Ok(path) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else { return };
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let possible = std::fs::read_to_string("/sys/devices/system/cpu/possible")
-        .ok()
-        .and_then(|t| t.trim().rsplit(['-', ',']).next().and_then(|n| n.parse::<usize>().ok()))
-        .map_or(cpus, |highest| highest + 1);
+    // One request on each queue: a queue a possible CPU.
+    let queues =
+        fuser::io_uring_queues().unwrap_or_else(|_| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let spawned = std::thread::Builder::new().name("ring-kick".into()).spawn(move || {
         // A statfs made before this daemon's entries were registered waits
         // on its queue itself, until the next round's answer fetches it.
         let mut children = Vec::new();
         for delay in [Duration::from_millis(20), Duration::from_millis(200), Duration::from_secs(2)] {
             std::thread::sleep(delay);
-            for cpu in 0..possible.min(8 * std::mem::size_of::<libc::cpu_set_t>()) {
+            for cpu in 0..queues.min(8 * std::mem::size_of::<libc::cpu_set_t>()) {
                 // SAFETY: the child makes system calls only (no allocation,
                 // no lock) and ends with _exit: what is safe after fork in a
                 // threaded process. The set is a zeroed cpu_set_t with one CPU

@@ -104,6 +104,13 @@ mod time;
 #[cfg(target_os = "linux")]
 mod uring;
 
+/// The queues FUSE over io_uring has on this host: one per possible CPU
+/// (requests made on CPU `q` go to queue `q`).
+#[cfg(target_os = "linux")]
+pub fn io_uring_queues() -> std::io::Result<usize> {
+    uring::queue_count()
+}
+
 /// We generally support async reads
 #[cfg(not(target_os = "macos"))]
 const INIT_FLAGS: InitFlags = InitFlags::FUSE_ASYNC_READ.union(InitFlags::FUSE_BIG_WRITES);

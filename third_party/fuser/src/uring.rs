@@ -629,6 +629,21 @@ impl Ring {
         Ok(len)
     }
 
+    /// Takes the request in entry `index` (held from now on, in the slot's
+    /// record) and hands it to `dispatch`; false when the session ends.
+    fn take(
+        &self,
+        index: usize,
+        buf: &mut [u8],
+        resent: bool,
+        dispatch: &mut impl FnMut(usize, &[u8]) -> bool,
+    ) -> io::Result<bool> {
+        let len = self.request(index, buf, resent)?;
+        let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default()) & !RESENT;
+        self.set_state(index, SlotState::Held, unique);
+        Ok(dispatch(index, &buf[..len]))
+    }
+
     /// What to do with entry `index`'s slot when this daemon resumes a
     /// connection an earlier one served; a request to serve is left in the
     /// buffers as it came.
@@ -690,9 +705,7 @@ impl Ring {
                     self.commit(index, &[io::IoSlice::new(&reply)])?;
                 }
                 Recovery::Serve { resent } => {
-                    let len = self.request(index, &mut buf, resent)?;
-                    self.set_state(index, SlotState::Held, u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default()) & !RESENT);
-                    if !dispatch(index, &buf[..len]) {
+                    if !self.take(index, &mut buf, resent, &mut dispatch)? {
                         return Ok(());
                     }
                 }
@@ -747,10 +760,7 @@ impl Ring {
                     };
                 }
                 // The completion hands the entry to this thread until its commit.
-                let len = self.request(index, &mut buf, false)?;
-                let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default());
-                self.set_state(index, SlotState::Held, unique);
-                if !dispatch(index, &buf[..len]) {
+                if !self.take(index, &mut buf, false, &mut dispatch)? {
                     return Ok(());
                 }
             }
