@@ -561,8 +561,9 @@ impl Filesystem for FuseAdapter {
             }
         }
         let io_uring = self.want_uring != Uring::Off && config.add_capabilities(InitFlags::FUSE_OVER_IO_URING).is_ok();
-        const NOT_OFFERED: &str = "the kernel does not offer FUSE over io_uring (needs Linux 6.14 and \
-             /sys/module/fuse/parameters/enable_uring set to Y); requests go through /dev/fuse";
+        const NOT_OFFERED: &str = "FUSE over io_uring is not available (it needs Linux 6.14, \
+             /sys/module/fuse/parameters/enable_uring set to Y and io_uring allowed to this process); \
+             requests go through /dev/fuse";
         match self.want_uring {
             Uring::Asked if !io_uring => tracing::warn!("{NOT_OFFERED}"),
             Uring::Default if !io_uring => tracing::info!("{NOT_OFFERED}"),

@@ -17,17 +17,13 @@ const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
 
 /// The fuse module's `enable_uring`, set for as long as this is held and
 /// put back after: the tests here that set it take turns (each is a
-/// process of its own under nextest). Other tests' mounts do not ask for
-/// the transport, so the switch does not touch them.
+/// process of its own under nextest). Other tests' mounts ask for the
+/// transport too (the default): those made while it is set run on rings,
+/// as the whole suite does on a host that sets it.
 struct UringSwitch {
+    // Put back before the lock goes (fields drop in this order).
+    _set: Sysctl,
     _lock: File,
-    was: String,
-}
-
-impl Drop for UringSwitch {
-    fn drop(&mut self) {
-        let _ = fs::write(ENABLE_URING, &self.was);
-    }
 }
 
 fn uring_switch(on: bool) -> UringSwitch {
@@ -38,9 +34,7 @@ fn uring_switch(on: bool) -> UringSwitch {
     let lock = File::create(std::env::temp_dir().join("converged-test-enable-uring.lock")).unwrap();
     // SAFETY: flock(2) on a descriptor of ours.
     assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "flock: errno {}", errno());
-    let was = fs::read_to_string(ENABLE_URING).unwrap().trim().to_string();
-    fs::write(ENABLE_URING, if on { "Y" } else { "N" }).expect("write enable_uring");
-    UringSwitch { _lock: lock, was }
+    UringSwitch { _set: Sysctl::set(ENABLE_URING, if on { "Y" } else { "N" }), _lock: lock }
 }
 
 /// io_uring instances the process `pid` holds.
@@ -210,7 +204,11 @@ fn without_the_kernels_offer_the_mount_serves_dev_fuse() {
     let m = Mount::with_args(&["--no-supervisor", "--fuse-uring", "--verify-reads"]);
     workload(&m);
     assert_eq!(io_urings(m.daemon_pid()), 0, "rings started though the kernel did not offer them");
-    assert!(m.log().contains("does not offer FUSE over io_uring"), "no word of the fallback in the log:\n{}", m.log());
+    assert!(
+        m.log().contains("FUSE over io_uring is not available"),
+        "no word of the fallback in the log:\n{}",
+        m.log()
+    );
 }
 
 #[test]
@@ -471,4 +469,102 @@ fn requests_made_between_two_daemons_on_rings_are_answered() {
         assert_eq!(fs::read_to_string(&p).unwrap(), p.to_string_lossy());
     }
     assert_eq!(fs::read(m.path("before")).unwrap(), b"made before the kill");
+}
+
+const IO_URING_DISABLED: &str = "/proc/sys/kernel/io_uring_disabled";
+
+/// A kernel setting, set for as long as this is held and put back after.
+struct Sysctl {
+    path: &'static str,
+    was: String,
+}
+
+impl Sysctl {
+    fn set(path: &'static str, value: &str) -> Sysctl {
+        let was = fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        fs::write(path, value).unwrap_or_else(|e| panic!("write {path}: {e}"));
+        Sysctl { path, was }
+    }
+}
+
+impl Drop for Sysctl {
+    fn drop(&mut self) {
+        let _ = fs::write(self.path, &self.was);
+    }
+}
+
+/// The FUSE connection of the mount at `mnt`, from the mount table (its
+/// device number: the connection's name under /sys/fs/fuse/connections).
+fn connection_of(mnt: &Path) -> u64 {
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let line = table.lines().find(|l| l.split(' ').nth(4) == Some(&*mnt.to_string_lossy()));
+    let dev = line.and_then(|l| l.split(' ').nth(2)).unwrap_or_else(|| panic!("{} is not mounted", mnt.display()));
+    let (major, minor) = dev.split_once(':').expect("major:minor");
+    libc::makedev(major.parse().unwrap(), minor.parse().unwrap())
+}
+
+/// Where the fuse module offers FUSE over io_uring but io_uring is refused
+/// to the daemon (`kernel.io_uring_disabled`, as on a hardened host; a
+/// container runtime's seccomp filter refuses it the same way), the
+/// default mount serves through /dev/fuse, and so does a daemon taking
+/// over. Before, INIT promised the kernel rings the daemon then could not
+/// make, and every request of the mount waited for them.
+#[test]
+fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
+    let _switch = uring_switch(true);
+    assert!(Path::new(IO_URING_DISABLED).exists(), "{IO_URING_DISABLED} missing (Linux 6.6)");
+    // Refused only while the mount settles its transport (INIT): a mount
+    // of another test taking over on rings meanwhile would need io_uring.
+    let refused = Sysctl::set(IO_URING_DISABLED, "2");
+    let m = Mount::with_args(&["--verify-reads"]);
+    drop(refused);
+    // Not stat(2) of the mount: that would wait for ever if the daemon
+    // promised rings it could not make.
+    let connection = connection_of(&m.mnt);
+    let first = m.daemon_pid();
+    let write_and_read = |tag: &'static str| {
+        let mnt = m.mnt.clone();
+        std::thread::spawn(move || {
+            let dir = mnt.join(tag);
+            fs::create_dir(&dir)?;
+            for i in 0..300 {
+                fs::write(dir.join(format!("f{i}")), format!("{tag} {i}"))?;
+            }
+            for i in 0..300 {
+                let back = fs::read_to_string(dir.join(format!("f{i}")))?;
+                if back != format!("{tag} {i}") {
+                    return Err(std::io::Error::other(format!("f{i} reads {back:?}")));
+                }
+            }
+            Ok(())
+        })
+    };
+    let before = write_and_read("before");
+    assert!(
+        finished_or_aborted(std::slice::from_ref(&before), connection, 60),
+        "requests still wait 60 s on; log:\n{}",
+        m.log()
+    );
+    before.join().unwrap().unwrap();
+    assert!(m.log().contains("FUSE over io_uring not used"), "no word of the refusal in the log:\n{}", m.log());
+    assert_eq!(io_urings(first), 0, "the daemon holds rings though io_uring was refused");
+    // SAFETY: kill(2).
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let next = loop {
+        if let Some(pid) = daemon_pid(&m.data).filter(|&p| p != first) {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < deadline, "no new daemon after 30 s; log:\n{}", m.log());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let after = write_and_read("after");
+    assert!(
+        finished_or_aborted(std::slice::from_ref(&after), connection, 60),
+        "requests after the takeover still wait 60 s on; log:\n{}",
+        m.log()
+    );
+    after.join().unwrap().unwrap();
+    assert_eq!(io_urings(next), 0, "the daemon taking over started rings on a /dev/fuse connection");
+    assert_eq!(fs::read_to_string(m.path("before/f7")).unwrap(), "before 7");
 }

@@ -140,12 +140,32 @@ pub struct Session<FS: Filesystem> {
     /// The field is set to `Some` when the init message is received.
     pub(crate) proto_version: Option<Version>,
     pub(crate) config: Config,
-    /// The payload buffer each ring entry needs, once INIT settled FUSE over
-    /// io_uring (`Config::io_uring` and the kernel's offer); `None` otherwise.
-    pub(crate) ring_payload: Option<usize>,
-    /// The connection was taken over from an earlier daemon: its ring
-    /// entries' slots are recovered (see `uring.rs`).
-    pub(crate) ring_resume: bool,
+    /// How FUSE over io_uring starts at `run`.
+    pub(crate) rings: RingStart,
+}
+
+/// How a session's FUSE over io_uring starts at `run`.
+pub(crate) enum RingStart {
+    /// Requests come through /dev/fuse only.
+    Off,
+    /// INIT settled the transport on these rings, made before its reply.
+    #[cfg(target_os = "linux")]
+    Made(crate::uring::Rings),
+    /// A connection taken over whose INIT settled the transport: the rings
+    /// are started again on the memory the earlier daemon left, and its
+    /// entries' slots recovered (see `uring.rs`).
+    Resume,
+}
+
+impl std::fmt::Debug for RingStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RingStart::Off => "Off",
+            #[cfg(target_os = "linux")]
+            RingStart::Made(_) => "Made",
+            RingStart::Resume => "Resume",
+        })
+    }
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -193,8 +213,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config: options.clone(),
-            ring_payload: None,
-            ring_resume: false,
+            rings: RingStart::Off,
         };
 
         session.handshake()?;
@@ -223,8 +242,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config,
-            ring_payload: None,
-            ring_resume: false,
+            rings: RingStart::Off,
         };
 
         session.handshake()?;
@@ -244,9 +262,7 @@ impl<FS: Filesystem> Session<FS> {
     /// entries held.
     pub fn resume_fd(filesystem: FS, fd: OwnedFd, acl: SessionACL, config: Config) -> io::Result<Self> {
         let ch = Channel::new(Arc::new(DevFuse(File::from(fd))));
-        // The area records the payload size; one that left no area gets the
-        // largest a connection can ask for.
-        let ring_payload = config.io_uring.then(|| (256 * page_size::get()).max(1 << 20));
+        let rings = if config.io_uring { RingStart::Resume } else { RingStart::Off };
         Ok(Session {
             filesystem: FilesystemHolder {
                 fs: Some(filesystem),
@@ -259,8 +275,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: Some(Version(abi::FUSE_KERNEL_VERSION, abi::FUSE_KERNEL_MINOR_VERSION)),
             config,
-            ring_payload,
-            ring_resume: true,
+            rings,
         })
     }
 
@@ -304,8 +319,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner,
             proto_version: _,
             config,
-            ring_payload,
-            ring_resume,
+            rings,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -347,15 +361,10 @@ impl<FS: Filesystem> Session<FS> {
         let mut threads = Vec::with_capacity(n_threads);
 
         #[cfg(target_os = "linux")]
-        let ring_threads = match ring_payload {
-            Some(payload) => {
-                let rings = RingSetup { payload, memory: config.io_uring_memory, resume: ring_resume };
-                spawn_rings(&ring_dev, &filesystem, allowed, session_owner, n_threads, rings)?
-            }
-            None => Vec::new(),
-        };
+        let ring_threads =
+            spawn_rings(&ring_dev, &filesystem, allowed, session_owner, n_threads, rings, config.io_uring_memory)?;
         #[cfg(not(target_os = "linux"))]
-        let _ = (ring_payload, ring_resume);
+        let _ = rings;
 
         for (i, ch) in channels.into_iter().enumerate() {
             let thread_name = format!("fuser-{i}");
@@ -488,7 +497,27 @@ impl<FS: Filesystem> Session<FS> {
                 ));
             }
 
-            let mut config = KernelConfig::new(init.capabilities(), init.max_readahead(), v);
+            // The rings are made before the filesystem is offered the
+            // transport: one this process cannot make is not offered.
+            #[cfg_attr(not(target_os = "linux"), allow(unused_mut))]
+            let mut offered = init.capabilities();
+            #[cfg(target_os = "linux")]
+            let made = match self.config.io_uring && offered.contains(InitFlags::FUSE_OVER_IO_URING) {
+                true => match crate::uring::Rings::make(
+                    &self.ch.0,
+                    self.config.n_threads.unwrap_or(1),
+                    self.config.io_uring_memory,
+                ) {
+                    Ok(rings) => Some(rings),
+                    Err(e) => {
+                        warn!("FUSE over io_uring not used ({e}); requests go through /dev/fuse");
+                        offered.remove(InitFlags::FUSE_OVER_IO_URING);
+                        None
+                    }
+                },
+                false => None,
+            };
+            let mut config = KernelConfig::new(offered, init.max_readahead(), v);
 
             // Call filesystem init method and give it a chance to return an error
             let Some(filesystem) = &mut self.filesystem.fs else {
@@ -535,6 +564,18 @@ impl<FS: Filesystem> Session<FS> {
                 }
             }
 
+            #[cfg(target_os = "linux")]
+            if let Some(rings) = made {
+                if config.requested.contains(InitFlags::FUSE_OVER_IO_URING) {
+                    // Every request and reply fits an entry's payload buffer:
+                    // the kernel caps the pages, this the writes.
+                    config.max_write = config.max_write.min(rings.area.payload() as u32);
+                    self.rings = RingStart::Made(rings);
+                } else {
+                    rings.discard(self.config.io_uring_memory);
+                }
+            }
+
             // Reply with our desired version and settings.
             debug!(
                 "INIT response: ABI {}.{}, flags {:#x}, max readahead {}, max write {}",
@@ -548,15 +589,6 @@ impl<FS: Filesystem> Session<FS> {
             let response = init.reply(&config);
             <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
                 .send_ll(&response);
-
-            if self.config.io_uring
-                && (config.requested & init.capabilities()).contains(InitFlags::FUSE_OVER_IO_URING)
-            {
-                // The kernel refuses an entry whose payload buffer is smaller
-                // than the largest request or reply the connection allows.
-                let pages = config.max_pages() as usize * page_size::get();
-                self.ring_payload = Some(pages.max(config.max_write as usize).max(8192));
-            }
 
             return Ok(());
         }
@@ -640,25 +672,15 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     }
 }
 
-/// How the rings start: the payload an entry needs, the memory their
-/// buffers go in, and whether an earlier daemon left entries there.
-#[cfg(target_os = "linux")]
-struct RingSetup {
-    payload: usize,
-    memory: Option<i32>,
-    resume: bool,
-}
-
-/// Starts the ring threads of FUSE over io_uring: `n_threads` of them
-/// spread evenly over the queues (at least one a queue), each pinned to
-/// its queue's CPU and holding one entry. The kernel hands a request to
+/// Starts the ring threads of FUSE over io_uring, each pinned to its
+/// queue's CPU and holding one entry. The kernel hands a request to
 /// the entry that became free last, so one process's requests go to the
 /// thread that answered its last one, on the CPU the process sleeps on;
 /// a request that blocks (a disk sync, a commit on etcd) holds up only
-/// its own thread. A ring the kernel refuses leaves requests on /dev/fuse.
-/// Resuming, the threads are those of the earlier daemon's slots; an area
-/// that cannot be mapped again where it was is an error, since the
-/// requests in it would wait for ever.
+/// its own thread. Resuming, the threads are those of the earlier daemon's
+/// slots; an area that cannot be mapped again where it was is an error,
+/// since the requests in it would wait for ever. So is a thread that
+/// cannot start: INIT promised the kernel a ring on every queue.
 #[cfg(target_os = "linux")]
 fn spawn_rings<FS: Filesystem>(
     ch: &Channel,
@@ -666,45 +688,22 @@ fn spawn_rings<FS: Filesystem>(
     allowed: SessionACL,
     session_owner: Uid,
     n_threads: usize,
-    setup: RingSetup,
+    start: RingStart,
+    memory: Option<i32>,
 ) -> io::Result<Vec<JoinHandle<io::Result<()>>>> {
-    use crate::uring::{Ring, RingArea};
-    let left = match (setup.resume, setup.memory) {
-        (true, Some(fd)) => RingArea::reopen(fd)?,
-        _ => None,
+    use crate::uring::{RingArea, Rings};
+    let (rings, resume) = match start {
+        RingStart::Off => return Ok(Vec::new()),
+        RingStart::Made(rings) => (rings, false),
+        RingStart::Resume => match memory.map(RingArea::reopen).transpose()?.flatten() {
+            Some(area) => (Rings::reopened(&ch.0, area)?, true),
+            // No area left: the earlier daemon never started its rings.
+            None => (Rings::make(&ch.0, n_threads, memory)?, false),
+        },
     };
-    let resume = left.is_some();
-    let area = match left {
-        Some(area) => area,
-        None => {
-            let queues = match crate::uring::queue_count() {
-                Ok(q) => q,
-                Err(e) => {
-                    warn!("FUSE over io_uring not started: {e}");
-                    return Ok(Vec::new());
-                }
-            };
-            let count = n_threads.max(queues).div_ceil(queues) * queues;
-            let qids: Vec<u16> = (0..count).filter_map(|i| u16::try_from(i % queues).ok()).collect();
-            match RingArea::create(setup.memory, &qids, setup.payload) {
-                Ok(area) => area,
-                Err(e) => {
-                    warn!("FUSE over io_uring not started (ring memory: {e}); requests stay on /dev/fuse");
-                    return Ok(Vec::new());
-                }
-            }
-        }
-    };
-    let mut threads = Vec::with_capacity(area.slots());
-    for slot in 0..area.slots() {
-        let ring = match Ring::new(ch.0.clone(), area.clone(), &[slot]) {
-            Ok(ring) => ring,
-            Err(e) if resume => return Err(e),
-            Err(e) => {
-                warn!("FUSE over io_uring not started (io_uring setup: {e}); requests stay on /dev/fuse");
-                break;
-            }
-        };
+    let Rings { area, rings } = rings;
+    let mut threads = Vec::with_capacity(rings.len());
+    for (slot, ring) in rings.into_iter().enumerate() {
         let thread_name = format!("fuser-ring-{slot}");
         let event_loop = SessionEventLoop {
             thread_name: thread_name.clone(),
@@ -713,14 +712,8 @@ fn spawn_rings<FS: Filesystem>(
             allowed,
             session_owner,
         };
-        match thread::Builder::new().name(thread_name).spawn(move || event_loop.ring_loop(ring, resume)) {
-            Ok(t) => threads.push(t),
-            Err(e) if resume => return Err(e),
-            Err(e) => {
-                warn!("FUSE ring thread not started: {e}");
-                break;
-            }
-        }
+        let t = thread::Builder::new().name(thread_name).spawn(move || event_loop.ring_loop(ring, resume))?;
+        threads.push(t);
     }
     info!(
         "FUSE over io_uring: {} ring threads, {} bytes an entry{}",

@@ -11,8 +11,12 @@
 //! through /dev/fuse, so its readers stay.
 //!
 //! The kernel switches to the rings once every queue holds an entry; until
-//! then (or if it refuses the registrations) requests keep coming through
-//! /dev/fuse, so a refused ring costs nothing but its log line.
+//! then requests made wait for it, and a refused registration sends them
+//! back to /dev/fuse for good. So the rings are made before INIT's reply
+//! promises them ([`Rings::make`]): a process that cannot make them
+//! (io_uring refused by `kernel.io_uring_disabled` or a seccomp filter, no
+//! ring memory) does not ask for the transport, where a promise it could
+//! not keep would leave every request of the mount waiting.
 //!
 //! Buffers: an entry's buffers are written by the kernel while the entry is
 //! the kernel's (registered or committed, its command pending) and by this
@@ -416,6 +420,61 @@ pub(crate) fn queue_count() -> io::Result<usize> {
     possible_cpus(&text).ok_or_else(|| {
         io::Error::new(io::ErrorKind::InvalidData, format!("cannot read possible CPUs from {text:?}"))
     })
+}
+
+/// The payload buffer each entry gets: the largest request or reply any
+/// connection can settle on. The kernel caps a connection's pages at
+/// `fs.fuse.max_pages_limit`; INIT's reply keeps `max_write` within this
+/// (see `Session::handshake`). At least 1 MiB.
+pub(crate) fn max_payload() -> usize {
+    let limit = std::fs::read_to_string("/proc/sys/fs/fuse/max_pages_limit")
+        .ok()
+        .and_then(|t| t.trim().parse::<usize>().ok())
+        .unwrap_or(256);
+    (limit * page_size()).max(1 << 20)
+}
+
+/// A connection's rings, one a slot of their area, made before they are
+/// started (see the module comment).
+pub(crate) struct Rings {
+    pub(crate) area: Arc<RingArea>,
+    pub(crate) rings: Vec<Arc<Ring>>,
+}
+
+impl Rings {
+    /// Rings for a fresh connection: `n_threads` entries spread evenly over
+    /// the queues, at least one a queue, in `memory` (see
+    /// [`RingArea::create`]). Fails if any ring cannot be made: the kernel
+    /// uses the rings only once every queue has one.
+    pub(crate) fn make(dev: &Arc<DevFuse>, n_threads: usize, memory: Option<RawFd>) -> io::Result<Rings> {
+        let queues = queue_count()?;
+        let count = n_threads.max(queues).div_ceil(queues) * queues;
+        let qids: Vec<u16> = (0..count).filter_map(|i| u16::try_from(i % queues).ok()).collect();
+        let area = RingArea::create(memory, &qids, max_payload())
+            .map_err(|e| io::Error::new(e.kind(), format!("ring memory: {e}")))?;
+        let rings = Self::on(dev, &area).map_err(|e| io::Error::new(e.kind(), format!("io_uring setup: {e}")))?;
+        Ok(Rings { area, rings })
+    }
+
+    /// Rings on an area an earlier daemon of the connection left.
+    pub(crate) fn reopened(dev: &Arc<DevFuse>, area: Arc<RingArea>) -> io::Result<Rings> {
+        let rings = Self::on(dev, &area)?;
+        Ok(Rings { area, rings })
+    }
+
+    fn on(dev: &Arc<DevFuse>, area: &Arc<RingArea>) -> io::Result<Vec<Arc<Ring>>> {
+        (0..area.slots()).map(|slot| Ring::new(dev.clone(), area.clone(), &[slot])).collect()
+    }
+
+    /// Rings made and not asked for: unmapped, and `memory` emptied so that
+    /// no later daemon finds an area in it.
+    pub(crate) fn discard(self, memory: Option<RawFd>) {
+        drop(self);
+        if let Some(fd) = memory {
+            // SAFETY: ftruncate on a descriptor the caller lent.
+            unsafe { libc::ftruncate(fd, 0) };
+        }
+    }
 }
 
 /// The number of CPUs in a list such as `0-3,8-11` (ids from 0 up to the
