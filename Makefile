@@ -38,9 +38,12 @@ test-deps:
 	command -v pjdfstest >/dev/null || $(CARGO) install pjdfstest --locked
 
 # Unit, mount, crash, reference-model, mount(8) and pjdfstest tests. Needs root and /dev/fuse.
+# Then the patched fuser's own unit tests (a crate outside the workspace, with
+# its own lockfile): the ring slots' recovery decisions among them.
 test: test-deps
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) nextest run --workspace --no-fail-fast
+	$(CARGO) test --locked --manifest-path third_party/fuser/Cargo.toml --target-dir target/fuser --lib
 
 lint:
 	$(CARGO) fmt --all -- --check
