@@ -528,6 +528,10 @@ impl<FS: Filesystem> Session<FS> {
             };
             let res = filesystem.init(Request::ref_cast(request.header()), &mut config);
             if let Err(error) = res {
+                #[cfg(target_os = "linux")]
+                if let Some(rings) = made {
+                    rings.discard(self.config.io_uring_memory);
+                }
                 let errno = Errno::from_i32(error.raw_os_error().unwrap_or(0));
                 <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
                     .send_ll(&ResponseErrno(errno));
