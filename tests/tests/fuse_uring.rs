@@ -522,9 +522,11 @@ fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
     // promised rings it could not make.
     let connection = connection_of(&m.mnt);
     let first = m.daemon_pid();
+    // 300 files written and read back in a thread, which must finish
+    // within 60 s (the connection is aborted otherwise, and the test fails).
     let write_and_read = |tag: &'static str| {
         let mnt = m.mnt.clone();
-        std::thread::spawn(move || {
+        let t = std::thread::spawn(move || {
             let dir = mnt.join(tag);
             fs::create_dir(&dir)?;
             for i in 0..300 {
@@ -537,15 +539,12 @@ fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
                 }
             }
             Ok(())
-        })
+        });
+        let finished = finished_or_aborted(std::slice::from_ref(&t), connection, 60);
+        assert!(finished, "{tag}: requests still wait 60 s on; log:\n{}", m.log());
+        t.join().unwrap().unwrap_or_else(|e| panic!("{tag}: {e}"));
     };
-    let before = write_and_read("before");
-    assert!(
-        finished_or_aborted(std::slice::from_ref(&before), connection, 60),
-        "requests still wait 60 s on; log:\n{}",
-        m.log()
-    );
-    before.join().unwrap().unwrap();
+    write_and_read("before");
     assert!(m.log().contains("FUSE over io_uring not used"), "no word of the refusal in the log:\n{}", m.log());
     assert_eq!(io_urings(first), 0, "the daemon holds rings though io_uring was refused");
     // SAFETY: kill(2).
@@ -558,13 +557,7 @@ fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
         assert!(std::time::Instant::now() < deadline, "no new daemon after 30 s; log:\n{}", m.log());
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
-    let after = write_and_read("after");
-    assert!(
-        finished_or_aborted(std::slice::from_ref(&after), connection, 60),
-        "requests after the takeover still wait 60 s on; log:\n{}",
-        m.log()
-    );
-    after.join().unwrap().unwrap();
+    write_and_read("after");
     assert_eq!(io_urings(next), 0, "the daemon taking over started rings on a /dev/fuse connection");
     assert_eq!(fs::read_to_string(m.path("before/f7")).unwrap(), "before 7");
 }
