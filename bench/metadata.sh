@@ -66,9 +66,13 @@
 #               over io_uring; and one with --attr-timeout 0), cluster
 #               (2 nodes on etcd), nowsync (the same with --nowsync), uring
 #               (the default single-node mount, supervisor included, with
-#               the fuse module's enable_uring set for the run and put back
-#               after: FUSE over io_uring)
-#               [raw floor one cluster nowsync]
+#               the fuse module's enable_uring set while it mounts and put
+#               back once it serves: FUSE over io_uring; later mounts follow
+#               the host's setting) [raw floor one cluster nowsync]
+#   CLUSTER_URING  1: start the clusters (cluster, nowsync) with enable_uring
+#               set, so that their default mounts serve FUSE over io_uring
+#               (what they are on a host that sets it; the table's header
+#               says so); 0: with the host's setting [0]
 #   FS          ext4 or xfs: run every target (ext4 included: "raw" is then
 #               this filesystem) on a filesystem of that kind made fresh for
 #               the run, in a sparse image under BENCH_DIR on the disk under
@@ -91,6 +95,7 @@ TREE=${TREE:-20000}
 PAUSE_US=${PAUSE_US:-500}
 PEERS=${PEERS:-0}
 SAVE=${SAVE:-0}
+CLUSTER_URING=${CLUSTER_URING:-0}
 read -r -a TARGETS <<<"${TARGETS:-raw floor one cluster nowsync}"
 ASKED="${TARGETS[*]}"
 DEFAULT_CONVERGED=$REPO/target/release/converged
@@ -118,6 +123,7 @@ done
 CLUSTERED=0
 if wants cluster || wants nowsync; then CLUSTERED=1; fi
 [[ $CLUSTERED == 0 || -x /usr/bin/etcd ]] || die "/usr/bin/etcd not found (apt-get install etcd-server)"
+[[ $CLUSTER_URING == 0 || $CLUSTER_URING == 1 ]] || die "CLUSTER_URING=$CLUSTER_URING: expected 0 or 1"
 for v in NFILES TREE PAUSE_US; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
 done
@@ -239,15 +245,30 @@ if wants one; then
     "$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0 --no-fuse-uring
 fi
 
-if wants uring; then
-    [[ -e $ENABLE_URING ]] || die "TARGETS=uring: $ENABLE_URING missing (FUSE over io_uring needs Linux 6.14)"
-    URING_WAS=$(cat "$ENABLE_URING")
+# enable_uring, set while the mounts that are to serve FUSE over io_uring
+# start, and put back as found (a mount keeps what its INIT settled).
+uring_on() { # WHAT
+    [[ -e $ENABLE_URING ]] || die "$1: $ENABLE_URING missing (FUSE over io_uring needs Linux 6.14)"
+    [[ -n $URING_WAS ]] || URING_WAS=$(cat "$ENABLE_URING")
     echo Y > "$ENABLE_URING"
+}
+uring_back() {
+    [[ -z $URING_WAS ]] || echo "$URING_WAS" > "$ENABLE_URING"
+}
+serves_uring() { # DATA_DIR WHAT
+    local pid
+    pid=$(cat "$1/converged.lock")
+    # Not `ls | grep -q` under pipefail: grep's early exit fails a long listing.
+    [[ $(ls -l "/proc/$pid/fd") == *'anon_inode:[io_uring]'* ]] ||
+        die "$2: the daemon serves no io_uring (see $1/converged.log)"
+}
+
+if wants uring; then
+    uring_on TARGETS=uring
     log "single-node mount, default options, over FUSE io_uring (enable_uring=Y)"
     "$CONVERGED" mount "$URING/mnt" --data-dir "$URING/data"
-    pid=$(cat "$URING/data/converged.lock")
-    ls -l "/proc/$pid/fd" | grep -q 'anon_inode:\[io_uring\]' ||
-        die "TARGETS=uring: the daemon serves no io_uring (see $URING/data/converged.log)"
+    serves_uring "$URING/data" TARGETS=uring
+    uring_back
 fi
 
 start_cluster() { # DIR NAME [mount options...]: sets STARTED_PID and STARTED_ENDPOINT
@@ -273,15 +294,19 @@ start_cluster() { # DIR NAME [mount options...]: sets STARTED_PID and STARTED_EN
     STARTED_ENDPOINT=$endpoint
 }
 ENDPOINT=
+[[ $CLUSTER_URING == 0 || $CLUSTERED == 0 ]] || uring_on CLUSTER_URING=1
 if wants cluster; then
     start_cluster "$DEV" dev
     DEV_PID=$STARTED_PID ENDPOINT=$STARTED_ENDPOINT DEV_ENDPOINT=$STARTED_ENDPOINT
+    [[ $CLUSTER_URING == 0 ]] || { serves_uring "$DEV/n1/data" CLUSTER_URING=1; serves_uring "$DEV/n2/data" CLUSTER_URING=1; }
 fi
 if wants nowsync; then
     start_cluster "$NW" nowsync --nowsync
     NW_PID=$STARTED_PID NW_ENDPOINT=$STARTED_ENDPOINT
     [[ -n $ENDPOINT ]] || ENDPOINT=$STARTED_ENDPOINT
+    [[ $CLUSTER_URING == 0 ]] || { serves_uring "$NW/n1/data" CLUSTER_URING=1; serves_uring "$NW/n2/data" CLUSTER_URING=1; }
 fi
+uring_back
 
 declare -A DIR=([raw]=$RAW [floor]=$FLOOR_MNT [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt [uring]=$URING/mnt)
 declare -A STATS=([raw]="" [floor]="" [one]=$ONE/mnt [cluster]=$N1 [nowsync]=$NW/n1/mnt [uring]=$URING/mnt)
@@ -412,6 +437,9 @@ REPORT=$OUT/table.txt
     rev=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')
     git -C "$REPO" diff --quiet HEAD 2>/dev/null || rev="$rev, modified"
     echo "converged ($rev); disk: $(describe_fs "$WORK"); NFILES=$NFILES TREE=$TREE"
+    if [[ $CLUSTER_URING == 1 && $CLUSTERED == 1 ]]; then
+        echo "CLUSTER_URING=1: every node of the clusters serves FUSE over io_uring (enable_uring set while they started)"
+    fi
     echo
     TREE=$TREE PAUSE_US=$PAUSE_US python3 - "$OUT" "${TARGETS[*]}" <<'PY'
 import json, os, re, sys
