@@ -471,8 +471,6 @@ fn requests_made_between_two_daemons_on_rings_are_answered() {
     assert_eq!(fs::read(m.path("before")).unwrap(), b"made before the kill");
 }
 
-const IO_URING_DISABLED: &str = "/proc/sys/kernel/io_uring_disabled";
-
 /// A kernel setting, set for as long as this is held and put back after.
 struct Sysctl {
     path: &'static str,
@@ -503,21 +501,56 @@ fn connection_of(mnt: &Path) -> u64 {
     libc::makedev(major.parse().unwrap(), minor.parse().unwrap())
 }
 
+/// Has the process `cmd` starts refuse `io_uring_setup(2)` with `EPERM`, as
+/// a container runtime's default seccomp filter does (and
+/// `kernel.io_uring_disabled` host-wide); what it starts in turn, the
+/// supervisor and each daemon, inherits the filter.
+fn refuse_io_uring_setup(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    /// A = the system call's number (`seccomp_data.nr`); io_uring_setup
+    /// gets EPERM, everything else goes through.
+    static FILTER: [libc::sock_filter; 4] = [
+        libc::sock_filter { code: (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16, jt: 0, jf: 0, k: 0 },
+        libc::sock_filter {
+            code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 1,
+            k: libc::SYS_io_uring_setup as u32,
+        },
+        libc::sock_filter {
+            code: (libc::BPF_RET | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ERRNO | libc::EPERM as u32,
+        },
+        libc::sock_filter { code: (libc::BPF_RET | libc::BPF_K) as u16, jt: 0, jf: 0, k: libc::SECCOMP_RET_ALLOW },
+    ];
+    // SAFETY: the closure runs in the child between fork and exec and makes
+    // two system calls (no allocation, no lock) on a filter in static memory.
+    unsafe {
+        cmd.pre_exec(|| {
+            let prog = libc::sock_fprog { len: FILTER.len() as u16, filter: FILTER.as_ptr().cast_mut() };
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, &prog) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Where the fuse module offers FUSE over io_uring but io_uring is refused
-/// to the daemon (`kernel.io_uring_disabled`, as on a hardened host; a
-/// container runtime's seccomp filter refuses it the same way), the
-/// default mount serves through /dev/fuse, and so does a daemon taking
-/// over. Before, INIT promised the kernel rings the daemon then could not
-/// make, and every request of the mount waited for them.
+/// to the daemon (a seccomp filter, as a container runtime's default one;
+/// `kernel.io_uring_disabled` does the same host-wide), the default mount
+/// serves through /dev/fuse, and so does a daemon taking over. Before,
+/// INIT promised the kernel rings the daemon then could not make, and
+/// every request of the mount waited for them.
 #[test]
 fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
     let _switch = uring_switch(true);
-    assert!(Path::new(IO_URING_DISABLED).exists(), "{IO_URING_DISABLED} missing (Linux 6.6)");
-    // Refused only while the mount settles its transport (INIT): a mount
-    // of another test taking over on rings meanwhile would need io_uring.
-    let refused = Sysctl::set(IO_URING_DISABLED, "2");
-    let m = Mount::with_args(&["--verify-reads"]);
-    drop(refused);
+    let mut m = Mount::unmounted(&["--verify-reads"], &[]);
+    m.mount_by(refuse_io_uring_setup);
     // Not stat(2) of the mount: that would wait for ever if the daemon
     // promised rings it could not make.
     let connection = connection_of(&m.mnt);

@@ -79,6 +79,14 @@ impl Mount {
 
     /// Mounted with `extra` arguments and `env` in the daemon's environment.
     pub fn with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut m = Self::unmounted(extra, env);
+        m.mount();
+        m
+    }
+
+    /// Fresh directories for a mount with `extra` arguments and `env`, not
+    /// mounted yet: [`Mount::mount`] or [`Mount::mount_by`] next.
+    pub fn unmounted(extra: &[&str], env: &[(&str, &str)]) -> Self {
         let root = tempfile::Builder::new().prefix("converged-test").tempdir().expect("tempdir");
         let data = root.path().join("data");
         let mnt = root.path().join("mnt");
@@ -93,14 +101,20 @@ impl Mount {
             extra.extend(["--evict-high", "99", "--evict-low", "98"].map(String::from));
         }
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let mut m = Mount { root, data, mnt, extra, env, mounted: false };
-        m.mount();
-        m
+        Mount { root, data, mnt, extra, env, mounted: false }
     }
 
     /// Mount (again) over the same data dir.
     pub fn mount(&mut self) {
-        let out = converged()
+        self.mount_by(|_| {});
+    }
+
+    /// Mount with the `converged mount` command as `adjust` leaves it (a
+    /// restriction the mount and its daemons inherit, say).
+    pub fn mount_by(&mut self, adjust: impl FnOnce(&mut Command)) {
+        let mut cmd = converged();
+        adjust(&mut cmd);
+        let out = cmd
             .arg("mount")
             .arg(&self.mnt)
             .arg("--data-dir")
