@@ -248,25 +248,15 @@ fn a_daemon_killed_on_rings_ends_the_mount_with_no_caller_left_waiting() {
     m.crash();
 }
 
-/// Aborts the FUSE connection `dev` (the mount's device number): every
-/// request waiting on it fails `ECONNABORTED`. Mounts the fuse control
-/// filesystem first where it is not.
-fn abort_connection(dev: u64) {
-    let dir = Path::new("/sys/fs/fuse/connections");
-    if !dir.join(dev.to_string()).exists() {
-        let _ = std::process::Command::new("mount").args(["-t", "fusectl", "none"]).arg(dir).status();
-    }
-    let _ = fs::write(dir.join(dev.to_string()).join("abort"), "1");
-}
-
 /// Waits up to `secs` for `threads` to finish; past that, aborts the
-/// connection `dev` (a request no daemon answers would keep them waiting
-/// for ever; the abort ends each with ECONNABORTED) and says so.
-fn finished_or_aborted<T>(threads: &[std::thread::JoinHandle<T>], dev: u64, secs: u64) -> bool {
+/// connection of the mount at `mnt` (a request no daemon answers would
+/// keep them waiting for ever; the abort ends each with ECONNABORTED) and
+/// says so.
+fn finished_or_aborted<T>(threads: &[std::thread::JoinHandle<T>], mnt: &Path, secs: u64) -> bool {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     while threads.iter().any(|t| !t.is_finished()) {
         if std::time::Instant::now() > deadline {
-            abort_connection(dev);
+            abort_connection(connection_of(mnt), mnt);
             return false;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -304,10 +294,6 @@ fn a_daemon_killed_on_rings_is_replaced_and_every_caller_finishes() {
     let m = Mount::with_args(&["--fuse-uring", "--restart-limit", "20"]);
     let first = m.daemon_pid();
     assert!(wait_for_urings(first, possible_cpus()) >= possible_cpus(), "no rings; log:\n{}", m.log());
-    let connection = {
-        use std::os::unix::fs::MetadataExt;
-        fs::metadata(&m.mnt).unwrap().dev()
-    };
     let stop = Arc::new(AtomicBool::new(false));
     let writers: Vec<_> = (0..16)
         .map(|t| {
@@ -340,7 +326,7 @@ fn a_daemon_killed_on_rings_is_replaced_and_every_caller_finishes() {
     std::thread::sleep(std::time::Duration::from_millis(400));
     stop.store(true, Ordering::Relaxed);
     assert!(
-        finished_or_aborted(&writers, connection, 60),
+        finished_or_aborted(&writers, &m.mnt, 60),
         "writers still waiting 60 s after the last takeover: a request was lost; log:\n{}",
         m.log()
     );
@@ -371,7 +357,6 @@ fn a_change_held_in_a_ring_by_a_daemon_that_died_is_answered_as_done() {
         &[("CONVERGED_FAULT_DIE_AFTER_COMMIT", &ops.join(","))],
     );
     assert!(wait_for_urings(m.daemon_pid(), possible_cpus()) >= possible_cpus(), "no rings; log:\n{}", m.log());
-    let connection = fs::metadata(&m.mnt).unwrap().dev();
     let (mnt, data) = (m.mnt.clone(), m.data.clone());
     let p = move |rel: &str| mnt.join(rel);
     let changes = {
@@ -399,7 +384,7 @@ fn a_change_held_in_a_ring_by_a_daemon_that_died_is_answered_as_done() {
         })
     };
     assert!(
-        finished_or_aborted(std::slice::from_ref(&changes), connection, 120),
+        finished_or_aborted(std::slice::from_ref(&changes), &m.mnt, 120),
         "a change still waits for its answer after 120 s; log:\n{}",
         m.log()
     );
@@ -420,13 +405,11 @@ fn a_change_held_in_a_ring_by_a_daemon_that_died_is_answered_as_done() {
 /// while the daemon dies, so the requests are surely made in the gap.
 #[test]
 fn requests_made_between_two_daemons_on_rings_are_answered() {
-    use std::os::unix::fs::MetadataExt;
     let _switch = uring_switch(true);
     let m = Mount::with_args(&["--fuse-uring"]);
     let first = m.daemon_pid();
     assert!(wait_for_urings(first, possible_cpus()) >= possible_cpus(), "no rings; log:\n{}", m.log());
     fs::write(m.path("before"), b"made before the kill").unwrap();
-    let connection = fs::metadata(&m.mnt).unwrap().dev();
     let supervisor = m.supervisor_pid().expect("a supervisor");
     // SAFETY: kill(2).
     unsafe {
@@ -459,7 +442,7 @@ fn requests_made_between_two_daemons_on_rings_are_answered() {
     // SAFETY: kill(2).
     unsafe { libc::kill(supervisor, libc::SIGCONT) };
     assert!(
-        finished_or_aborted(&callers, connection, 60),
+        finished_or_aborted(&callers, &m.mnt, 60),
         "requests made between the daemons still wait 60 s on; log:\n{}",
         m.log()
     );
@@ -491,8 +474,9 @@ impl Drop for Sysctl {
     }
 }
 
-/// The FUSE connection of the mount at `mnt`, from the mount table (its
-/// device number: the connection's name under /sys/fs/fuse/connections).
+/// The device number of the mount at `mnt`, from the mount table: no
+/// stat(2) of the mount, which waits for ever on a connection no daemon
+/// serves.
 fn connection_of(mnt: &Path) -> u64 {
     let table = fs::read_to_string("/proc/self/mountinfo").unwrap();
     let line = table.lines().find(|l| l.split(' ').nth(4) == Some(&*mnt.to_string_lossy()));
@@ -551,9 +535,6 @@ fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
     let _switch = uring_switch(true);
     let mut m = Mount::unmounted(&["--verify-reads"], &[]);
     m.mount_by(refuse_io_uring_setup);
-    // Not stat(2) of the mount: that would wait for ever if the daemon
-    // promised rings it could not make.
-    let connection = connection_of(&m.mnt);
     let first = m.daemon_pid();
     // 300 files written and read back in a thread, which must finish
     // within 60 s (the connection is aborted otherwise, and the test fails).
@@ -573,7 +554,7 @@ fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
             }
             Ok(())
         });
-        let finished = finished_or_aborted(std::slice::from_ref(&t), connection, 60);
+        let finished = finished_or_aborted(std::slice::from_ref(&t), &m.mnt, 60);
         assert!(finished, "{tag}: requests still wait 60 s on; log:\n{}", m.log());
         t.join().unwrap().unwrap_or_else(|e| panic!("{tag}: {e}"));
     };

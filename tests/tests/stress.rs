@@ -11,7 +11,6 @@
 
 mod common;
 
-use std::ffi::CString;
 use std::fs::{self, File};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
@@ -39,29 +38,6 @@ fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
             return None;
         }
         std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// Abort the FUSE connection of the mount whose device is `dev`: every
-/// request waiting on the daemon fails with ENOTCONN, so no process stays
-/// stuck on the mount. Falls back to a forced unmount, which aborts it too.
-fn abort_connection(dev: u64, mnt: &Path) -> String {
-    let conns = Path::new("/sys/fs/fuse/connections");
-    // The directory is named after the kernel's encoding of the device number.
-    let conn = conns.join(((libc::major(dev) << 20) | libc::minor(dev)).to_string());
-    if !conn.exists() {
-        // fusectl is not mounted everywhere by default.
-        let (none, fusectl, target) = (CString::new("none").unwrap(), CString::new("fusectl").unwrap(), cstr(conns));
-        // SAFETY: mount(2) with valid C strings and no data.
-        unsafe { libc::mount(none.as_ptr(), target.as_ptr(), fusectl.as_ptr(), 0, std::ptr::null()) };
-    }
-    match fs::write(conn.join("abort"), "1") {
-        Ok(()) => format!("aborted FUSE connection {}", conn.display()),
-        Err(e) => {
-            // SAFETY: umount2 with a valid path; MNT_FORCE on FUSE aborts the connection.
-            unsafe { libc::umount2(cstr(mnt).as_ptr(), libc::MNT_FORCE) };
-            format!("could not write {}/abort ({e}): forced an unmount instead", conn.display())
-        }
     }
 }
 
