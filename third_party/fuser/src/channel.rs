@@ -86,18 +86,18 @@ impl Channel {
 #[derive(Clone, Debug)]
 pub(crate) struct ChannelSender {
     dev: Arc<DevFuse>,
-    ring: Option<(Arc<Ring>, usize)>,
+    ring: Option<Arc<Ring>>,
 }
 
 impl ChannelSender {
-    /// A sender that answers the request in entry `index` of `ring`.
-    pub(crate) fn ring(ring: Arc<Ring>, index: usize) -> ChannelSender {
-        ChannelSender { dev: ring.dev().clone(), ring: Some((ring, index)) }
+    /// A sender that answers the request in `ring`'s entry.
+    pub(crate) fn ring(ring: Arc<Ring>) -> ChannelSender {
+        ChannelSender { dev: ring.dev().clone(), ring: Some(ring) }
     }
 
     pub(crate) fn send(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {
-        if let Some((ring, index)) = &self.ring {
-            return ring.commit(*index, bufs);
+        if let Some(ring) = &self.ring {
+            return ring.commit(bufs);
         }
         let rc = nix::sys::uio::writev(&self.dev, bufs)?;
         // writev is atomic, so do not need to check how many bytes are written.

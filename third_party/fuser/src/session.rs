@@ -735,8 +735,8 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
     /// to the entry it came in.
     fn ring_loop(&self, ring: Arc<crate::uring::Ring>, resume: bool) -> io::Result<()> {
         ring.pin();
-        ring.serve(resume, |index, data| {
-            match RequestWithSender::new(ChannelSender::ring(ring.clone(), index), data) {
+        ring.serve(resume, |data| {
+            match RequestWithSender::new(ChannelSender::ring(ring.clone()), data) {
                 Some(req) => {
                     if let Ok(Operation::Destroy(_)) = req.request.operation() {
                         req.reply::<ReplyEmpty>().ok();
@@ -747,7 +747,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 None => {
                     // Answer it, or the entry and its caller would wait forever.
                     let unique = data.get(8..16).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
-                    let sender = ReplySender::Channel(ChannelSender::ring(ring.clone(), index));
+                    let sender = ReplySender::Channel(ChannelSender::ring(ring.clone()));
                     <ReplyRaw as Reply>::new(ll::RequestId(unique), sender)
                         .send_ll(&ResponseErrno(ll::Errno::EIO));
                 }

@@ -366,7 +366,9 @@ fn recovery(state: Option<SlotState>, unique: u64, commit_id: u64) -> Recovery {
     }
 }
 
-/// The completion tag of a ring's sentinel poll (see `sentinel`).
+/// The completion tags of a ring's entry command and of its sentinel poll
+/// (see `sentinel`).
+const ENTRY: u64 = 0;
 const SENTINEL_POLL: u64 = u64::MAX;
 
 /// A quiet io_uring instance that nothing uses, whose descriptor every
@@ -393,7 +395,7 @@ fn sentinel() -> Option<RawFd> {
         .map(|r| r.as_raw_fd())
 }
 
-/// One thread's io_uring with its entries on one queue.
+/// One thread's io_uring with its one entry on one queue.
 pub(crate) struct Ring {
     uring: IoUring<squeue::Entry128, cqueue::Entry>,
     /// Held while pushing to the submission queue: the owner and the threads
@@ -403,14 +405,14 @@ pub(crate) struct Ring {
     dev: Arc<DevFuse>,
     qid: u16,
     area: Arc<RingArea>,
-    entries: Box<[Entry]>,
+    entry: Entry,
     /// The thread that serves the ring (set once, when it starts).
     owner: OnceLock<ThreadId>,
 }
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring").field("qid", &self.qid).field("entries", &self.entries.len()).finish()
+        f.debug_struct("Ring").field("qid", &self.qid).field("slot", &self.entry.slot).finish()
     }
 }
 
@@ -463,7 +465,7 @@ impl Rings {
     }
 
     fn on(dev: &Arc<DevFuse>, area: &Arc<RingArea>) -> io::Result<Vec<Arc<Ring>>> {
-        (0..area.slots()).map(|slot| Ring::new(dev.clone(), area.clone(), &[slot])).collect()
+        (0..area.slots()).map(|slot| Ring::new(dev.clone(), area.clone(), slot)).collect()
     }
 
     /// Rings made and not asked for: unmapped, and `memory` emptied so that
@@ -490,42 +492,40 @@ fn possible_cpus(text: &str) -> Option<usize> {
 }
 
 impl Ring {
-    /// A ring for the entries in `slots` of `area`, all on one queue.
-    pub(crate) fn new(dev: Arc<DevFuse>, area: Arc<RingArea>, slots: &[usize]) -> io::Result<Arc<Ring>> {
-        let qid = slots.first().map_or(0, |s| area.qid(*s));
-        let uring = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(((slots.len() + 1) * 2).next_power_of_two() as u32)?;
-        let entries = slots
-            .iter()
-            .map(|&slot| Entry {
-                slot,
-                iov: UnsafeCell::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2]),
-                recovering: AtomicBool::new(false),
-            })
-            .collect();
-        Ok(Arc::new(Ring { uring, submit: Mutex::new(()), dev, qid, area, entries, owner: OnceLock::new() }))
+    /// A ring for the entry in `slot` of `area`, on the slot's queue.
+    pub(crate) fn new(dev: Arc<DevFuse>, area: Arc<RingArea>, slot: usize) -> io::Result<Arc<Ring>> {
+        let qid = area.qid(slot);
+        // The entry's command and the sentinel poll, with room to spare.
+        let uring = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(4)?;
+        let entry = Entry {
+            slot,
+            iov: UnsafeCell::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2]),
+            recovering: AtomicBool::new(false),
+        };
+        Ok(Arc::new(Ring { uring, submit: Mutex::new(()), dev, qid, area, entry, owner: OnceLock::new() }))
     }
 
-    /// Entry `index`'s header, undo area and payload buffer.
-    fn buffers(&self, index: usize) -> (*mut u8, *mut u8, *mut u8) {
-        let base = self.area.slot_base(self.entries[index].slot);
+    /// The entry's header, undo area and payload buffer.
+    fn buffers(&self) -> (*mut u8, *mut u8, *mut u8) {
+        let base = self.area.slot_base(self.entry.slot);
         // SAFETY: offsets inside the slot (`stride` covers header, undo and payload).
         unsafe { (base, base.add(SLOT_UNDO), base.add(SLOT_PAYLOAD)) }
     }
 
-    fn ctl(&self, index: usize) -> &SlotCtl {
-        self.area.ctl(self.entries[index].slot)
+    fn ctl(&self) -> &SlotCtl {
+        self.area.ctl(self.entry.slot)
     }
 
     /// The one place a slot's state changes (see `SlotState`). Release: what
     /// was written to the buffers before is there for whoever reads the state.
-    fn set_state(&self, index: usize, state: SlotState, unique: u64) {
-        let ctl = self.ctl(index);
+    fn set_state(&self, state: SlotState, unique: u64) {
+        let ctl = self.ctl();
         ctl.unique.store(unique, Ordering::Relaxed);
         ctl.state.store(state as u32, Ordering::Release);
     }
 
-    /// The command for entry `index`: a `struct fuse_uring_cmd_req` in the SQE's command area.
-    fn command(&self, op: u32, index: usize, commit_id: u64, addr: Option<u64>) -> squeue::Entry128 {
+    /// The entry's command: a `struct fuse_uring_cmd_req` in the SQE's command area.
+    fn command(&self, op: u32, commit_id: u64, addr: Option<u64>) -> squeue::Entry128 {
         let mut cmd = [0u8; 80];
         cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
         cmd[16..18].copy_from_slice(&self.qid.to_ne_bytes());
@@ -533,7 +533,7 @@ impl Ring {
             .cmd(cmd)
             .addr(addr)
             .build()
-            .user_data(index as u64)
+            .user_data(ENTRY)
     }
 
     fn push(&self, sqe: &squeue::Entry128) -> io::Result<()> {
@@ -573,19 +573,19 @@ impl Ring {
         }
     }
 
-    /// Offers entry `index` to the queue (not yet submitted). The kernel
+    /// Offers the entry to the queue (not yet submitted). The kernel
     /// answers a refused registration with a completion at once; an
     /// accepted one completes only when a request comes.
-    fn push_register(&self, index: usize) -> io::Result<()> {
-        let (header, _, payload) = self.buffers(index);
+    fn push_register(&self) -> io::Result<()> {
+        let (header, _, payload) = self.buffers();
         // SAFETY: the entry is not the kernel's: nothing else touches it.
         unsafe { header.add(COMMIT_ID).cast::<u64>().write_unaligned(0) };
-        self.set_state(index, SlotState::Free, 0);
+        self.set_state(SlotState::Free, 0);
         // SAFETY: as above; the iovecs live as long as the ring.
-        let iov = unsafe { &mut *self.entries[index].iov.get() };
+        let iov = unsafe { &mut *self.entry.iov.get() };
         iov[0] = libc::iovec { iov_base: header.cast(), iov_len: HEADER_SIZE };
         iov[1] = libc::iovec { iov_base: payload.cast(), iov_len: self.area.payload };
-        let mut sqe = self.command(CMD_REGISTER, index, 0, Some(iov.as_ptr() as u64));
+        let mut sqe = self.command(CMD_REGISTER, 0, Some(iov.as_ptr() as u64));
         // The registration's iovec count goes in the SQE's `len` (offset 24
         // of `struct io_uring_sqe`), which `UringCmd80` does not set.
         // SAFETY: `Entry128` is `#[repr(C)]` over `struct io_uring_sqe` and 64 more bytes.
@@ -594,9 +594,9 @@ impl Ring {
     }
 
     /// Sends the reply `data` (a `struct fuse_out_header` and what follows it)
-    /// for the request in entry `index`, and offers the entry again.
-    pub(crate) fn commit(&self, index: usize, data: &[io::IoSlice<'_>]) -> io::Result<()> {
-        let (header_p, undo_p, payload_p) = self.buffers(index);
+    /// for the request in the entry, and offers the entry again.
+    pub(crate) fn commit(&self, data: &[io::IoSlice<'_>]) -> io::Result<()> {
+        let (header_p, undo_p, payload_p) = self.buffers();
         // SAFETY: the entry holds a request this reply answers: it is ours
         // until the commit. The three regions do not overlap.
         let header = unsafe { std::slice::from_raw_parts_mut(header_p, HEADER_SIZE) };
@@ -632,10 +632,10 @@ impl Ring {
         if HEADER_SIZE + covered <= UNDO_SIZE {
             undo[..HEADER_SIZE].copy_from_slice(header);
             undo[HEADER_SIZE..HEADER_SIZE + covered].copy_from_slice(&payload[..covered]);
-            self.ctl(index).undo_len.store(covered as u64, Ordering::Relaxed);
-            self.set_state(index, SlotState::Replying, unique);
+            self.ctl().undo_len.store(covered as u64, Ordering::Relaxed);
+            self.set_state(SlotState::Replying, unique);
         } else {
-            self.set_state(index, SlotState::ReplyingLost, unique);
+            self.set_state(SlotState::ReplyingLost, unique);
         }
         let mut skip = OUT_HEADER;
         let mut written = 0;
@@ -653,8 +653,8 @@ impl Ring {
         }
         header[..OUT_HEADER].copy_from_slice(&out_header);
         header[PAYLOAD_SZ..PAYLOAD_SZ + 4].copy_from_slice(&(len as u32).to_ne_bytes());
-        self.set_state(index, SlotState::Replied, unique);
-        self.push(&self.command(CMD_COMMIT_AND_FETCH, index, unique, None))?;
+        self.set_state(SlotState::Replied, unique);
+        self.push(&self.command(CMD_COMMIT_AND_FETCH, unique, None))?;
         // The owner submits what it pushed when it next waits; any other
         // thread submits now, as the owner may be asleep in that wait.
         if self.owner.get() != Some(&std::thread::current().id()) {
@@ -663,10 +663,10 @@ impl Ring {
         Ok(())
     }
 
-    /// Entry `index`'s request, as /dev/fuse would have delivered it, into
+    /// The entry's request, as /dev/fuse would have delivered it, into
     /// `buf`; its length. `resent` marks its unique id as a resend's.
-    fn request(&self, index: usize, buf: &mut [u8], resent: bool) -> io::Result<usize> {
-        let (header_p, _, payload_p) = self.buffers(index);
+    fn request(&self, buf: &mut [u8], resent: bool) -> io::Result<usize> {
+        let (header_p, _, payload_p) = self.buffers();
         // SAFETY: the entry holds a request: this thread's until the commit.
         let header = unsafe { std::slice::from_raw_parts(header_p, HEADER_SIZE) };
         let payload = unsafe { std::slice::from_raw_parts(payload_p, self.area.payload) };
@@ -688,27 +688,21 @@ impl Ring {
         Ok(len)
     }
 
-    /// Takes the request in entry `index` (held from now on, in the slot's
+    /// Takes the request in the entry (held from now on, in the slot's
     /// record) and hands it to `dispatch`; false when the session ends.
-    fn take(
-        &self,
-        index: usize,
-        buf: &mut [u8],
-        resent: bool,
-        dispatch: &mut impl FnMut(usize, &[u8]) -> bool,
-    ) -> io::Result<bool> {
-        let len = self.request(index, buf, resent)?;
+    fn take(&self, buf: &mut [u8], resent: bool, dispatch: &mut impl FnMut(&[u8]) -> bool) -> io::Result<bool> {
+        let len = self.request(buf, resent)?;
         let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap_or_default()) & !RESENT;
-        self.set_state(index, SlotState::Held, unique);
-        Ok(dispatch(index, &buf[..len]))
+        self.set_state(SlotState::Held, unique);
+        Ok(dispatch(&buf[..len]))
     }
 
-    /// What to do with entry `index`'s slot when this daemon resumes a
+    /// What to do with the entry's slot when this daemon resumes a
     /// connection an earlier one served; a request to serve is left in the
     /// buffers as it came.
-    fn recover(&self, index: usize) -> Recovery {
-        let (header_p, undo_p, payload_p) = self.buffers(index);
-        let ctl = self.ctl(index);
+    fn recover(&self) -> Recovery {
+        let (header_p, undo_p, payload_p) = self.buffers();
+        let ctl = self.ctl();
         let state = SlotState::from_u32(ctl.state.load(Ordering::Acquire));
         let unique = ctl.unique.load(Ordering::Relaxed);
         // SAFETY: no command of this daemon names the slot yet; the earlier
@@ -731,7 +725,7 @@ impl Ring {
             // The request's own header must name the id the kernel wrote.
             let in_unique = u64::from_ne_bytes(header[8..16].try_into().unwrap_or_default());
             if in_unique != commit_id {
-                warn!("ring of queue {}: slot {} names request {commit_id} but holds {in_unique}; registered anew", self.qid, self.entries[index].slot);
+                warn!("ring of queue {}: slot {} names request {commit_id} but holds {in_unique}; registered anew", self.qid, self.entry.slot);
                 return Recovery::Register;
             }
         }
@@ -739,34 +733,32 @@ impl Ring {
     }
 
     /// Waits for requests and hands each to `dispatch` as /dev/fuse would
-    /// have delivered it, with the entry it came in. With `resume`, first
-    /// serves or answers what an earlier daemon left in the entries'
-    /// slots; otherwise registers them. Returns when the connection ends.
-    pub(crate) fn serve(&self, resume: bool, mut dispatch: impl FnMut(usize, &[u8]) -> bool) -> io::Result<()> {
+    /// have delivered it. With `resume`, first serves or answers what an
+    /// earlier daemon left in the entry's slot; otherwise registers it.
+    /// Returns when the connection ends.
+    pub(crate) fn serve(&self, resume: bool, mut dispatch: impl FnMut(&[u8]) -> bool) -> io::Result<()> {
         let _ = self.owner.set(std::thread::current().id());
         let mut buf = vec![0u8; IN_HEADER + OP_IN_SIZE + self.area.payload];
-        for index in 0..self.entries.len() {
-            let decision = if resume { self.recover(index) } else { Recovery::Register };
-            if decision != Recovery::Register {
-                info!("ring of queue {}, slot {}: {decision:?} after the earlier daemon", self.qid, self.entries[index].slot);
-                self.entries[index].recovering.store(true, Ordering::Relaxed);
+        let decision = if resume { self.recover() } else { Recovery::Register };
+        if decision != Recovery::Register {
+            info!("ring of queue {}, slot {}: {decision:?} after the earlier daemon", self.qid, self.entry.slot);
+            self.entry.recovering.store(true, Ordering::Relaxed);
+        }
+        match decision {
+            Recovery::Register => self.push_register()?,
+            Recovery::Recommit(unique) => {
+                self.push(&self.command(CMD_COMMIT_AND_FETCH, unique, None))?;
             }
-            match decision {
-                Recovery::Register => self.push_register(index)?,
-                Recovery::Recommit(unique) => {
-                    self.push(&self.command(CMD_COMMIT_AND_FETCH, index, unique, None))?;
-                }
-                Recovery::Fail(unique) => {
-                    let mut reply = [0u8; OUT_HEADER];
-                    reply[0..4].copy_from_slice(&(OUT_HEADER as u32).to_ne_bytes());
-                    reply[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
-                    reply[8..16].copy_from_slice(&unique.to_ne_bytes());
-                    self.commit(index, &[io::IoSlice::new(&reply)])?;
-                }
-                Recovery::Serve { resent } => {
-                    if !self.take(index, &mut buf, resent, &mut dispatch)? {
-                        return Ok(());
-                    }
+            Recovery::Fail(unique) => {
+                let mut reply = [0u8; OUT_HEADER];
+                reply[0..4].copy_from_slice(&(OUT_HEADER as u32).to_ne_bytes());
+                reply[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
+                reply[8..16].copy_from_slice(&unique.to_ne_bytes());
+                self.commit(&[io::IoSlice::new(&reply)])?;
+            }
+            Recovery::Serve { resent } => {
+                if !self.take(&mut buf, resent, &mut dispatch)? {
+                    return Ok(());
                 }
             }
         }
@@ -775,7 +767,7 @@ impl Ring {
             self.push(&poll.into())?;
         }
         self.uring.submit()?;
-        let mut done = Vec::with_capacity(self.entries.len());
+        let mut done = Vec::with_capacity(2);
         loop {
             match self.uring.submitter().submit_and_wait(1) {
                 Ok(_) => {}
@@ -792,18 +784,17 @@ impl Ring {
                     debug!("ring of queue {}: the sentinel poll ended ({res})", self.qid);
                     continue;
                 }
-                let index = data as usize;
-                let Some(entry) = self.entries.get(index) else {
-                    error!("ring of queue {}: completion for unknown entry {index}", self.qid);
+                if data != ENTRY {
+                    error!("ring of queue {}: completion of unknown tag {data}", self.qid);
                     continue;
-                };
-                let recovering = entry.recovering.swap(false, Ordering::Relaxed);
+                }
+                let recovering = self.entry.recovering.swap(false, Ordering::Relaxed);
                 if res < 0 {
                     let err = io::Error::from_raw_os_error(-res);
                     if recovering && matches!(-res, libc::ENOENT | libc::EIO) {
                         // The earlier daemon's reply got there before it died.
                         debug!("ring of queue {}: the kernel no longer holds the request ({err}); entry registered anew", self.qid);
-                        self.push_register(index)?;
+                        self.push_register()?;
                         continue;
                     }
                     return match -res {
@@ -819,7 +810,7 @@ impl Ring {
                     };
                 }
                 // The completion hands the entry to this thread until its commit.
-                if !self.take(index, &mut buf, false, &mut dispatch)? {
+                if !self.take(&mut buf, false, &mut dispatch)? {
                     return Ok(());
                 }
             }
