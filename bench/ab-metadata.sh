@@ -17,7 +17,9 @@
 # each binary and the new one's median over the old one's.
 #
 # Environment: BENCH_DIR [/var/tmp/converged-ab], NFILES [5000], TREE
-# [NFILES/2; 0: no untar], PAIRS (or the third argument) [3].
+# [NFILES/2; 0: no untar], PAIRS (or the third argument) [3], URING [0]
+# (1: the kernel's `enable_uring` is set while each mount and cluster
+# starts, so every daemon serves FUSE over io_uring; it is put back after).
 set -euo pipefail
 
 die() { echo "ab-metadata: $*" >&2; exit 1; }
@@ -31,10 +33,26 @@ NFILES=${NFILES:-5000}
 TREE=${TREE:-$((NFILES / 2))}
 [[ $TREE =~ ^[0-9]+$ ]] || die "TREE must be a number, not '$TREE'"
 BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-ab}
+URING=${URING:-0}
+[[ $URING == 0 || $URING == 1 ]] || die "URING must be 0 or 1, not '$URING'"
+ENABLE_URING=/sys/module/fuse/parameters/enable_uring
+URING_WAS=
+if [[ $URING == 1 ]]; then
+    [[ -e $ENABLE_URING ]] || die "URING=1: $ENABLE_URING missing (FUSE over io_uring needs Linux 6.14)"
+    URING_WAS=$(cat "$ENABLE_URING")
+fi
+uring_on() { [[ $URING == 0 ]] || echo Y > "$ENABLE_URING"; }
+uring_back() { [[ -z $URING_WAS ]] || echo "$URING_WAS" > "$ENABLE_URING"; }
+serves_uring() { # DATA_DIR: with URING=1, fail unless its daemon holds an io_uring
+    [[ $URING == 0 ]] && return
+    [[ $(ls -l "/proc/$(cat "$1/converged.lock")/fd") == *'anon_inode:[io_uring]'* ]] ||
+        die "URING=1: the daemon of $1 serves no io_uring (see $1/converged.log)"
+}
 META_OPS=$(cd "$(dirname "$0")" && pwd)/scripts/meta_ops.py
 MAKE_TREE=$(cd "$(dirname "$0")" && pwd)/scripts/make_tree.py
 OUT=$(mktemp -d)
 cleanup() {
+    uring_back
     pkill -INT -f "dev-cluster --nodes 2 --dir $BENCH_DIR/" || true
     for m in "$BENCH_DIR"/*/one/mnt; do
         grep -q " $m " /proc/mounts && "$NEW" umount "$m"
@@ -62,15 +80,21 @@ run() { # WHICH BINARY: one run, its rates appended to $OUT/WHICH
     local which=$1 bin=$2 d=$BENCH_DIR/$1
     rm -rf "$d"
     mkdir -p "$d/one/mnt" "$d/one/data"
+    uring_on
     "$bin" mount "$d/one/mnt" --data-dir "$d/one/data" >/dev/null
+    uring_back
+    serves_uring "$d/one/data"
     rates "1-node,1-proc" "$d/one/mnt/p1" "$NFILES" 1 >> "$OUT/$which"
     "$bin" umount "$d/one/mnt"
+    uring_on
     setsid "$bin" dev-cluster --nodes 2 --dir "$d/dc" > "$d/dc.log" 2>&1 &
     for _ in $(seq 300); do
         grep -q "dev-cluster ready" "$d/dc.log" && break
         sleep 0.1
     done
+    uring_back
     grep -q "dev-cluster ready" "$d/dc.log" || die "dev-cluster did not start: $(tail -3 "$d/dc.log")"
+    serves_uring "$d/dc/n1/data"
     rates "2-node,1-proc" "$d/dc/n1/mnt/p1" $((NFILES * 2 / 5)) 1 >> "$OUT/$which"
     rates "2-node,16-proc" --spread "$d/dc/n1/mnt/s" $((NFILES * 4 / 5)) 16 >> "$OUT/$which"
     if ((TREE > 0)); then
