@@ -671,7 +671,8 @@ const FORGET_PACE: std::time::Duration = std::time::Duration::from_millis(1);
 /// those (and paces its reads after forgets: [`FORGET_PACE`]), the others
 /// stand by. When a ring thread ends (the kernel refused its registration
 /// and sends requests through /dev/fuse again, or the connection ended),
-/// the pace stops and the others read too.
+/// the pace stops and the others read too. `ended` is a leaf lock, taken
+/// alone to set, read or wait on the flag.
 #[derive(Default)]
 pub(crate) struct RingsServing {
     ended: Mutex<bool>,
