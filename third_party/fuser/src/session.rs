@@ -361,20 +361,11 @@ impl<FS: Filesystem> Session<FS> {
         let mut threads = Vec::with_capacity(n_threads);
 
         // While rings serve, /dev/fuse carries forgets and interrupts only.
-        let serving = (!matches!(rings, RingStart::Off)).then(|| Arc::new(RingsServing::default()));
         #[cfg(target_os = "linux")]
-        let ring_threads = spawn_rings(
-            &ring_dev,
-            &filesystem,
-            allowed,
-            session_owner,
-            n_threads,
-            rings,
-            config.io_uring_memory,
-            serving.clone(),
-        )?;
+        let (ring_threads, serving) =
+            spawn_rings(&ring_dev, &filesystem, allowed, session_owner, n_threads, rings, config.io_uring_memory)?;
         #[cfg(not(target_os = "linux"))]
-        let _ = rings;
+        let (_, serving) = (rings, None::<Arc<RingsServing>>);
 
         for (i, ch) in channels.into_iter().enumerate() {
             let read = match (&serving, i) {
@@ -656,6 +647,10 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) session_owner: Uid,
 }
 
+/// The ring threads of a session, and whether every one still serves
+/// (`None`: no rings).
+type RingThreads = (Vec<JoinHandle<io::Result<()>>>, Option<Arc<RingsServing>>);
+
 /// How long the /dev/fuse reader of a connection that rings serve waits
 /// after a forget before it reads again: the forgets queued meanwhile come
 /// in one `BATCH_FORGET`. An unlink storm queues a forget an unlink, and a
@@ -768,6 +763,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
 /// slots; an area that cannot be mapped again where it was is an error,
 /// since the requests in it would wait for ever. So is a thread that
 /// cannot start: INIT promised the kernel a ring on every queue.
+/// Returns the threads, and with rings the flag that says they all serve.
 #[cfg(target_os = "linux")]
 fn spawn_rings<FS: Filesystem>(
     ch: &Channel,
@@ -777,11 +773,10 @@ fn spawn_rings<FS: Filesystem>(
     n_threads: usize,
     start: RingStart,
     memory: Option<i32>,
-    serving: Option<Arc<RingsServing>>,
-) -> io::Result<Vec<JoinHandle<io::Result<()>>>> {
+) -> io::Result<RingThreads> {
     use crate::uring::{RingArea, Rings};
     let (rings, resume) = match start {
-        RingStart::Off => return Ok(Vec::new()),
+        RingStart::Off => return Ok((Vec::new(), None)),
         RingStart::Made(rings) => (rings, false),
         RingStart::Resume => match memory.map(RingArea::reopen).transpose()?.flatten() {
             Some(area) => (Rings::reopened(&ch.0, area)?, true),
@@ -790,6 +785,7 @@ fn spawn_rings<FS: Filesystem>(
         },
     };
     let Rings { area, rings } = rings;
+    let serving = Arc::new(RingsServing::default());
     let mut threads = Vec::with_capacity(rings.len());
     for (slot, ring) in rings.into_iter().enumerate() {
         let thread_name = format!("fuser-ring-{slot}");
@@ -803,9 +799,7 @@ fn spawn_rings<FS: Filesystem>(
         let serving = serving.clone();
         let t = thread::Builder::new().name(thread_name).spawn(move || {
             let r = event_loop.ring_loop(ring, resume);
-            if let Some(s) = serving {
-                s.ring_ended();
-            }
+            serving.ring_ended();
             r
         })?;
         threads.push(t);
@@ -816,7 +810,7 @@ fn spawn_rings<FS: Filesystem>(
         area.payload(),
         if resume { ", taken over from the earlier daemon" } else { "" }
     );
-    Ok(threads)
+    Ok((threads, Some(serving)))
 }
 
 #[cfg(target_os = "linux")]
