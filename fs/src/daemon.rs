@@ -313,6 +313,13 @@ pub const FAULT_DIE_ON_RESTART: &str = "CONVERGED_FAULT_DIE_ON_RESTART";
 /// change is done.
 pub const FAULT_DIE_AFTER_COMMIT: &str = "CONVERGED_FAULT_DIE_AFTER_COMMIT";
 
+/// Set in a daemon's environment, has the kernel refuse its ring entries'
+/// registrations, which turns FUSE over io_uring off for the
+/// connection (`fuser::Config::io_uring_refused`): how the tests make a
+/// kernel that offered the transport at INIT send every request through
+/// /dev/fuse after all.
+pub const FAULT_RING_REFUSED: &str = "CONVERGED_FAULT_RING_REFUSED";
+
 /// File handles of the n-th daemon of a connection start at n << this, so
 /// that none repeats one an earlier daemon gave the kernel.
 const FH_GENERATION_SHIFT: u32 = 40;

@@ -1234,6 +1234,7 @@ pub fn serve(
     // daemon was asked for.
     config.io_uring = if resumed { spec.resumed_uring } else { spec.fuse_uring != Uring::Off };
     config.io_uring_memory = spec.ring_memory;
+    config.io_uring_refused = std::env::var_os(crate::daemon::FAULT_RING_REFUSED).is_some();
     // A mount fuser made is undone by fuser; one on the supervisor's descriptor here.
     let fuser_mounted = matches!(conn, Connection::Mount);
     let mut session = match conn {

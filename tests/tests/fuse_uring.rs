@@ -575,3 +575,72 @@ fn where_io_uring_is_refused_the_default_mount_serves_dev_fuse() {
     assert_eq!(io_urings(next), 0, "the daemon taking over started rings on a /dev/fuse connection");
     assert_eq!(fs::read_to_string(m.path("before/f7")).unwrap(), "before 7");
 }
+
+/// A kernel that offered FUSE over io_uring at INIT and then refuses the
+/// rings' registrations (a fault switch has each ring offer an entry too
+/// small for the connection; the first refusal turns the transport off for
+/// the connection) sends every request through /dev/fuse: every ring
+/// thread ends, and the /dev/fuse readers that stood by while the rings
+/// were to serve (one reads forgets meanwhile) all serve the mount.
+#[test]
+fn where_the_kernel_refuses_the_rings_registration_every_dev_fuse_reader_serves() {
+    let _switch = uring_switch(true);
+    let mut m = Mount::with_env(&["--verify-reads"], &[("CONVERGED_FAULT_RING_REFUSED", "1")]);
+    let pid = m.daemon_pid();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !m.log().contains("the kernel refused an entry") {
+        assert!(std::time::Instant::now() < deadline, "no word of the refusal in the log after 10 s:\n{}", m.log());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let readers = |pid| -> Vec<(String, u64)> {
+        let mut r: Vec<_> = threads_ns(pid)
+            .into_iter()
+            .filter(|(name, _)| name.strip_prefix("fuser-").is_some_and(|n| n.parse::<u32>().is_ok()))
+            .collect();
+        r.sort();
+        r
+    };
+    // Every /dev/fuse reader started (they start beside the mount's return).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while readers(pid).len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "one /dev/fuse reader 10 s on: {:?}", readers(pid));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let before: std::collections::BTreeMap<String, u64> = readers(pid).into_iter().collect();
+    // Sixteen writers at once, each file read back, within 60 s (the
+    // connection is aborted otherwise, and the test fails).
+    let writers: Vec<_> = (0..16)
+        .map(|t| {
+            let dir = m.path(&format!("w{t}"));
+            std::thread::spawn(move || -> std::io::Result<()> {
+                fs::create_dir(&dir)?;
+                for i in 0..100 {
+                    let body = pattern(64 + i * 37, (t * 1000 + i) as u64);
+                    fs::write(dir.join(format!("f{i}")), &body)?;
+                    if fs::read(dir.join(format!("f{i}")))? != body {
+                        return Err(std::io::Error::other(format!("w{t}/f{i} read back other bytes")));
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    assert!(finished_or_aborted(&writers, &m.mnt, 60), "requests still wait 60 s on; log:\n{}", m.log());
+    for w in writers {
+        w.join().unwrap().unwrap();
+    }
+    let after = readers(pid);
+    let ran = after.iter().filter(|(name, ns)| before.get(name).is_some_and(|b| ns > b)).count();
+    assert!(
+        ran >= 2,
+        "{ran} of the {} /dev/fuse readers served sixteen writers (before {before:?}, after {after:?})",
+        after.len()
+    );
+    let rings = threads_ns(pid).iter().filter(|(name, _)| name.starts_with("fuser-ring-")).count();
+    assert_eq!(rings, 0, "ring threads still run though the kernel refused every entry");
+    m.umount();
+    wait_gone(pid);
+    let state = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    assert!(matches!(state.split(' ').nth(2), None | Some("Z")), "the daemon outlived its unmount: {state}");
+}

@@ -362,8 +362,7 @@ impl<FS: Filesystem> Session<FS> {
 
         // While rings serve, /dev/fuse carries forgets and interrupts only.
         #[cfg(target_os = "linux")]
-        let (ring_threads, serving) =
-            spawn_rings(&ring_dev, &filesystem, allowed, session_owner, n_threads, rings, config.io_uring_memory)?;
+        let (ring_threads, serving) = spawn_rings(&ring_dev, &filesystem, allowed, session_owner, rings, &config)?;
         #[cfg(not(target_os = "linux"))]
         let (_, serving) = (rings, None::<Arc<RingsServing>>);
 
@@ -770,10 +769,10 @@ fn spawn_rings<FS: Filesystem>(
     filesystem: &Arc<FilesystemHolder<FS>>,
     allowed: SessionACL,
     session_owner: Uid,
-    n_threads: usize,
     start: RingStart,
-    memory: Option<i32>,
+    config: &Config,
 ) -> io::Result<RingThreads> {
+    let (n_threads, memory) = (config.n_threads.unwrap_or(1), config.io_uring_memory);
     use crate::uring::{RingArea, Rings};
     let (rings, resume) = match start {
         RingStart::Off => return Ok((Vec::new(), None)),
@@ -788,6 +787,9 @@ fn spawn_rings<FS: Filesystem>(
     let serving = Arc::new(RingsServing::default());
     let mut threads = Vec::with_capacity(rings.len());
     for (slot, ring) in rings.into_iter().enumerate() {
+        if config.io_uring_refused {
+            ring.refuse_registration();
+        }
         let thread_name = format!("fuser-ring-{slot}");
         let event_loop = SessionEventLoop {
             thread_name: thread_name.clone(),

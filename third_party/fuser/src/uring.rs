@@ -330,6 +330,9 @@ struct Entry {
     /// The last command was a commit made for an earlier daemon's request:
     /// an error completing it means the kernel no longer holds that request.
     recovering: AtomicBool,
+    /// Its registrations are to be refused (the fault
+    /// `Config::io_uring_refused`).
+    refuse: AtomicBool,
 }
 
 // SAFETY: see the module comment: an entry's buffers have one user at a time,
@@ -501,6 +504,7 @@ impl Ring {
             slot,
             iov: UnsafeCell::new([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2]),
             recovering: AtomicBool::new(false),
+            refuse: AtomicBool::new(false),
         };
         Ok(Arc::new(Ring { uring, submit: Mutex::new(()), dev, qid, area, entry, owner: OnceLock::new() }))
     }
@@ -551,6 +555,12 @@ impl Ring {
         &self.dev
     }
 
+    /// Have the kernel refuse the entry's registrations (a fault for
+    /// tests: `Config::io_uring_refused`).
+    pub(crate) fn refuse_registration(&self) {
+        self.entry.refuse.store(true, Ordering::Relaxed);
+    }
+
     /// Pins the calling thread to the queue's CPU, where the processes whose
     /// requests it serves sleep while they wait (without it, unlinks from one
     /// process ran at 0.6-0.75x those through /dev/fuse here; with it,
@@ -585,6 +595,10 @@ impl Ring {
         let iov = unsafe { &mut *self.entry.iov.get() };
         iov[0] = libc::iovec { iov_base: header.cast(), iov_len: HEADER_SIZE };
         iov[1] = libc::iovec { iov_base: payload.cast(), iov_len: self.area.payload };
+        if self.entry.refuse.load(Ordering::Relaxed) {
+            // Less than any connection's payload (at least 1 MiB): refused.
+            iov[1].iov_len = 4096;
+        }
         let mut sqe = self.command(CMD_REGISTER, 0, Some(iov.as_ptr() as u64));
         // The registration's iovec count goes in the SQE's `len` (offset 24
         // of `struct io_uring_sqe`), which `UringCmd80` does not set.

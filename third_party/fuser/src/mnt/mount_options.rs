@@ -32,6 +32,12 @@ pub struct Config {
     /// the kernel would otherwise never send again. Without it the buffers
     /// are this process's own.
     pub io_uring_memory: Option<i32>,
+    /// A fault, for tests: every ring offers the kernel an entry whose
+    /// payload is too small for the connection, which the kernel refuses;
+    /// its first refusal turns FUSE over io_uring off for the connection,
+    /// as a kernel that refuses the rings' registrations does: every ring
+    /// thread ends, and the requests go through /dev/fuse.
+    pub io_uring_refused: bool,
 }
 
 /// Mount options accepted by the FUSE filesystem type
