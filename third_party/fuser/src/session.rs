@@ -724,18 +724,20 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
                     // Dispatch request
                     Some(req) => {
-                        if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                        // Decoded once: whether it ends the loop, or (while
+                        // rings serve) is a forget to pace after.
+                        let (destroy, forget) = match req.request.operation() {
+                            Ok(Operation::Destroy(_)) => (true, false),
+                            Ok(Operation::Forget(_) | Operation::BatchForget(_)) => (false, pacing.is_some()),
+                            _ => (false, false),
+                        };
+                        if destroy {
                             req.reply::<ReplyEmpty>().ok();
                             return Ok(());
-                        } else {
-                            let forget = matches!(
-                                req.request.operation(),
-                                Ok(Operation::Forget(_) | Operation::BatchForget(_))
-                            );
-                            req.dispatch(self);
-                            if forget && pacing.as_ref().is_some_and(|s| s.serving()) {
-                                thread::sleep(FORGET_PACE);
-                            }
+                        }
+                        req.dispatch(self);
+                        if forget && pacing.as_ref().is_some_and(|s| s.serving()) {
+                            thread::sleep(FORGET_PACE);
                         }
                     }
                     // Quit loop on illegal request
