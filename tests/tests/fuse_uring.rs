@@ -66,13 +66,27 @@ fn fuse_cpu_ns(pid: i32) -> (u64, u64) {
     let (ring, dev) = threads_ns(pid).into_iter().fold((0, 0), |(r, d), (name, ns)| {
         if name.starts_with("fuser-ring-") {
             (r + ns, d)
-        } else if name.starts_with("fuser-") {
+        } else if is_dev_reader(&name) {
             (r, d + ns)
         } else {
             (r, d)
         }
     });
     (ring, dev)
+}
+
+/// Whether a thread named `name` is one of fuser's /dev/fuse readers
+/// (`fuser-N`; the ring threads are `fuser-ring-N`).
+fn is_dev_reader(name: &str) -> bool {
+    name.strip_prefix("fuser-").is_some_and(|n| n.parse::<u32>().is_ok())
+}
+
+/// Waits for the daemon `pid` to end after its unmount, and fails if it
+/// did not (gone, or a zombie its new parent has not reaped: ended either way).
+fn assert_daemon_ended(pid: i32) {
+    wait_gone(pid);
+    let state = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    assert!(matches!(state.split(' ').nth(2), None | Some("Z")), "the daemon outlived its unmount: {state}");
 }
 
 /// Each of `pid`'s threads: its name and its nanoseconds on CPU.
@@ -187,10 +201,7 @@ fn requests_go_through_the_rings_and_the_mount_unmounts() {
     // else is the rings'.
     assert!(ring > dev, "ring threads ran {ring} ns, /dev/fuse readers {dev} ns: the rings did not serve the mount");
     m.umount();
-    wait_gone(pid);
-    // Gone, or a zombie its new parent has not reaped: ended either way.
-    let state = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    assert!(matches!(state.split(' ').nth(2), None | Some("Z")), "the daemon outlived its unmount: {state}");
+    assert_daemon_ended(pid);
     // What was written is there at the next mount, served the same way.
     m.mount();
     let mut back = Vec::new();
@@ -593,10 +604,7 @@ fn where_the_kernel_refuses_the_rings_registration_every_dev_fuse_reader_serves(
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let readers = |pid| -> Vec<(String, u64)> {
-        let mut r: Vec<_> = threads_ns(pid)
-            .into_iter()
-            .filter(|(name, _)| name.strip_prefix("fuser-").is_some_and(|n| n.parse::<u32>().is_ok()))
-            .collect();
+        let mut r: Vec<_> = threads_ns(pid).into_iter().filter(|(name, _)| is_dev_reader(name)).collect();
         r.sort();
         r
     };
@@ -640,7 +648,5 @@ fn where_the_kernel_refuses_the_rings_registration_every_dev_fuse_reader_serves(
     let rings = threads_ns(pid).iter().filter(|(name, _)| name.starts_with("fuser-ring-")).count();
     assert_eq!(rings, 0, "ring threads still run though the kernel refused every entry");
     m.umount();
-    wait_gone(pid);
-    let state = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    assert!(matches!(state.split(' ').nth(2), None | Some("Z")), "the daemon outlived its unmount: {state}");
+    assert_daemon_ended(pid);
 }
