@@ -35,19 +35,8 @@ TREE=${TREE:-$((NFILES / 2))}
 BENCH_DIR=${BENCH_DIR:-/var/tmp/converged-ab}
 URING=${URING:-0}
 [[ $URING == 0 || $URING == 1 ]] || die "URING must be 0 or 1, not '$URING'"
-ENABLE_URING=/sys/module/fuse/parameters/enable_uring
-URING_WAS=
-if [[ $URING == 1 ]]; then
-    [[ -e $ENABLE_URING ]] || die "URING=1: $ENABLE_URING missing (FUSE over io_uring needs Linux 6.14)"
-    URING_WAS=$(cat "$ENABLE_URING")
-fi
-uring_on() { [[ $URING == 0 ]] || echo Y > "$ENABLE_URING"; }
-uring_back() { [[ -z $URING_WAS ]] || echo "$URING_WAS" > "$ENABLE_URING"; }
-serves_uring() { # DATA_DIR: with URING=1, fail unless its daemon holds an io_uring
-    [[ $URING == 0 ]] && return
-    [[ $(ls -l "/proc/$(cat "$1/converged.lock")/fd") == *'anon_inode:[io_uring]'* ]] ||
-        die "URING=1: the daemon of $1 serves no io_uring (see $1/converged.log)"
-}
+# shellcheck source=scripts/uring.sh
+. "$(cd "$(dirname "$0")" && pwd)/scripts/uring.sh"
 META_OPS=$(cd "$(dirname "$0")" && pwd)/scripts/meta_ops.py
 MAKE_TREE=$(cd "$(dirname "$0")" && pwd)/scripts/make_tree.py
 OUT=$(mktemp -d)
@@ -80,13 +69,13 @@ run() { # WHICH BINARY: one run, its rates appended to $OUT/WHICH
     local which=$1 bin=$2 d=$BENCH_DIR/$1
     rm -rf "$d"
     mkdir -p "$d/one/mnt" "$d/one/data"
-    uring_on
+    [[ $URING == 0 ]] || uring_on URING=1
     "$bin" mount "$d/one/mnt" --data-dir "$d/one/data" >/dev/null
     uring_back
-    serves_uring "$d/one/data"
+    [[ $URING == 0 ]] || serves_uring "$d/one/data" URING=1
     rates "1-node,1-proc" "$d/one/mnt/p1" "$NFILES" 1 >> "$OUT/$which"
     "$bin" umount "$d/one/mnt"
-    uring_on
+    [[ $URING == 0 ]] || uring_on URING=1
     setsid "$bin" dev-cluster --nodes 2 --dir "$d/dc" > "$d/dc.log" 2>&1 &
     for _ in $(seq 300); do
         grep -q "dev-cluster ready" "$d/dc.log" && break
@@ -94,7 +83,7 @@ run() { # WHICH BINARY: one run, its rates appended to $OUT/WHICH
     done
     uring_back
     grep -q "dev-cluster ready" "$d/dc.log" || die "dev-cluster did not start: $(tail -3 "$d/dc.log")"
-    serves_uring "$d/dc/n1/data"
+    [[ $URING == 0 ]] || serves_uring "$d/dc/n1/data" URING=1
     rates "2-node,1-proc" "$d/dc/n1/mnt/p1" $((NFILES * 2 / 5)) 1 >> "$OUT/$which"
     rates "2-node,16-proc" --spread "$d/dc/n1/mnt/s" $((NFILES * 4 / 5)) 16 >> "$OUT/$which"
     if ((TREE > 0)); then

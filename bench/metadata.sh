@@ -110,6 +110,8 @@ log() { echo "== $*" >&2; }
 . "$SCRIPT_DIR/scripts/disk.sh"
 # shellcheck source=scripts/mounts.sh
 . "$SCRIPT_DIR/scripts/mounts.sh"
+# shellcheck source=scripts/uring.sh
+. "$SCRIPT_DIR/scripts/uring.sh"
 
 [[ $(id -u) -eq 0 ]] || die "run as root (FUSE mounts and drop_caches need it): sudo $0"
 command -v python3 >/dev/null || die "python3 not found"
@@ -173,8 +175,6 @@ RAW=$WORK/raw
 ONE=$WORK/one
 ZERO=$WORK/zero
 URING=$WORK/uring
-ENABLE_URING=/sys/module/fuse/parameters/enable_uring
-URING_WAS=
 FLOOR_MNT=$WORK/floor
 DEV=$WORK/dev
 NW=$WORK/nowsync
@@ -203,7 +203,7 @@ cleanup() {
         fi
     done
     for p in "${PEERS_UP[@]}"; do "$PEERS_DIR/peer_$p.sh" stop >/dev/null 2>&1; done
-    [[ -z $URING_WAS ]] || echo "$URING_WAS" > "$ENABLE_URING"
+    uring_back
     rm -rf "$RAW" "$ONE" "$ZERO" "$URING" "$DEV" "$NW" "$FLOOR_MNT"
     if [[ -n $LOOP ]]; then
         grep -q " $WORK " /proc/mounts && umount "$WORK"
@@ -244,24 +244,6 @@ if wants one; then
     "$CONVERGED" mount "$ONE/mnt" --data-dir "$ONE/data" --no-fuse-uring
     "$CONVERGED" mount "$ZERO/mnt" --data-dir "$ZERO/data" --attr-timeout 0 --no-fuse-uring
 fi
-
-# enable_uring, set while the mounts that are to serve FUSE over io_uring
-# start, and put back as found (a mount keeps what its INIT settled).
-uring_on() { # WHAT
-    [[ -e $ENABLE_URING ]] || die "$1: $ENABLE_URING missing (FUSE over io_uring needs Linux 6.14)"
-    [[ -n $URING_WAS ]] || URING_WAS=$(cat "$ENABLE_URING")
-    echo Y > "$ENABLE_URING"
-}
-uring_back() {
-    [[ -z $URING_WAS ]] || echo "$URING_WAS" > "$ENABLE_URING"
-}
-serves_uring() { # DATA_DIR WHAT
-    local pid
-    pid=$(cat "$1/converged.lock")
-    # Not `ls | grep -q` under pipefail: grep's early exit fails a long listing.
-    [[ $(ls -l "/proc/$pid/fd") == *'anon_inode:[io_uring]'* ]] ||
-        die "$2: the daemon serves no io_uring (see $1/converged.log)"
-}
 
 if wants uring; then
     uring_on TARGETS=uring
