@@ -242,6 +242,11 @@ impl ChunkStore {
         }
     }
 
+    /// How many slots are ready now.
+    pub fn slots_ready(&self) -> usize {
+        self.slots.lock().ready.len()
+    }
+
     /// A ready slot, if any; the maker is woken when they run low.
     fn take_slot(&self) -> Option<(u64, File)> {
         let mut slots = self.slots.lock();

@@ -85,6 +85,12 @@ impl Collector for DaemonCollector {
         for (name, help, v) in written {
             counter(&mut encoder, name, help, v)?;
         }
+        gauge(
+            &mut encoder,
+            "chunk_slots_ready",
+            "Slots ready for durable writes of small chunk versions (empty files whose names are already on stable storage)",
+            store.slots_ready() as i64,
+        )?;
         gauge(&mut encoder, "open_files", "Files open on this node", core.open_files() as i64)?;
         if let Ok((avail, total)) = crate::blocks::disk_space(core.data_dir()) {
             gauge(&mut encoder, "data_disk_bytes", "Size of the data disk", total as i64)?;

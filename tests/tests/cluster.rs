@@ -135,27 +135,31 @@ fn killed_node_loses_no_fsynced_byte_and_comes_back() {
 /// writer down.
 #[test]
 fn a_peers_small_copies_in_slots_are_found_again_after_it_restarts() {
-    let Some(mut c) = Cluster::start(2, &[]) else { return };
-    let slots = |c: &Cluster| {
-        fs::read_dir(c.node(1).data.join("chunks"))
-            .unwrap()
-            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("slot."))
-            .count()
-    };
-    eventually(30, "n2 made its slots", || slots(&c) >= 32);
+    let port = format!("127.0.0.1:{}", etcd_cluster::free_port());
+    let Some(mut c) = Cluster::start(1, &[]) else { return };
+    c.add_node(&["--metrics", &port]);
+    // Ready, not merely on disk: a slot file exists before the directory
+    // sync that makes it ready.
+    eventually(30, "n2 made its slots", || metric(&scrape(&port), "converged_chunk_slots_ready") >= Some(32.0));
     fs::create_dir(c.node(0).path("small")).unwrap();
     let files: Vec<(String, Vec<u8>)> =
         (0..30).map(|i| (format!("small/f{i}"), pattern(1000 + i * 331, i as u64))).collect();
     for (name, data) in &files {
         fs::write(c.node(0).path(name), data).unwrap();
     }
-    let filled = chunk_files(&c.node(1).data)
-        .into_iter()
+    let held = chunk_files(&c.node(1).data);
+    let filled = held
+        .iter()
         .filter(|(name, path)| {
             !name.starts_with("slot.") && path.file_name().unwrap().to_string_lossy().starts_with("slot.")
         })
         .count();
-    assert_eq!(filled, files.len(), "n2 keeps each small file's copy in a slot");
+    let elsewhere: Vec<&String> = held
+        .iter()
+        .filter(|(name, path)| !path.file_name().unwrap().to_string_lossy().starts_with("slot.") && name.contains('.'))
+        .map(|(name, _)| name)
+        .collect();
+    assert_eq!(filled, files.len(), "n2 keeps each small file's copy in a slot; outside slots: {elsewhere:?}");
 
     c.nodes[1].crash();
     c.nodes[1].mount();
