@@ -26,8 +26,14 @@
 //! | `E` ino                    | u64 (BE)             | the last lease epoch granted for the file:   |
 //! |                            |                      | epochs only grow, so a fenced writer's stays |
 //! |                            |                      | stale                                        |
-//! | `S` ino                    | token(u64 BE) node   | sealed from bytes not yet known durable: the |
-//! |                            |                      | node syncs the backing file, then drops it   |
+//! | `s` ino                    | token(u64 BE) node   | sealed from bytes not yet known durable: the |
+//! |                            |                      | node syncs the backing file, then drops it.  |
+//! |                            |                      | Past the watched range: only the node that   |
+//! |                            |                      | wrote it reads it, fresh (a put and a delete |
+//! |                            |                      | a small file's close on a cluster, which     |
+//! |                            |                      | every node's feed heard). Marks written      |
+//! |                            |                      | before kept it under `S`, still read,        |
+//! |                            |                      | cleared and purged                           |
 //! | `T` ino                    | [`TierRecord`]       | backfill state and object key of a file      |
 //! | `G` ino                    | [`GarbageObject`]    | object of a purged file, to delete           |
 //! | `R` ino                    | [`RenamedDir`]       | renamed directory: objects below to re-key   |
@@ -98,7 +104,9 @@ const XATTR: u8 = b'X';
 const CHUNK: u8 = b'C';
 const ORPHAN: u8 = b'O';
 const UNSEALED: u8 = b'U';
-const SYNC_PENDING: u8 = b'S';
+const SYNC_PENDING: u8 = b's';
+/// Where sync-pending marks were written before they left the watched range.
+const SYNC_PENDING_BEFORE: u8 = b'S';
 const TIER: u8 = b'T';
 const GARBAGE: u8 = b'G';
 const RENAMED: u8 = b'R';
@@ -293,9 +301,13 @@ pub fn change_of(key: &[u8]) -> Change<'_> {
     match (key.first(), ino()) {
         (None, _) => Change::Everything,
         (Some(&(INODE | CHUNK)), Some(ino)) => Change::Inode(ino),
-        (Some(&(PENDING_CHUNK | LAYOUT_COMMIT | UNSEALED | LEASE_EPOCH | SYNC_PENDING | ORPHAN | TIER)), Some(ino)) => {
-            Change::FileState(ino)
-        }
+        (
+            Some(
+                &(PENDING_CHUNK | LAYOUT_COMMIT | UNSEALED | LEASE_EPOCH | SYNC_PENDING | SYNC_PENDING_BEFORE | ORPHAN
+                | TIER),
+            ),
+            Some(ino),
+        ) => Change::FileState(ino),
         (Some(&DENTRY), Some(parent)) => Change::Entry { parent, name: &key[9..] },
         (Some(b'K' | b'L'), _) => Change::Control(Control::Members),
         (Some(b'A'), _) => Change::Control(Control::Admin),
@@ -358,7 +370,10 @@ pub fn subject(key: &[u8]) -> Subject<'_> {
         (Some(&(INODE | DELEGATION)), Some(ino)) if key.len() == 9 => Subject::Inode(ino),
         (Some(&XATTR), Some(ino)) => Subject::Inode(ino),
         (
-            Some(&(CHUNK | PENDING_CHUNK | LAYOUT_COMMIT | UNSEALED | LEASE_EPOCH | SYNC_PENDING | ORPHAN | TIER)),
+            Some(
+                &(CHUNK | PENDING_CHUNK | LAYOUT_COMMIT | UNSEALED | LEASE_EPOCH | SYNC_PENDING | SYNC_PENDING_BEFORE
+                | ORPHAN | TIER),
+            ),
             Some(ino),
         ) => Subject::File(ino),
         // A holder-index entry belongs with the file's layout.
@@ -436,6 +451,7 @@ pub fn is_inode_keyed_prefix(prefix: &[u8]) -> bool {
             | UNSEALED
             | LEASE_EPOCH
             | SYNC_PENDING
+            | SYNC_PENDING_BEFORE
             | TIER
             | GARBAGE
             | RENAMED]
@@ -538,8 +554,15 @@ pub fn sync_pending(ino: Ino) -> Vec<u8> {
     with_ino(SYNC_PENDING, ino)
 }
 
-pub fn sync_pending_all() -> Vec<u8> {
-    vec![SYNC_PENDING]
+/// `ino`'s sync-pending mark as it was written before `s` (see the table).
+pub fn sync_pending_before(ino: Ino) -> Vec<u8> {
+    with_ino(SYNC_PENDING_BEFORE, ino)
+}
+
+/// The prefixes of every sync-pending mark: `s`, and `S` where marks
+/// written before it remain.
+pub fn sync_pending_all() -> [Vec<u8>; 2] {
+    [vec![SYNC_PENDING], vec![SYNC_PENDING_BEFORE]]
 }
 
 pub fn tier(ino: Ino) -> Vec<u8> {
@@ -599,7 +622,7 @@ pub fn gc_done(node: &str) -> Vec<u8> {
 pub const KNOWN_NODES: &[u8] = b"K";
 pub const LIVE_NODES: &[u8] = b"L";
 
-/// The inode number in an `I`, `O`, `U`, `E`, `S`, `T`, `G` or `R` key.
+/// The inode number in an `I`, `O`, `U`, `E`, `s`, `S`, `T`, `G` or `R` key.
 pub fn key_ino(key: &[u8]) -> Ino {
     u64::from_be_bytes(key[1..9].try_into().expect("inode key is 9 bytes"))
 }
@@ -630,6 +653,9 @@ mod tests {
         // prefix range does not reach it.
         assert!(WATCHED_END <= answered("n1", 0).as_slice());
         assert!(answered_before("zz", u16::MAX).as_slice() < WATCHED_END);
+        // And the sync-pending marks, past both.
+        assert!(answered("zz", u16::MAX).as_slice() < sync_pending(0).as_slice());
+        assert!(sync_pending_before(u64::MAX).as_slice() < WATCHED_END);
         // Both places are the node's own, to the --nowsync overlay.
         assert_eq!(subject(&answered("n1", 7)), Subject::Answered(b"n1"));
         assert_eq!(subject(&answered_before("n1", 7)), Subject::Answered(b"n1"));
@@ -643,7 +669,16 @@ mod tests {
         assert_eq!(change_of(b""), Change::Everything);
         assert_eq!(change_of(&inode(9)), Change::Inode(9));
         assert_eq!(change_of(&chunk(9, 3)), Change::Inode(9));
-        for key in [tier(9), unsealed(9), lease_epoch(9), layout_commit(9), pending_chunk(9, 1), orphan(9)] {
+        for key in [
+            tier(9),
+            unsealed(9),
+            lease_epoch(9),
+            layout_commit(9),
+            pending_chunk(9, 1),
+            orphan(9),
+            sync_pending(9),
+            sync_pending_before(9),
+        ] {
             assert_eq!(change_of(&key), Change::FileState(9), "{key:?}");
         }
         assert_eq!(change_of(&dentry(4, b"name")), Change::Entry { parent: 4, name: b"name" });

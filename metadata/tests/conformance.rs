@@ -47,6 +47,7 @@ const SUITES: &[(&str, Suite)] = &[
     ("many_files_closed_empty_lose_their_marks_together", many_files_closed_empty_lose_their_marks_together),
     ("published_sessions_end_together_under_their_own_lease", published_sessions_end_together_under_their_own_lease),
     ("a_seconds_sync_marks_clear_past_the_txn_limit", a_seconds_sync_marks_clear_past_the_txn_limit),
+    ("sync_marks_written_before_their_new_prefix_are_kept", sync_marks_written_before_their_new_prefix_are_kept),
     ("fsck_finds_what_was_broken_and_repairs_what_it_can", fsck_finds_what_was_broken_and_repairs_what_it_can),
     (
         "holder_index_lists_every_holder_and_drops_what_no_record_names",
@@ -2035,6 +2036,56 @@ fn a_seconds_sync_marks_clear_past_the_txn_limit(name: &str, kv: Arc<dyn KvEngin
     assert_eq!(pending.len(), 200, "{name}: every seal left its mark");
     ns.clear_sync_pending(&pending).unwrap();
     assert!(ns.sync_pending().unwrap().is_empty(), "{name}: every mark cleared");
+}
+
+/// Sync-pending marks left under `S` (where they were written before they
+/// moved past the watched range, to `s`) by a crash of an older daemon: the
+/// node's look finds them beside new ones, the flusher's clear drops them,
+/// as does the purge of their file; new marks go under `s` only.
+fn sync_marks_written_before_their_new_prefix_are_kept(name: &str, kv: Arc<dyn KvEngine>) {
+    use converged_metadata::schema;
+    let ns = ns(kv.clone());
+    let seal = converged_metadata::Seal {
+        size: 0,
+        mtime: Timespec::now(),
+        chunks: Vec::new(),
+        keep_unsealed: false,
+        lease: None,
+        data_durable: false,
+        attrs: None,
+    };
+    let mut inos = Vec::new();
+    for i in 0..3 {
+        let f = ns.mknod(ROOT, format!("m{i}").as_bytes(), &file(0o644)).unwrap();
+        ns.seal(f.ino, &seal, Durability::Buffered).unwrap();
+        inos.push(f.ino);
+    }
+    // Two of the three marks as an older daemon wrote them.
+    let mut t = kv.write_txn().unwrap();
+    for ino in &inos[..2] {
+        let mark = t.get(&schema::sync_pending(*ino)).unwrap().expect("a new mark is under s");
+        assert!(t.get(&schema::sync_pending_before(*ino)).unwrap().is_none(), "{name}: and not under S");
+        t.delete(&schema::sync_pending(*ino));
+        t.put(&schema::sync_pending_before(*ino), &mark);
+    }
+    t.commit(Durability::Durable).unwrap();
+    let mut found: Vec<Ino> = ns.sync_pending().unwrap().into_iter().map(|(ino, _)| ino).collect();
+    found.sort();
+    assert_eq!(found, inos, "{name}: the old marks are found beside the new one");
+    ns.unlink(ROOT, b"m1").unwrap();
+    ns.purge(inos[1]).unwrap();
+    let pending = ns.sync_pending().unwrap();
+    assert_eq!(
+        pending.iter().map(|(ino, _)| *ino).collect::<Vec<_>>(),
+        vec![inos[2], inos[0]],
+        "{name}: purged with its file"
+    );
+    ns.clear_sync_pending(&pending).unwrap();
+    assert!(ns.sync_pending().unwrap().is_empty(), "{name}: every mark cleared, old and new");
+    let mut t = kv.read_txn().unwrap();
+    for ino in &inos {
+        assert!(t.get(&schema::sync_pending_before(*ino)).unwrap().is_none(), "{name}");
+    }
 }
 
 /// Records broken behind the namespace's back (raw deletes, as a bug or a

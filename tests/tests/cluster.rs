@@ -731,7 +731,7 @@ fn etcd_keys(endpoint: &str, prefix: &str) -> Vec<Vec<u8>> {
     })
 }
 
-/// The inode numbers whose `kind` record (an inode-keyed one, e.g. `S`, the
+/// The inode numbers whose `kind` record (an inode-keyed one, e.g. `s`, the
 /// sync-pending marks) etcd put from revision `from` up to now, in volume
 /// `vol`: its history replayed with a watch of the whole volume, which ends
 /// at the last revision (every revision here is the volume's).
@@ -791,8 +791,8 @@ fn a_small_files_last_seal_syncs_its_copy_here_and_leaves_no_sync_mark() {
         flushed.push((fs::metadata(a.path(name)).unwrap().ino(), name.to_string(), data));
     }
     eventually(30, "every write lease given up", || etcd_keys(&ep, "vol/U").is_empty());
-    eventually(30, "every sync mark cleared", || etcd_keys(&ep, "vol/S").is_empty());
-    let marked = etcd_puts_since(&ep, b'S', from);
+    eventually(30, "every sync mark cleared", || etcd_keys(&ep, "vol/s").is_empty());
+    let marked = etcd_puts_since(&ep, b's', from);
     for (ino, name, data) in &small {
         assert!(!marked.contains(ino), "{name}: a sync mark was put for a {} byte file: {marked:?}", data.len());
         same(&fs::read(b.path(name)).unwrap(), data, name);

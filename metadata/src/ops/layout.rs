@@ -863,15 +863,18 @@ impl Namespace {
 
     /// This node's files sealed from bytes not yet known to be on stable
     /// storage, with the token of that seal.
+    /// A file may have two, one under each of the marks' prefixes (see
+    /// `schema.rs`).
     pub fn sync_pending(&self) -> MetaResult<Vec<(Ino, u64)>> {
         self.read(|txn| {
-            Ok(scan_all(txn, &schema::sync_pending_all())?
-                .iter()
-                .filter_map(|(k, v)| {
+            let mut marks = Vec::new();
+            for prefix in schema::sync_pending_all() {
+                marks.extend(scan_all(txn, &prefix)?.iter().filter_map(|(k, v)| {
                     let (token, node) = parse_sync_mark(v)?;
                     self.is_mine(node).then(|| (schema::key_ino(k), token))
-                })
-                .collect())
+                }));
+            }
+            Ok(marks)
         })
     }
 
@@ -894,22 +897,29 @@ impl Namespace {
 
     /// Drop the sync-pending marks of files whose backing files were synced
     /// after these seals, in durable commits: one, or on an engine with a
-    /// limit per transaction (etcd's 128 operations; each mark is a compare
-    /// and a delete) one per batch under it, since a second's seals can be
-    /// more. A mark written by a later seal (another token) stays: its
-    /// bytes may be newer than the sync. A batch's marks are read together
-    /// (etcd: one request, where a read of each was one request a file).
+    /// limit per transaction (etcd's 128 operations; each mark is read under
+    /// both its prefixes, two compares, and deleted) one per batch under
+    /// it, since a second's seals can be more. A mark written by a later
+    /// seal (another token) stays: its bytes may be newer than the sync. A
+    /// batch's marks are read together (etcd: one request, where a read of
+    /// each was one request a file).
     pub fn clear_sync_pending(&self, synced: &[(Ino, u64)]) -> MetaResult<()> {
-        let batch = self.kv.txn_limit().map_or(usize::MAX, |limit| (limit / 2).max(1));
+        let batch = self.kv.txn_limit().map_or(usize::MAX, |limit| (limit / 3).max(1));
         let mut batches: Vec<&[(Ino, u64)]> = synced.chunks(batch).collect();
         if batches.is_empty() {
             // Still one durable commit: it makes the commits before it durable.
             batches.push(&[]);
         }
         for part in batches {
-            let keys: Vec<Vec<u8>> = part.iter().map(|(ino, _)| schema::sync_pending(*ino)).collect();
+            let keys: Vec<Vec<u8>> = part
+                .iter()
+                .flat_map(|(ino, _)| [schema::sync_pending(*ino), schema::sync_pending_before(*ino)])
+                .collect();
+            let tokens = part.iter().flat_map(|mark| [mark, mark]);
             self.write(Durability::Durable, |txn| {
-                for ((key, (_, token)), (current, _)) in keys.iter().zip(part).zip(txn.get_many_versioned(&keys)?) {
+                for ((key, (_, token)), (current, _)) in
+                    keys.iter().zip(tokens.clone()).zip(txn.get_many_versioned(&keys)?)
+                {
                     if current.as_deref().and_then(parse_sync_mark).is_some_and(|(t, _)| t == *token) {
                         txn.delete(key);
                     }
@@ -924,9 +934,10 @@ impl Namespace {
     /// copy was checked against the layout instead of sealed again).
     pub fn clear_sync_pending_of(&self, ino: Ino) -> MetaResult<()> {
         self.write(Durability::Durable, |txn| {
-            let key = schema::sync_pending(ino);
-            if txn.get(&key)?.as_deref().and_then(parse_sync_mark).is_some_and(|(_, node)| self.is_mine(node)) {
-                txn.delete(&key);
+            for key in [schema::sync_pending(ino), schema::sync_pending_before(ino)] {
+                if txn.get(&key)?.as_deref().and_then(parse_sync_mark).is_some_and(|(_, node)| self.is_mine(node)) {
+                    txn.delete(&key);
+                }
             }
             Ok(())
         })

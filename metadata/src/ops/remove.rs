@@ -82,6 +82,7 @@ fn purge_records(txn: &mut (impl KvWrite + ?Sized), ino: Ino, layout: Option<&[T
     txn.delete(&schema::lease_epoch(ino));
     txn.delete(&schema::layout_commit(ino));
     txn.delete(&schema::sync_pending(ino));
+    txn.delete(&schema::sync_pending_before(ino));
     Ok(())
 }
 
