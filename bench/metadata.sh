@@ -43,7 +43,8 @@
 #   where the untar's time goes on converged (bench/scripts/profile_run.py),
 #   per file: FUSE requests by operation and the mean time of one, the
 #   node's etcd transactions and the mean time of one, what etcd served
-#   meanwhile to every client (transactions, reads), the keys etcd
+#   meanwhile to every client (transactions, reads) and the watch events it
+#   sent to every node's change feed, the keys etcd
 #   committed meanwhile by record kind (`I put`, `U delete`, ...; schema.rs
 #   names the kinds; replayed from etcd's history after the run), CPU milliseconds of
 #   tar, of the node's daemon, of the other node's and of etcd, and
@@ -595,6 +596,10 @@ if profiles:
     # too (a read-only transaction of many gets is one Txn).
     for method in ("Txn", "Range"):
         row(f"etcd served, {method}", lambda p: p["etcd_served"].get(method, 0) / n if "etcd_served" in p else None)
+    # Each committed key in the watched range goes to every node's change
+    # feed: the fan-out that grows with the cluster (docs/scale.md).
+    row("etcd sent, watch events",
+        lambda p: p["etcd_served"].get("watch events", 0) / n if "etcd_served" in p else None)
     # Every key etcd committed while tar ran, from both nodes and their
     # background work, by record kind (metadata/src/schema.rs): the writes
     # a file costs the store.

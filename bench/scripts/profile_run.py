@@ -24,7 +24,7 @@ but errors; OUT is one JSON object:
     {"wall": s, "cpu": {NAME: s}, "switches": {NAME: n},
      "threads": {NAME: {THREAD: [s, n]}},
      "fuse": {op: [count, seconds]}, "trips": n, "etcd_txn": [count, seconds],
-     "etcd_served": {method: n}, "etcd_revisions": [first, last]}
+     "etcd_served": {method | "watch events": n}, "etcd_revisions": [first, last]}
 
     profile_run.py --writes OUT.json PREFIX
 
@@ -98,13 +98,17 @@ def stats(mnt):
 
 
 def etcd_served(url):
-    """Requests etcd served so far, by gRPC method (Range, Txn, ...)."""
+    """Requests etcd served so far, by gRPC method (Range, Txn, ...), and
+    under "watch events" the events it sent to every watcher."""
     served = {}
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
             m = re.match(r'grpc_server_handled_total\{.*grpc_method="(\w+)".*\} (\S+)$', line)
             if m:
                 served[m.group(1)] = served.get(m.group(1), 0) + int(float(m.group(2)))
+            m = re.match(r'etcd_debugging_mvcc_events_total (\S+)$', line)
+            if m:
+                served["watch events"] = int(float(m.group(1)))
     return served
 
 
