@@ -862,9 +862,8 @@ impl Namespace {
     }
 
     /// This node's files sealed from bytes not yet known to be on stable
-    /// storage, with the token of that seal.
-    /// A file may have two, one under each of the marks' prefixes (see
-    /// `schema.rs`).
+    /// storage, with the token of that seal. A file may have two, one under
+    /// each of the marks' prefixes (see `schema.rs`).
     pub fn sync_pending(&self) -> MetaResult<Vec<(Ino, u64)>> {
         self.read(|txn| {
             let mut marks = Vec::new();
