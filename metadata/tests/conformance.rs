@@ -89,6 +89,12 @@ fn closing_seal(size: u64, chunks: Vec<(u32, ChunkRecord)>) -> converged_metadat
     }
 }
 
+/// A closing seal of an empty file whose bytes are not known durable: it
+/// leaves a sync-pending mark.
+fn unsynced_seal() -> converged_metadata::Seal {
+    converged_metadata::Seal { data_durable: false, ..closing_seal(0, Vec::new()) }
+}
+
 /// The record an upload starts from, when it may start.
 fn go(start: UploadStart) -> converged_metadata::types::TierRecord {
     match start {
@@ -2020,16 +2026,7 @@ fn a_seconds_sync_marks_clear_past_the_txn_limit(name: &str, kv: Arc<dyn KvEngin
     let mut inos = Vec::new();
     for i in 0..200 {
         let f = ns.mknod(ROOT, format!("unsynced-{i}").as_bytes(), &file(0o644)).unwrap();
-        let seal = converged_metadata::Seal {
-            size: 0,
-            mtime: Timespec::now(),
-            chunks: Vec::new(),
-            keep_unsealed: false,
-            lease: None,
-            data_durable: false,
-            attrs: None,
-        };
-        ns.seal(f.ino, &seal, Durability::Buffered).unwrap();
+        ns.seal(f.ino, &unsynced_seal(), Durability::Buffered).unwrap();
         inos.push(f.ino);
     }
     let pending = ns.sync_pending().unwrap();
@@ -2045,19 +2042,10 @@ fn a_seconds_sync_marks_clear_past_the_txn_limit(name: &str, kv: Arc<dyn KvEngin
 fn sync_marks_written_before_their_new_prefix_are_kept(name: &str, kv: Arc<dyn KvEngine>) {
     use converged_metadata::schema;
     let ns = ns(kv.clone());
-    let seal = converged_metadata::Seal {
-        size: 0,
-        mtime: Timespec::now(),
-        chunks: Vec::new(),
-        keep_unsealed: false,
-        lease: None,
-        data_durable: false,
-        attrs: None,
-    };
     let mut inos = Vec::new();
     for i in 0..3 {
         let f = ns.mknod(ROOT, format!("m{i}").as_bytes(), &file(0o644)).unwrap();
-        ns.seal(f.ino, &seal, Durability::Buffered).unwrap();
+        ns.seal(f.ino, &unsynced_seal(), Durability::Buffered).unwrap();
         inos.push(f.ino);
     }
     // Two of the three marks as an older daemon wrote them.
