@@ -508,11 +508,7 @@ impl<FS: Filesystem> Session<FS> {
             let mut offered = init.capabilities();
             #[cfg(target_os = "linux")]
             let made = match self.config.io_uring && offered.contains(InitFlags::FUSE_OVER_IO_URING) {
-                true => match crate::uring::Rings::make(
-                    &self.ch.0,
-                    self.config.n_threads.unwrap_or(1),
-                    self.config.io_uring_memory,
-                ) {
+                true => match crate::uring::Rings::make(&self.ch.0, &self.config) {
                     Ok(rings) => Some(rings),
                     Err(e) => {
                         warn!("FUSE over io_uring not used ({e}); requests go through /dev/fuse");
@@ -774,15 +770,14 @@ fn spawn_rings<FS: Filesystem>(
     start: RingStart,
     config: &Config,
 ) -> io::Result<RingThreads> {
-    let (n_threads, memory) = (config.n_threads.unwrap_or(1), config.io_uring_memory);
     use crate::uring::{RingArea, Rings};
     let (rings, resume) = match start {
         RingStart::Off => return Ok((Vec::new(), None)),
         RingStart::Made(rings) => (rings, false),
-        RingStart::Resume => match memory.map(RingArea::reopen).transpose()?.flatten() {
+        RingStart::Resume => match config.io_uring_memory.map(RingArea::reopen).transpose()?.flatten() {
             Some(area) => (Rings::reopened(&ch.0, area)?, true),
             // No area left: the earlier daemon never started its rings.
-            None => (Rings::make(&ch.0, n_threads, memory)?, false),
+            None => (Rings::make(&ch.0, config)?, false),
         },
     };
     let Rings { area, rings } = rings;

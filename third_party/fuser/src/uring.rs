@@ -69,6 +69,7 @@ use log::info;
 use log::warn;
 use parking_lot::Mutex;
 
+use crate::Config;
 use crate::dev_fuse::DevFuse;
 
 /// `FUSE_IO_URING_CMD_REGISTER`: offer an entry to a queue.
@@ -447,11 +448,13 @@ pub(crate) struct Rings {
 }
 
 impl Rings {
-    /// Rings for a fresh connection: `n_threads` entries spread evenly over
-    /// the queues, at least one a queue, in `memory` (see
-    /// [`RingArea::create`]). Fails if any ring cannot be made: the kernel
-    /// uses the rings only once every queue has one.
-    pub(crate) fn make(dev: &Arc<DevFuse>, n_threads: usize, memory: Option<RawFd>) -> io::Result<Rings> {
+    /// Rings for a fresh connection: the config's `n_threads` entries spread
+    /// evenly over the queues, at least one a queue, in its
+    /// `io_uring_memory` (see [`RingArea::create`]). Fails if any ring
+    /// cannot be made: the kernel uses the rings only once every queue has
+    /// one.
+    pub(crate) fn make(dev: &Arc<DevFuse>, config: &Config) -> io::Result<Rings> {
+        let (n_threads, memory) = (config.n_threads.unwrap_or(1), config.io_uring_memory);
         let queues = queue_count()?;
         let count = n_threads.max(queues).div_ceil(queues) * queues;
         let qids: Vec<u16> = (0..count).filter_map(|i| u16::try_from(i % queues).ok()).collect();
