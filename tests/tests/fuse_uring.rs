@@ -598,22 +598,16 @@ fn where_the_kernel_refuses_the_rings_registration_every_dev_fuse_reader_serves(
     let _switch = uring_switch(true);
     let mut m = Mount::with_env(&["--verify-reads"], &[("CONVERGED_FAULT_RING_REFUSED", "1")]);
     let pid = m.daemon_pid();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !m.log().contains("the kernel refused an entry") {
-        assert!(std::time::Instant::now() < deadline, "no word of the refusal in the log after 10 s:\n{}", m.log());
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let refused = || m.log().contains("the kernel refused an entry");
+    common::cluster::eventually_showing(10, "the log names the refusal", refused, || format!(":\n{}", m.log()));
     let readers = |pid| -> Vec<(String, u64)> {
         let mut r: Vec<_> = threads_ns(pid).into_iter().filter(|(name, _)| is_dev_reader(name)).collect();
         r.sort();
         r
     };
     // Every /dev/fuse reader started (they start beside the mount's return).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while readers(pid).len() < 2 {
-        assert!(std::time::Instant::now() < deadline, "one /dev/fuse reader 10 s on: {:?}", readers(pid));
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let started = || readers(pid).len() >= 2;
+    common::cluster::eventually_showing(10, "a second /dev/fuse reader", started, || format!(": {:?}", readers(pid)));
     std::thread::sleep(std::time::Duration::from_millis(200));
     let before: std::collections::BTreeMap<String, u64> = readers(pid).into_iter().collect();
     // Sixteen writers at once, each file read back, within 60 s (the

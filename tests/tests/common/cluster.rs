@@ -219,10 +219,16 @@ pub fn same(got: &[u8], want: &[u8], what: &str) {
 }
 
 /// Poll `f` until it is true or `secs` pass (cross-node changes arrive by watch).
-pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+pub fn eventually(secs: u64, what: &str, f: impl FnMut() -> bool) {
+    eventually_showing(secs, what, f, String::new)
+}
+
+/// [`eventually`], its failure message followed by `show()` (a log, or
+/// what was polled last).
+pub fn eventually_showing(secs: u64, what: &str, mut f: impl FnMut() -> bool, show: impl Fn() -> String) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while !f() {
-        assert!(Instant::now() < deadline, "not within {secs}s: {what}");
+        assert!(Instant::now() < deadline, "not within {secs}s: {what}{}", show());
         std::thread::sleep(Duration::from_millis(50));
     }
 }
